@@ -1,0 +1,14 @@
+"""verispec: lossless speculative decoding you can trust."""
+from verispec.sampling import SamplingParams
+
+__all__ = ["LLM", "SamplingParams"]
+__version__ = "0.1.0"
+
+
+def __getattr__(name):
+    # LLM pulls in torch and the model code; import it lazily so `import verispec`
+    # stays cheap for the CLI's argument parsing and for pure-Python tools.
+    if name == "LLM":
+        from verispec.engine.llm import LLM
+        return LLM
+    raise AttributeError(name)

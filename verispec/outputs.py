@@ -1,0 +1,79 @@
+"""Results the engine hands back: per-request output and speculation statistics."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class SpecStats:
+    """Speculation counters for one request (all counts are tokens unless named)."""
+
+    num_drafts: int = 0            # verify rounds that had k >= 1
+    num_draft_tokens: int = 0      # sum of k over those rounds
+    num_accepted_tokens: int = 0   # draft tokens the target accepted
+    accepted_per_position: list[int] = field(default_factory=list)  # [i] = accepted at draft pos i
+    drafted_per_position: list[int] = field(default_factory=list)   # [i] = drafted at draft pos i
+    target_forwards: int = 0       # target passes (prefill chunks + decode/verify rounds)
+
+    def record_round(self, k: int, accepted_len: int) -> None:
+        """Count one verify round that drafted k tokens and accepted the first accepted_len."""
+        if k == 0:
+            return
+        self.num_drafts += 1
+        self.num_draft_tokens += k
+        self.num_accepted_tokens += accepted_len
+        for counts, n in ((self.drafted_per_position, k), (self.accepted_per_position, accepted_len)):
+            if len(counts) < k:
+                counts.extend([0] * (k - len(counts)))
+            for i in range(n):
+                counts[i] += 1
+
+    @property
+    def acceptance_rate(self) -> float | None:
+        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else None
+
+    @property
+    def acceptance_per_position(self) -> list[float]:
+        return [a / d if d else 0.0 for a, d in zip(self.accepted_per_position, self.drafted_per_position)]
+
+    @property
+    def mean_accepted_len(self) -> float | None:
+        """Mean draft tokens accepted per draft round (not counting the bonus/recovered token)."""
+        return self.num_accepted_tokens / self.num_drafts if self.num_drafts else None
+
+    def to_dict(self) -> dict:
+        return {
+            "num_drafts": self.num_drafts,
+            "drafted": self.num_draft_tokens,
+            "accepted": self.num_accepted_tokens,
+            "accepted_per_position": list(self.accepted_per_position),
+            "drafted_per_position": list(self.drafted_per_position),
+            "acceptance_rate": self.acceptance_rate,
+            "acceptance_per_position": self.acceptance_per_position,
+            "mean_accepted_len": self.mean_accepted_len,
+            "target_forwards": self.target_forwards,
+        }
+
+
+@dataclass
+class RequestOutput:
+    """What one engine step reports for one request (incremental and cumulative)."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int]           # all completion tokens so far
+    new_token_ids: list[int]       # tokens committed in this step
+    text: str                      # completion text so far (stop strings removed)
+    new_text: str                  # text added in this step
+    finished: bool
+    finish_reason: str | None      # "stop" | "length" | "abort" | None while running
+    spec: SpecStats
+    error: str | None = None       # set when this request failed; other requests go on
+
+    @property
+    def prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def completion_tokens(self) -> int:
+        return len(self.token_ids)
