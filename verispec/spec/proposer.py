@@ -13,10 +13,14 @@ class Draft(NamedTuple):
     probs:  (B, k, V) float32 draft distribution q at each position, already passed through
             the same `logits_to_probs` as the target; None for proposers without
             probabilities (n-gram), which the rejection sampler treats as one-hot q.
+    num_tokens: (B,) int64 how many of the k tokens of each row are real proposals (a
+            row may propose fewer, e.g. n-gram with no match); None means all k.
+            Entries past a row's num_tokens are padding and are never verified.
     """
 
     tokens: torch.Tensor
     probs: torch.Tensor | None
+    num_tokens: torch.Tensor | None = None
 
 
 class Proposer(Protocol):
