@@ -1,0 +1,123 @@
+"""Attention over the paged KV pool.
+
+The KV of every model lives in one preallocated tensor per layer, indexed by *slot*
+(slot = block_id * block_size + offset; the block tables are managed by `cache/`). A
+forward pass receives the new tokens of all rows flattened into one dimension T (no
+padding in the linear layers), writes their K/V at `slot_mapping`, then each row attends
+to its own context gathered through `context_slots`.
+
+Rolling a row back by n tokens is O(1): its context length simply shrinks, and the stale
+slots are never read again (the mask below only admits key positions <= the query's
+position, and keys are gathered in position order) until a later write overwrites them.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+
+class KVStore:
+    """One preallocated K and V tensor for all layers of one model."""
+
+    def __init__(self, num_layers: int, num_slots: int, num_kv_heads: int, head_dim: int,
+                 dtype: torch.dtype, device: torch.device | str = "cpu"):
+        shape = (num_layers, num_slots, num_kv_heads, head_dim)
+        self.k = torch.zeros(shape, dtype=dtype, device=device)  # (L, S, Hkv, D)
+        self.v = torch.zeros(shape, dtype=dtype, device=device)  # (L, S, Hkv, D)
+
+    @property
+    def num_slots(self) -> int:
+        return self.k.shape[1]
+
+    def nbytes(self) -> int:
+        return 2 * self.k.numel() * self.k.element_size()
+
+
+@dataclass
+class AttentionMetadata:
+    """Per-forward tensors shared by every layer (built once per step, never global).
+
+    positions:     (T,)  position of each new token in its row
+    slot_mapping:  (T,)  KV slot each new token writes
+    context_slots: (B, C) slots of each row's context, in position order, padded with 0
+    query_index:   (B, Q) index into the flat T dimension of each row's queries (padded
+                   entries point at a real token and are discarded), or None when every
+                   row has exactly Q queries laid out row-major (the common decode case)
+    gather_index:  (T,)  flat position in the padded (B*Q) layout of each real token
+    attn_mask:     (B, 1, Q, C) bool, True where query may attend to key
+    """
+
+    positions: torch.Tensor
+    slot_mapping: torch.Tensor
+    context_slots: torch.Tensor
+    query_index: torch.Tensor | None
+    gather_index: torch.Tensor | None
+    attn_mask: torch.Tensor
+    num_rows: int
+    max_query_len: int
+
+    @classmethod
+    def build(cls, query_lens: list[int], context_lens: list[int], positions: list[list[int]],
+              slots: list[list[int]], context_slots: list[list[int]],
+              device: torch.device | str = "cpu") -> "AttentionMetadata":
+        """Build from per-row Python lists (the engine's bookkeeping).
+
+        Row b has query_lens[b] new tokens at `positions[b]` written to `slots[b]`, and
+        attends over context_lens[b] keys (its whole context including the new tokens),
+        whose slots in position order are `context_slots[b]`.
+        """
+        num_rows = len(query_lens)
+        q_max, c_max = max(query_lens), max(context_lens)
+        flat_pos = [p for row in positions for p in row]
+        flat_slots = [s for row in slots for s in row]
+        ctx = torch.zeros(num_rows, c_max, dtype=torch.long)
+        for b, row in enumerate(context_slots):
+            ctx[b, : len(row)] = torch.tensor(row, dtype=torch.long)
+        pos_t = torch.tensor(flat_pos, dtype=torch.long)
+        if all(q == q_max for q in query_lens):
+            query_index = gather_index = None
+            q_pos = pos_t.view(num_rows, q_max)  # (B, Q)
+        else:
+            starts = [0]
+            for q in query_lens[:-1]:
+                starts.append(starts[-1] + q)
+            qi = torch.tensor([[s + min(j, q - 1) for j in range(q_max)]
+                               for s, q in zip(starts, query_lens)], dtype=torch.long)
+            query_index = qi  # (B, Q)
+            gather_index = torch.tensor([b * q_max + j for b, q in enumerate(query_lens)
+                                         for j in range(q)], dtype=torch.long)  # (T,)
+            q_pos = pos_t[qi]  # (B, Q) padded queries repeat the row's last position
+        key_pos = torch.arange(c_max)  # (C,)
+        ctx_len = torch.tensor(context_lens, dtype=torch.long)
+        mask = (key_pos[None, None, :] <= q_pos[:, :, None]) & \
+               (key_pos[None, None, :] < ctx_len[:, None, None])  # (B, Q, C)
+        return cls(
+            positions=pos_t.to(device), slot_mapping=torch.tensor(flat_slots, dtype=torch.long).to(device),
+            context_slots=ctx.to(device),
+            query_index=None if query_index is None else query_index.to(device),
+            gather_index=None if gather_index is None else gather_index.to(device),
+            attn_mask=mask.unsqueeze(1).to(device), num_rows=num_rows, max_query_len=q_max)
+
+
+def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int,
+                    kv: KVStore, meta: AttentionMetadata) -> torch.Tensor:
+    """Write the new K/V into the pool, then attend each row over its own context.
+
+    q: (T, H, D); k, v: (T, Hkv, D) for the new tokens. Returns (T, H, D).
+    """
+    kv.k[layer].index_copy_(0, meta.slot_mapping, k)
+    kv.v[layer].index_copy_(0, meta.slot_mapping, v)
+    keys = kv.k[layer][meta.context_slots]    # (B, C, Hkv, D)
+    values = kv.v[layer][meta.context_slots]  # (B, C, Hkv, D)
+    num_rows, q_len = meta.num_rows, meta.max_query_len
+    if meta.query_index is None:
+        qp = q.view(num_rows, q_len, *q.shape[1:])  # (B, Q, H, D)
+    else:
+        qp = q[meta.query_index]                     # (B, Q, H, D)
+    out = F.scaled_dot_product_attention(
+        qp.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2),
+        attn_mask=meta.attn_mask, enable_gqa=True)   # (B, H, Q, D)
+    out = out.transpose(1, 2).reshape(num_rows * q_len, *q.shape[1:])  # (B*Q, H, D)
+    return out if meta.gather_index is None else out[meta.gather_index]
