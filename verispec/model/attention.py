@@ -17,6 +17,9 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+# `enable_gqa` arrived in torch 2.5; on 2.4 the KV heads are expanded explicitly.
+_SDPA_HAS_GQA = tuple(int(x) for x in torch.__version__.split(".")[:2]) >= (2, 5)
+
 
 class KVStore:
     """One preallocated K and V tensor for all layers of one model."""
@@ -116,8 +119,14 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: in
         qp = q.view(num_rows, q_len, *q.shape[1:])  # (B, Q, H, D)
     else:
         qp = q[meta.query_index]                     # (B, Q, H, D)
-    out = F.scaled_dot_product_attention(
-        qp.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2),
-        attn_mask=meta.attn_mask, enable_gqa=True)   # (B, H, Q, D)
+    qp, keys, values = qp.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2)
+    if _SDPA_HAS_GQA:
+        out = F.scaled_dot_product_attention(qp, keys, values, attn_mask=meta.attn_mask,
+                                             enable_gqa=True)  # (B, H, Q, D)
+    else:
+        groups = qp.shape[1] // keys.shape[1]
+        out = F.scaled_dot_product_attention(
+            qp, keys.repeat_interleave(groups, 1), values.repeat_interleave(groups, 1),
+            attn_mask=meta.attn_mask)  # (B, H, Q, D)
     out = out.transpose(1, 2).reshape(num_rows * q_len, *q.shape[1:])  # (B*Q, H, D)
     return out if meta.gather_index is None else out[meta.gather_index]
