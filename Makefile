@@ -1,0 +1,24 @@
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.verispec-installed
+DEMO_PROMPT ?= Rewrite this sentence, changing only 'cat' to 'dog': The quick brown cat jumps over the lazy fox, and the cat then sleeps in the warm afternoon sun.
+
+.PHONY: setup demo test bench-setup clean
+
+setup: $(STAMP)
+
+# Re-runs only when the project's dependencies change: a second `make` skips it.
+$(STAMP): pyproject.toml scripts/install.sh
+	VENV=$(VENV) ./scripts/install.sh
+	touch $@
+
+# The main job on the embedded default: a chat prompt through `verispec generate`,
+# with n-gram speculation (stats printed after the streamed text).
+demo: setup
+	$(VENV)/bin/verispec generate --chat --max-tokens 96 --spec ngram --prompt "$(DEMO_PROMPT)"
+
+test: setup
+	$(PY) -m pytest -q
+
+clean:
+	rm -rf $(VENV) .pytest_cache .hypothesis

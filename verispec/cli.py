@@ -1,0 +1,159 @@
+"""verispec generate | serve | bench | check-pair | models.
+
+Bad input ends with a one-line error naming the problem and a non-zero exit, never a
+traceback (set VERISPEC_DEBUG=1 to see one).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+from verispec.config import add_engine_arguments, config_from_args
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    # The server and bench flags pull in FastAPI / matplotlib: only import them when asked
+    # for (or for --help), so `verispec generate` starts fast.
+    wanted = argv[0] if argv else "--help"
+    parser = argparse.ArgumentParser(prog="verispec", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    gen = sub.add_parser("generate", help="generate text from a prompt, streaming to stdout")
+    gen.add_argument("--prompt", required=True)
+    gen.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
+    gen.add_argument("--max-tokens", type=int, default=128)
+    gen.add_argument("--temperature", type=float, default=0.0)
+    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--top-k", type=int, default=0)
+    gen.add_argument("--min-p", type=float, default=0.0)
+    gen.add_argument("--json", action="store_true", help="print one JSON object at the end")
+    add_engine_arguments(gen)
+    gen.set_defaults(func=cmd_generate)
+
+    srv = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
+    if wanted in ("serve", "-h", "--help"):
+        add_engine_arguments(srv)
+        from verispec.server.app import add_arguments as add_server_arguments
+        add_server_arguments(srv)
+    srv.set_defaults(func=cmd_serve)
+
+    pair = sub.add_parser("check-pair", help="can DRAFT draft for TARGET? (compares tokenizers)")
+    pair.add_argument("--target", required=True)
+    pair.add_argument("--draft", required=True)
+    pair.set_defaults(func=cmd_check_pair)
+
+    models = sub.add_parser("models", help="list or fetch named models")
+    models.add_argument("action", choices=["list", "fetch"])
+    models.add_argument("name", nargs="?")
+    models.set_defaults(func=cmd_models)
+
+    bench = sub.add_parser("bench", help="evidence-grade benchmark against an OpenAI-compatible endpoint")
+    if wanted in ("bench", "-h", "--help"):
+        from verispec.bench.cli import add_arguments as add_bench_arguments
+        add_bench_arguments(bench)
+    bench.set_defaults(func=cmd_bench)
+
+    args = parser.parse_args(argv)
+    try:
+        return args.func(args)
+    except KeyboardInterrupt:
+        return 130
+    except (ValueError, FileNotFoundError, OSError) as exc:
+        if os.environ.get("VERISPEC_DEBUG"):
+            raise
+        print(f"verispec: error: {exc}", file=sys.stderr)
+        return 2
+
+
+def cmd_generate(args) -> int:
+    from verispec.sampling import SamplingParams
+    # Validate the cheap things before loading any weights.
+    params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+                            min_p=args.min_p, max_tokens=args.max_tokens, seed=args.seed)
+    config = config_from_args(args)
+    from verispec.engine.engine import LLMEngine
+    t_launch = time.perf_counter()
+    engine = LLMEngine.from_config(config)
+    tok = engine.tokenizer
+    prompt_ids = tok.encode_chat([{"role": "user", "content": args.prompt}]) if args.chat else tok.encode(args.prompt)
+    engine.add_request("cli", prompt_ids, params)
+    t_start = time.perf_counter()
+    t_first = None
+    final = None
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.new_token_ids and t_first is None:
+                t_first = time.perf_counter()
+            if not args.json and out.new_text:
+                sys.stdout.write(out.new_text)
+                sys.stdout.flush()
+            if out.finished:
+                final = out
+    t_end = time.perf_counter()
+    if final.error:
+        raise ValueError(final.error)
+    decode_s = t_end - (t_first or t_end)
+    n = len(final.token_ids)
+    if args.json:
+        result = {
+            "text": final.text, "token_ids": final.token_ids, "prompt_tokens": len(prompt_ids),
+            "completion_tokens": n, "finish_reason": final.finish_reason,
+            "ttft_s": round((t_first or t_end) - t_start, 4),
+            "decode_tokens_per_s": round((n - 1) / decode_s, 2) if n > 1 and decode_s > 0 else None,
+            "load_s": round(t_start - t_launch, 3),
+            "spec": {"method": engine.spec_method, **final.spec.to_dict()},
+        }
+        print(json.dumps(result))
+    else:
+        sys.stdout.write("\n")
+        s = final.spec
+        summary = f"[{n} tokens, {final.finish_reason}, {(n - 1) / decode_s if n > 1 and decode_s else 0:.1f} tok/s"
+        if s.num_drafts:
+            summary += (f", {engine.spec_method}: accepted {s.num_accepted_tokens}/{s.num_draft_tokens} "
+                        f"drafted ({s.acceptance_rate:.0%}), {n / max(s.target_forwards, 1):.2f} tokens/forward")
+        print(summary + "]", file=sys.stderr)
+    return 0
+
+
+def cmd_serve(args) -> int:
+    config = config_from_args(args)
+    from verispec.server.app import serve
+
+    def engine_factory():
+        from verispec.engine.engine import LLMEngine
+        return LLMEngine.from_config(config)
+
+    return serve(engine_factory, args, config)
+
+
+def cmd_check_pair(args) -> int:
+    from verispec.spec.compat import check_pair_cli
+    ok, message = check_pair_cli(args.target, args.draft)
+    print(message)
+    return 0 if ok else 1
+
+
+def cmd_models(args) -> int:
+    if args.action == "list":
+        from verispec.model.registry import list_models
+        for line in list_models():
+            print(line)
+        return 0
+    if not args.name:
+        raise ValueError("models fetch needs a name, e.g. qwen2.5-coder-pair")
+    from verispec.model.fetch import fetch_pair
+    fetch_pair(args.name)
+    return 0
+
+
+def cmd_bench(args) -> int:
+    from verispec.bench.cli import main as bench_main
+    return bench_main(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
