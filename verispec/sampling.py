@@ -6,7 +6,12 @@ rejection sampler compares like with like. Temperature 0 yields a one-hot distri
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
 
 
 @dataclass(frozen=True)
@@ -50,3 +55,208 @@ class SamplingParams:
 def _check(ok: bool, message: str) -> None:
     if not ok:
         raise ValueError(message)
+
+
+# --------------------------------------------------------------------------------------
+# Per-step tensors and logits -> probabilities
+#
+# `import verispec` re-exports SamplingParams and must stay cheap (no torch) for the CLI,
+# so the tensor code below imports torch inside each function (a dict lookup once loaded).
+# --------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class SamplingTensors:
+    """The sampling settings of one step's rows as device tensors, built once per step.
+
+    The two flags are decided on the host from the SamplingParams, so choosing the fast
+    path in `logits_to_probs` never reads a device tensor back (no sync).
+    """
+
+    temperature: torch.Tensor  # (N,) float32, 0 = greedy
+    top_k: torch.Tensor        # (N,) int64, 0 = disabled
+    top_p: torch.Tensor        # (N,) float32, 1 = disabled
+    min_p: torch.Tensor        # (N,) float32, 0 = disabled
+    use_sort: bool             # some row needs top-k or top-p (the sort)
+    use_min_p: bool            # some row needs min-p
+
+    @classmethod
+    def from_params(cls, params_list: Sequence[SamplingParams], device) -> "SamplingTensors":
+        """One row per SamplingParams, in order."""
+        import torch
+
+        def tensor(values, dtype):
+            return torch.tensor(values, dtype=dtype, device=device)
+
+        return cls(
+            temperature=tensor([float(p.temperature) for p in params_list], torch.float32),
+            top_k=tensor([p.top_k for p in params_list], torch.int64),
+            top_p=tensor([float(p.top_p) for p in params_list], torch.float32),
+            min_p=tensor([float(p.min_p) for p in params_list], torch.float32),
+            use_sort=any(p.top_k > 0 or p.top_p < 1 for p in params_list),
+            use_min_p=any(p.min_p > 0 for p in params_list),
+        )
+
+    @property
+    def num_rows(self) -> int:
+        return self.temperature.shape[0]
+
+    def expand(self, counts: int | Sequence[int] | torch.Tensor) -> "SamplingTensors":
+        """Repeat row i counts[i] times (or `counts` times each): one row per scored position.
+
+        Verify rows score k_i + 1 positions each. An int or a host list costs no sync; a
+        device tensor of counts makes repeat_interleave read its total back.
+        """
+        import torch
+
+        if isinstance(counts, int):
+            if counts < 0:
+                raise ValueError(f"counts must be >= 0, got {counts}")
+            repeats, total = counts, self.num_rows * counts
+        else:
+            host = counts.tolist() if isinstance(counts, torch.Tensor) else list(counts)
+            if len(host) != self.num_rows or any(c < 0 for c in host):
+                raise ValueError(f"counts must be {self.num_rows} integers >= 0, got {host}")
+            repeats = torch.tensor(host, dtype=torch.int64, device=self.temperature.device)
+            total = sum(host)
+
+        def rep(t: torch.Tensor) -> torch.Tensor:
+            return t.repeat_interleave(repeats, dim=0, output_size=total)
+
+        return SamplingTensors(rep(self.temperature), rep(self.top_k), rep(self.top_p),
+                               rep(self.min_p), self.use_sort, self.use_min_p)
+
+    def to_probs(self, logits: torch.Tensor) -> torch.Tensor:
+        """`logits_to_probs` with these rows' settings; logits (N, V) -> probs (N, V)."""
+        return logits_to_probs(logits, self.temperature, self.top_k, self.top_p, self.min_p,
+                               use_sort=self.use_sort, use_min_p=self.use_min_p)
+
+
+def logits_to_probs(
+    logits: torch.Tensor,       # (N, V) any float dtype
+    temperature: torch.Tensor,  # (N,) 0 = greedy
+    top_k: torch.Tensor,        # (N,) int, 0 (or >= V) = disabled
+    top_p: torch.Tensor,        # (N,) in (0, 1], 1 = disabled
+    min_p: torch.Tensor,        # (N,) in [0, 1], 0 = disabled
+    *,
+    use_sort: bool | None = None,
+    use_min_p: bool | None = None,
+) -> torch.Tensor:              # (N, V) float32, rows sum to 1
+    """Turn logits into the distribution a row samples from; the same for target and draft.
+
+    Order: temperature, top-k, top-p (smallest set of mass >= top_p, top token always
+    kept), min-p (keep p >= min_p * p_max), renormalise. Temperature-0 rows become one-hot
+    at the argmax (ties -> lowest index). Ties at the top-k / top-p boundary are broken
+    by lower token index. `use_sort` / `use_min_p` say whether any row needs that stage;
+    None decides from the tensors (a device sync on GPU; `SamplingTensors` knows on the host).
+    """
+    import torch
+
+    logits = logits.float()
+    greedy = temperature == 0                                                 # (N,)
+    scaled = logits / torch.where(greedy, 1.0, temperature.float())[:, None]  # (N, V)
+    if use_sort is None:
+        use_sort = bool(((top_k > 0) | (top_p < 1)).any())
+    if use_sort:
+        scaled = scaled.masked_fill(_top_k_top_p_removed(scaled, top_k, top_p), float("-inf"))
+    probs = scaled.softmax(dim=-1)                                            # (N, V)
+    if use_min_p is None:
+        use_min_p = bool((min_p > 0).any())
+    if use_min_p:
+        # p / p_max is unchanged by the earlier renormalisation, so this is min-p on the
+        # top-k/top-p distribution, as specified.
+        p_max = probs.amax(dim=-1, keepdim=True)                              # (N, 1)
+        probs = probs * (probs >= min_p.float()[:, None] * p_max)
+        probs = probs / probs.sum(dim=-1, keepdim=True)
+    one_hot = torch.zeros_like(probs).scatter_(-1, logits.argmax(dim=-1, keepdim=True), 1.0)
+    return torch.where(greedy[:, None], one_hot, probs)
+
+
+def _top_k_top_p_removed(scaled: torch.Tensor, top_k: torch.Tensor,
+                         top_p: torch.Tensor) -> torch.Tensor:
+    """Mask (N, V) of tokens that top-k then top-p remove, from one descending sort."""
+    import torch
+
+    vocab = scaled.shape[-1]
+    # stable: equal logits keep index order, so boundary ties go to the lower token id.
+    sorted_logits, order = scaled.sort(dim=-1, descending=True, stable=True)  # (N, V)
+    rank = torch.arange(vocab, device=scaled.device)                         # (V,)
+    removed = (top_k[:, None] > 0) & (rank[None, :] >= top_k[:, None])       # (N, V) sorted
+    sorted_probs = sorted_logits.masked_fill(removed, float("-inf")).softmax(dim=-1)
+    mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs                 # (N, V)
+    # Keep a token while the mass strictly before it is < top_p: the smallest prefix of
+    # mass >= top_p, and rank 0 always (mass 0). top_p == 1 rows skip the test, so
+    # rounding in the cumsum can never drop a tail token there.
+    top_p = top_p.float()[:, None]
+    removed |= (top_p < 1) & (mass_before >= top_p)
+    return torch.empty_like(removed).scatter_(-1, order, removed)            # (N, V) vocab order
+
+
+# --------------------------------------------------------------------------------------
+# Seeded, sync-free sampling
+# --------------------------------------------------------------------------------------
+def make_generator(params: SamplingParams, device) -> torch.Generator | None:
+    """A torch.Generator seeded from params.seed, or None (use the shared stream)."""
+    import torch
+
+    if params.seed is None:
+        return None
+    generator = torch.Generator(device=device)
+    generator.manual_seed(params.seed)
+    return generator
+
+
+def draw_uniform(
+    num_rows: int,
+    width: int,
+    generators: Sequence[torch.Generator | None] | None,
+    device,
+    *,
+    seeded_widths: Sequence[int] | None = None,
+    shared_generator: torch.Generator | None = None,
+) -> torch.Tensor:  # (num_rows, width) float32 in [0, 1)
+    """Uniform noise, one row per request; a seeded row's values come from its own generator.
+
+    A row with a generator draws exactly seeded_widths[i] (default width) values from it,
+    into the start of its row, so what a seeded request sees depends only on its own
+    history, never on the batch around it. All other values (unseeded rows, the unused
+    tail of seeded rows) come from `shared_generator` (None = torch's default) in one call.
+    """
+    import torch
+
+    noise = torch.rand(num_rows, width, device=device, generator=shared_generator)
+    if generators is None:
+        return noise
+    if len(generators) != num_rows:
+        raise ValueError(f"generators must have one entry per row ({num_rows}), got {len(generators)}")
+    for row, generator in enumerate(generators):
+        if generator is not None:
+            n = width if seeded_widths is None else seeded_widths[row]
+            noise[row, :n] = torch.rand(n, device=device, generator=generator)
+    return noise
+
+
+def race(probs: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
+    """Exponential race: argmax_x p(x) / E(x), E ~ Exp(1), picks x with probability p(x).
+
+    probs (N, V) need not be normalised (the race is scale-invariant); uniform (N, V) in
+    [0, 1). E = -log(u) with u floored at the smallest normal float, so E is finite and
+    > 0: a token with p > 0 always beats every token with p = 0 (a one-hot row returns
+    its argmax, always), and 0 / E never makes a NaN. Returns (N,) int64, no host sync.
+    """
+    import torch
+
+    exponential = -torch.log(uniform.clamp_min(torch.finfo(uniform.dtype).tiny))  # (N, V)
+    return (probs / exponential).argmax(dim=-1)
+
+
+def sample(
+    probs: torch.Tensor,  # (N, V)
+    generators: Sequence[torch.Generator | None] | None = None,  # per row, None = shared
+    *,
+    shared_generator: torch.Generator | None = None,
+) -> torch.Tensor:        # (N,) int64
+    """Draw one token per row from probs; a row with a generator is reproducible on its own."""
+    uniform = draw_uniform(probs.shape[0], probs.shape[1], generators, probs.device,
+                           shared_generator=shared_generator)
+    return race(probs, uniform)
