@@ -1,0 +1,153 @@
+"""One configuration object per run: frozen dataclasses built from flags or a YAML file.
+
+`EngineConfig` composes the parts; `to_dict()` is what every benchmark result records
+next to its numbers. Nothing writes back into a config; derived values are properties.
+"""
+from __future__ import annotations
+
+import argparse
+from dataclasses import asdict, dataclass, field, fields, replace
+
+import yaml
+
+SPEC_METHODS = ("none", "ngram", "draft")
+DTYPES = ("bfloat16", "float32")
+
+
+@dataclass(frozen=True)
+class SpecConfig:
+    """Speculation defaults; a request may override method, k and adaptivity."""
+
+    method: str = "ngram"            # "none" | "ngram" | "draft"
+    num_spec_tokens: int = 4         # k_max when adaptive, k when fixed
+    adaptive: bool = True
+    ngram_max: int = 4
+    ngram_min: int = 1
+
+    def __post_init__(self):
+        if self.method not in SPEC_METHODS:
+            raise ValueError(f"spec method must be one of {SPEC_METHODS}, got {self.method!r}")
+        if not 1 <= self.num_spec_tokens <= 16:
+            raise ValueError(f"num_spec_tokens must be in [1, 16], got {self.num_spec_tokens}")
+        if not 1 <= self.ngram_min <= self.ngram_max:
+            raise ValueError(f"need 1 <= ngram_min <= ngram_max, got {self.ngram_min}, {self.ngram_max}")
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    block_size: int = 16
+    num_kv_tokens: int = 32768       # pool capacity in tokens (rounded up to whole blocks)
+    prefix_cache: bool = True
+
+    def __post_init__(self):
+        if self.block_size < 1 or self.num_kv_tokens < self.block_size:
+            raise ValueError(f"need block_size >= 1 and num_kv_tokens >= block_size, got "
+                             f"{self.block_size}, {self.num_kv_tokens}")
+
+    @property
+    def num_blocks(self) -> int:
+        return -(-self.num_kv_tokens // self.block_size)
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int = 32           # running requests at once
+    max_num_batched_tokens: int = 512  # target tokens per step (prefill chunks + verify rows)
+    max_model_len: int | None = None  # None: the model's context length
+
+    def __post_init__(self):
+        if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
+            raise ValueError("max_num_seqs and max_num_batched_tokens must be >= 1")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: str = "smollm2-135m-instruct"
+    draft_model: str | None = None
+    dtype: str = "bfloat16"
+    seed: int = 0
+    spec: SpecConfig = field(default_factory=SpecConfig)
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+
+    def __post_init__(self):
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        if self.spec.method == "draft" and not self.draft_model:
+            raise ValueError("spec method 'draft' needs a draft model (--draft-model)")
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "EngineConfig":
+        d = dict(d)
+        parts = {"spec": SpecConfig, "cache": CacheConfig, "scheduler": SchedulerConfig}
+        for key, klass in parts.items():
+            if key in d:
+                d[key] = _build(klass, d[key], key)
+        return _build(cls, d, "config")
+
+    @classmethod
+    def from_yaml(cls, path: str) -> "EngineConfig":
+        with open(path) as f:
+            return cls.from_dict(yaml.safe_load(f) or {})
+
+    def with_overrides(self, **kw) -> "EngineConfig":
+        return replace(self, **kw)
+
+
+def _build(klass, values: dict, where: str):
+    known = {f.name for f in fields(klass)}
+    unknown = sorted(set(values) - known)
+    if unknown:
+        raise ValueError(f"unknown {where} option(s) {unknown}; known: {sorted(known)}")
+    return klass(**values)
+
+
+def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
+    """Flags shared by generate / serve / bench; they override the YAML file if given."""
+    g = parser.add_argument_group("engine")
+    g.add_argument("--config", help="YAML file with an EngineConfig (flags override it)")
+    g.add_argument("--model", help="registry name, .gguf file or Hugging Face directory "
+                                   "(default smollm2-135m-instruct)")
+    g.add_argument("--draft-model", help="draft model for --spec draft")
+    g.add_argument("--dtype", choices=DTYPES)
+    g.add_argument("--spec", choices=SPEC_METHODS, help="speculation method (default ngram)")
+    g.add_argument("--num-spec-tokens", type=int, help="k (k_max when adaptive)")
+    g.add_argument("--spec-adaptive", action=argparse.BooleanOptionalAction, default=None,
+                   help="choose k per step from measured acceptance and cost (default on)")
+    g.add_argument("--kv-tokens", type=int, help="KV pool capacity in tokens")
+    g.add_argument("--block-size", type=int)
+    g.add_argument("--no-prefix-cache", action="store_true", default=None)
+    g.add_argument("--max-num-seqs", type=int)
+    g.add_argument("--max-model-len", type=int)
+    g.add_argument("--seed", type=int)
+
+
+def config_from_args(args: argparse.Namespace) -> EngineConfig:
+    """Resolve YAML (if any) + flags into one frozen EngineConfig."""
+    base = EngineConfig.from_yaml(args.config) if getattr(args, "config", None) else EngineConfig()
+    spec, cache, sched = asdict(base.spec), asdict(base.cache), asdict(base.scheduler)
+    top = {k: v for k, v in asdict(base).items() if k not in ("spec", "cache", "scheduler")}
+    _set(top, "model", args.model)
+    _set(top, "draft_model", args.draft_model)
+    _set(top, "dtype", args.dtype)
+    _set(top, "seed", args.seed)
+    _set(spec, "method", args.spec)
+    if args.spec is None and args.draft_model and not getattr(args, "config", None):
+        spec["method"] = "draft"   # naming a draft model means you want to use it
+    _set(spec, "num_spec_tokens", args.num_spec_tokens)
+    _set(spec, "adaptive", args.spec_adaptive)
+    _set(cache, "num_kv_tokens", args.kv_tokens)
+    _set(cache, "block_size", args.block_size)
+    if args.no_prefix_cache:
+        cache["prefix_cache"] = False
+    _set(sched, "max_num_seqs", args.max_num_seqs)
+    _set(sched, "max_model_len", args.max_model_len)
+    return EngineConfig.from_dict({**top, "spec": spec, "cache": cache, "scheduler": sched})
+
+
+def _set(d: dict, key: str, value) -> None:
+    if value is not None:
+        d[key] = value

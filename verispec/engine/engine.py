@@ -1,0 +1,359 @@
+"""LLMEngine.step(): schedule -> propose -> verify -> accept -> commit -> emit.
+
+One step runs ONE target forward over every scheduled row: prefill chunks and
+decode/verify rows ([pending token, d_1..d_k] per row, k chosen per row). The draft
+model (when used) writes its KV at the same slots as the target. Draft tokens are
+provisional in the KV manager until the rejection sampler has decided:
+
+    allocate_slots -> insert_provisional -> propose + verify forward -> rejection sample
+                   -> commit_provisional(accepted_len) -> evict_provisional
+
+Greedy decoding is not special-cased: temperature 0 gives one-hot distributions and
+the same rejection sampler, so greedy speculative output equals plain greedy output.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+import torch
+
+from verispec.cache.manager import KVCacheManager, OutOfBlocks
+from verispec.config import EngineConfig
+from verispec.engine.runner import ModelRunner, RowInput
+from verispec.engine.scheduler import ScheduledBatch, Scheduler
+from verispec.model.llama import LlamaModel
+from verispec.model.loader import load_model_files, resolve_model
+from verispec.model.tokenizer import IncrementalDetokenizer, Tokenizer
+from verispec.outputs import RequestOutput
+from verispec.request import Request, Status
+from verispec.sampling import SamplingParams, SamplingTensors, sample
+from verispec.spec.draft_model import DraftModelProposer
+from verispec.spec.controller import AdaptiveController, ControllerConfig
+from verispec.spec.ngram import NgramProposer
+from verispec.spec.rejection import rejection_sample
+
+log = logging.getLogger("verispec")
+
+
+@dataclass(frozen=True)
+class SpecOverride:
+    """Per-request speculation control (the server's `speculative` field)."""
+
+    method: str | None = None        # "ngram" | "draft" | "none"
+    num_tokens: int | None = None    # k (k_max when adaptive)
+    adaptive: bool | None = None
+
+
+@dataclass
+class EngineStats:
+    num_running: int
+    num_waiting: int
+    kv_blocks_used: int
+    kv_blocks_total: int
+    prefix_hit_tokens: int
+    prefix_query_tokens: int
+
+
+class LLMEngine:
+    """Synchronous engine; drive it from one thread (the server wraps it in AsyncEngine)."""
+
+    def __init__(self, config: EngineConfig, target: LlamaModel, tokenizer: Tokenizer,
+                 draft: LlamaModel | None = None, vocab_limit: int | None = None):
+        self.config = config
+        self.tokenizer = tokenizer
+        self.model_name = config.model
+        self.spec_method = config.spec.method
+        mcfg = target.cfg
+        self.max_model_len = min(config.scheduler.max_model_len or mcfg.max_position_embeddings,
+                                 mcfg.max_position_embeddings)
+        cache = config.cache
+        self.kv = KVCacheManager(cache.num_blocks, cache.block_size, prefix_cache=cache.prefix_cache)
+        num_slots = cache.num_blocks * cache.block_size
+        self.target = ModelRunner(target, num_slots, cache.block_size, vocab_limit)
+        self.drafter = (DraftModelProposer(ModelRunner(draft, num_slots, cache.block_size, vocab_limit),
+                                           self.kv.block_table) if draft else None)
+        self.scheduler = Scheduler(config.scheduler, self.kv, self.max_model_len, OutOfBlocks)
+        self.ngram = NgramProposer(max_n=config.spec.ngram_max, min_n=config.spec.ngram_min)
+        self.controller = AdaptiveController(ControllerConfig(
+            k_max=config.spec.num_spec_tokens, adaptive=config.spec.adaptive,
+            fixed_k=config.spec.num_spec_tokens))
+        self.requests: dict[str, Request] = {}
+        self._arrivals = 0
+        self._shared_generator = torch.Generator().manual_seed(config.seed)
+        self.eos_ids = set(tokenizer.eos_token_ids)
+
+    # ------------------------------------------------------------------ construction
+    @classmethod
+    def from_config(cls, config: EngineConfig) -> "LLMEngine":
+        dtype = getattr(torch, config.dtype)
+        tcfg, tstate, tokenizer = load_model_files(resolve_model(config.model))
+        target = LlamaModel.from_state_dict(tcfg, tstate, dtype=dtype)
+        draft, vocab_limit = None, None
+        if config.draft_model:
+            from verispec.spec.compat import check_pair
+            dcfg, dstate, dtok = load_model_files(resolve_model(config.draft_model))
+            verdict = check_pair(tokenizer, dtok, tcfg, dcfg)
+            if not verdict.ok:
+                raise ValueError(f"draft model {config.draft_model!r} cannot draft for "
+                                 f"{config.model!r}: {verdict.reason}")
+            draft = LlamaModel.from_state_dict(dcfg, dstate, dtype=dtype)
+            vocab_limit = verdict.shared_vocab_size
+        return cls(config, target, tokenizer, draft, vocab_limit)
+
+    # ------------------------------------------------------------------ requests
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                    spec: SpecOverride | None = None) -> None:
+        """Queue a request; raises ValueError naming the problem for bad input."""
+        if request_id in self.requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        if not prompt_token_ids:
+            raise ValueError("prompt is empty")
+        vocab = self.target.vocab_limit or self.target.model.cfg.vocab_size
+        if any(not isinstance(t, int) or not 0 <= t < vocab for t in prompt_token_ids):
+            raise ValueError(f"prompt token ids must be integers in [0, {vocab})")
+        n = len(prompt_token_ids)
+        if n >= self.max_model_len:
+            raise ValueError(f"prompt is {n} tokens; the context is {self.max_model_len} "
+                             "tokens and must leave room for at least one generated token")
+        if n + params.max_tokens > self.max_model_len:
+            raise ValueError(f"max_tokens={params.max_tokens} with a {n}-token prompt exceeds the "
+                             f"context of {self.max_model_len} tokens (at most {self.max_model_len - n})")
+        method, k, adaptive = self._resolve_spec(spec)
+        need = -(-(n + params.max_tokens + k + 1) // self.kv.block_size)
+        if need > self.kv.num_total_blocks:
+            raise ValueError(f"request needs {need} KV blocks; the pool has {self.kv.num_total_blocks}")
+        req = Request(request_id, list(prompt_token_ids), params, method, k, adaptive, self._arrivals)
+        self._arrivals += 1
+        req.detokenizer = IncrementalDetokenizer(self.tokenizer, req.prompt_ids)
+        req.generator = (torch.Generator().manual_seed(params.seed) if params.seed is not None
+                         else self._shared_generator)
+        self.requests[request_id] = req
+        self.scheduler.add(req)
+        if method != "none":
+            self.controller.start(request_id, method)
+
+    def _resolve_spec(self, spec: SpecOverride | None) -> tuple[str, int, bool]:
+        cfg = self.config.spec
+        method = (spec.method if spec and spec.method else None) or cfg.method
+        if method not in ("none", "ngram", "draft"):
+            raise ValueError(f"speculative.method must be 'none', 'ngram' or 'draft', got {method!r}")
+        if method == "draft" and self.drafter is None:
+            raise ValueError("speculative.method 'draft' needs the server to be started with a draft model")
+        k = spec.num_tokens if spec and spec.num_tokens is not None else cfg.num_spec_tokens
+        if not isinstance(k, int) or not 0 <= k <= 16:
+            raise ValueError(f"speculative.num_tokens must be an integer in [0, 16], got {k!r}")
+        if k == 0:
+            method = "none"
+        adaptive = spec.adaptive if spec and spec.adaptive is not None else cfg.adaptive
+        return method, k, adaptive
+
+    def abort_request(self, request_id: str) -> None:
+        """Stop a request and free its KV blocks at once; no-op if unknown or finished."""
+        req = self.requests.get(request_id)
+        if req is None or req.finished:
+            return
+        self._finish(req, "abort", cache=False)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_work()
+
+    def stats(self) -> EngineStats:
+        return EngineStats(len(self.scheduler.running), len(self.scheduler.waiting),
+                           self.kv.num_total_blocks - self.kv.num_free_blocks - self.kv.num_evictable_blocks,
+                           self.kv.num_total_blocks, self.kv.hit_tokens, self.kv.query_tokens)
+
+    def check_integrity(self) -> None:
+        self.kv.check_integrity()
+
+    # ------------------------------------------------------------------ the step
+    def step(self) -> list[RequestOutput]:
+        batch = self.scheduler.schedule()
+        if batch.empty:
+            return []
+        rows = [r for r in batch.decode]
+        ks = self._choose_k(rows)
+        try:
+            drafts = self._propose(rows, ks)
+            outputs = self._verify_and_commit(batch, rows, ks, drafts)
+        except Exception as exc:  # one failed pass fails its rows only, never the others
+            log.exception("engine step failed")
+            outputs = []
+            for req in {*rows, *(c.request for c in batch.prefill)}:
+                req.error = f"internal error: {type(exc).__name__}: {exc}"
+                outputs.append(self._finish(req, "abort", cache=False))
+        return outputs
+
+    def _choose_k(self, rows: list[Request]) -> dict[str, int]:
+        spec_rows = [r for r in rows if r.spec_method != "none"]
+        chosen = self.controller.choose_k([r.request_id for r in spec_rows], len(rows)) if spec_rows else {}
+        return {r.request_id: min(chosen.get(r.request_id, 0) if r.adaptive else r.num_spec_tokens,
+                                  self.scheduler.spec_budget(r)) for r in rows}
+
+    def _propose(self, rows: list[Request], ks: dict[str, int]) -> dict[str, tuple[list[int], torch.Tensor | None]]:
+        """Draft tokens (and draft probabilities for the draft model) per request."""
+        drafts: dict[str, tuple[list[int], torch.Tensor | None]] = {}
+        ngram_rows = [r for r in rows if r.spec_method == "ngram" and ks[r.request_id] > 0]
+        if ngram_rows:
+            d = self.ngram.propose_for([_History(r) for r in ngram_rows], [ks[r.request_id] for r in ngram_rows])
+            for i, r in enumerate(ngram_rows):
+                n = int(d.num_tokens[i]) if d.num_tokens is not None else d.tokens.shape[1]
+                drafts[r.request_id] = (d.tokens[i, :n].tolist(), None)
+        draft_rows = [r for r in rows if r.spec_method == "draft" and ks[r.request_id] > 0]
+        if draft_rows:
+            t0 = time.perf_counter()
+            proposed = self.drafter.propose(draft_rows, [ks[r.request_id] for r in draft_rows])
+            drafts.update({r.request_id: d for r, d in zip(draft_rows, proposed)})
+            self.controller.observe_cost("draft", len(rows), max(ks[r.request_id] for r in draft_rows),
+                                         time.perf_counter() - t0)
+        return drafts
+
+    def _verify_and_commit(self, batch: ScheduledBatch, rows: list[Request], ks, drafts) -> list[RequestOutput]:
+        inputs = []
+        for chunk in batch.prefill:
+            req = chunk.request
+            ids = req.all_ids[chunk.start: chunk.end]
+            emits = chunk.end == req.num_tokens  # a fresh prompt's last chunk samples token 1
+            inputs.append(RowInput(ids, chunk.start, self.kv.block_table(req.request_id),
+                                   len(ids) - 1 if emits else len(ids)))
+        for req in rows:
+            d_tokens = drafts.get(req.request_id, ([], None))[0]
+            base = req.num_computed  # position of the pending token
+            slots = self.target.slots(self.kv.block_table(req.request_id), base + 1, base + 1 + len(d_tokens))
+            if d_tokens:
+                self.kv.insert_provisional(req.request_id, d_tokens, slots, base + 1)
+            inputs.append(RowInput([req.all_ids[-1]] + d_tokens, base, self.kv.block_table(req.request_id), 0))
+        if self.drafter is not None:
+            self.drafter.prefill([(c.request, c.start, c.end) for c in batch.prefill])
+        logits = self.target.forward(inputs)
+        if not batch.prefill and rows:
+            self.controller.observe_cost("verify", len(rows), max(len(i.token_ids) for i in inputs),
+                                         self.target.last_forward_s)
+        outputs = []
+        for chunk, lg in zip(batch.prefill, logits):
+            outputs.extend(self._after_prefill(chunk, lg))
+        outputs.extend(self._accept(rows, logits[len(batch.prefill):], drafts))
+        return outputs
+
+    def _after_prefill(self, chunk, logits: torch.Tensor) -> list[RequestOutput]:
+        req = chunk.request
+        req.num_computed = chunk.end
+        req.stats.target_forwards += 1
+        self.kv.commit(req.request_id, chunk.end)
+        if req.is_prefilling or logits.shape[0] == 0:
+            return []
+        if self.config.cache.prefix_cache:
+            self.kv.cache_sequence(req.request_id, req.all_ids[: req.num_computed])
+        probs = SamplingTensors.from_params([req.params], logits.device).to_probs(logits[-1:])
+        token = int(sample(probs, [req.generator])[0])
+        return self._append_tokens(req, [token])
+
+    def _accept(self, rows: list[Request], logits: list[torch.Tensor], drafts) -> list[RequestOutput]:
+        if not rows:
+            return []
+        k_max = max(lg.shape[0] for lg in logits) - 1
+        vocab = logits[0].shape[-1]
+        counts_list = [lg.shape[0] for lg in logits]
+        counts = torch.tensor(counts_list)
+        st = SamplingTensors.from_params([r.params for r in rows], logits[0].device).expand(counts_list)
+        probs_flat = st.to_probs(torch.cat(logits))  # (sum(k_i + 1), V)
+        target_probs = torch.zeros(len(rows), k_max + 1, vocab)  # (B, K+1, V)
+        draft_tokens = torch.zeros(len(rows), k_max, dtype=torch.long)  # (B, K)
+        has_q = any(drafts.get(r.request_id, (None, None))[1] is not None for r in rows)
+        draft_probs = torch.zeros(len(rows), k_max, vocab) if has_q else None  # (B, K, V)
+        off = 0
+        for i, r in enumerate(rows):
+            n = int(counts[i])
+            target_probs[i, :n] = probs_flat[off: off + n]
+            off += n
+            toks, q = drafts.get(r.request_id, ([], None))
+            if toks:
+                draft_tokens[i, : len(toks)] = torch.tensor(toks)
+                if q is not None:
+                    draft_probs[i, : len(toks)] = q
+                elif draft_probs is not None:  # mixed batch: one-hot q for probability-free rows
+                    draft_probs[i, torch.arange(len(toks)), torch.tensor(toks)] = 1.0
+        result = rejection_sample(target_probs, draft_tokens, draft_probs, counts - 1,
+                                  [r.generator for r in rows])
+        outputs = []
+        for i, r in enumerate(rows):
+            k = int(counts[i]) - 1
+            accepted = int(result.accepted_len[i])
+            new = result.output_tokens[i, : accepted + 1].tolist()
+            base = r.num_computed
+            self.kv.commit(r.request_id, base + 1)  # the pending token's KV is now computed
+            if k:
+                self.kv.commit_provisional(r.request_id, accepted)
+                self.kv.evict_provisional(r.request_id)
+                self.controller.observe_acceptance(r.request_id, k, accepted)
+            r.num_computed = base + 1 + accepted
+            if self.drafter is not None:
+                self.drafter.rollback(r)
+            r.stats.record_round(k, accepted)
+            r.stats.target_forwards += 1
+            outputs.extend(self._append_tokens(r, new))
+        return outputs
+
+    # ------------------------------------------------------------------ tokens, stops, finish
+    def _append_tokens(self, req: Request, tokens: list[int]) -> list[RequestOutput]:
+        """Append accepted tokens one by one, stopping at EOS, max_tokens or a stop string."""
+        new_ids, new_text, reason = [], "", None
+        for t in tokens:
+            req.output_ids.append(t)
+            new_ids.append(t)
+            if t in self.eos_ids and not req.params.ignore_eos:
+                reason = "stop"
+                break
+            new_text += req.detokenizer.push([t])
+            if req.params.stop:
+                hit = _find_stop(req.text + new_text, req.params.stop, len(req.text))
+                if hit is not None:
+                    new_text = (req.text + new_text)[:hit][len(req.text):]
+                    reason = "stop"
+                    break
+            if len(req.output_ids) >= req.params.max_tokens:
+                reason = "length"
+                break
+        req.text += new_text
+        if reason:
+            return [self._finish(req, reason, cache=True, new_ids=new_ids, new_text=new_text)]
+        return [self._output(req, new_ids, new_text)]
+
+    def _finish(self, req: Request, reason: str, cache: bool, new_ids=(), new_text="") -> RequestOutput:
+        req.status = Status.FINISHED
+        req.finish_reason = reason
+        self.scheduler.remove(req)
+        keep = req.all_ids[: req.num_computed] if cache and self.config.cache.prefix_cache else None
+        if keep is not None and self.drafter is not None:
+            keep = keep[: req.draft_computed]
+        self.kv.close_sequence(req.request_id, keep)
+        self.ngram.forget(req.request_id)
+        if req.spec_method != "none":
+            self.controller.finish(req.request_id)
+        del self.requests[req.request_id]
+        return self._output(req, list(new_ids), new_text)
+
+    def _output(self, req: Request, new_ids: list[int], new_text: str) -> RequestOutput:
+        return RequestOutput(req.request_id, req.prompt_ids, list(req.output_ids), new_ids, req.text,
+                             new_text, req.finished, req.finish_reason, req.stats, req.error)
+
+
+class _History:
+    """What the n-gram proposer sees of a request: its id and its tokens so far."""
+
+    __slots__ = ("seq_id", "token_ids")
+
+    def __init__(self, req: Request):
+        self.seq_id = req.request_id
+        self.token_ids = req.all_ids
+
+
+def _find_stop(text: str, stops: tuple[str, ...], searched_upto: int) -> int | None:
+    """Index where the earliest stop string starts, looking only where it could be new."""
+    best = None
+    for s in stops:
+        i = text.find(s, max(0, searched_upto - len(s) + 1))
+        if i != -1 and (best is None or i < best):
+            best = i
+    return best

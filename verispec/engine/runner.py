@@ -1,0 +1,69 @@
+"""ModelRunner: turns per-row work (token ids at positions, block tables) into one forward.
+
+Target and draft models each have a runner and their own KV store; both index the KV by
+the same slots (the same block tables), which keeps the draft's cache in lockstep with the
+target's without a second block manager.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+from verispec.model.attention import AttentionMetadata
+from verispec.model.llama import LlamaModel
+
+
+@dataclass
+class RowInput:
+    """One row of a forward: `token_ids` at positions start.. start+len-1."""
+
+    token_ids: list[int]
+    start: int
+    block_table: list[int]
+    logits_from: int          # return logits for query positions [logits_from, len(token_ids))
+
+    @property
+    def end(self) -> int:
+        return self.start + len(self.token_ids)
+
+
+class ModelRunner:
+    def __init__(self, model: LlamaModel, num_slots: int, block_size: int, vocab_limit: int | None = None):
+        self.model = model
+        self.kv = model.new_kv_store(num_slots)
+        self.block_size = block_size
+        # Rows of the output matrix past the real vocabulary are never produced (padded
+        # embeddings): slice them off so target and draft distributions share one support.
+        self.vocab_limit = vocab_limit
+        self.device = model.embed_tokens.weight.device
+        self.last_forward_s = 0.0
+
+    def slots(self, block_table: list[int], start: int, end: int) -> list[int]:
+        bs = self.block_size
+        return [block_table[p // bs] * bs + p % bs for p in range(start, end)]
+
+    def forward(self, rows: list[RowInput]) -> list[torch.Tensor]:
+        """Run all rows in one pass; returns per-row logits (n_i, V) float32."""
+        ids, positions, slots, ctx_slots, q_lens, ctx_lens, logits_index = [], [], [], [], [], [], []
+        offset = 0
+        for r in rows:
+            n = len(r.token_ids)
+            ids.extend(r.token_ids)
+            positions.append(list(range(r.start, r.end)))
+            row_ctx = self.slots(r.block_table, 0, r.end)
+            ctx_slots.append(row_ctx)
+            slots.append(row_ctx[r.start:])
+            q_lens.append(n)
+            ctx_lens.append(r.end)
+            logits_index.extend(range(offset + r.logits_from, offset + n))
+            offset += n
+        meta = AttentionMetadata.build(q_lens, ctx_lens, positions, slots, ctx_slots, self.device)
+        t0 = time.perf_counter()
+        logits = self.model(torch.tensor(ids, device=self.device), meta, self.kv,
+                            torch.tensor(logits_index, device=self.device))  # (N, V)
+        self.last_forward_s = time.perf_counter() - t0
+        if self.vocab_limit is not None:
+            logits = logits[:, : self.vocab_limit]
+        return list(logits.split([len(r.token_ids) - r.logits_from for r in rows]))

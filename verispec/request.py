@@ -1,0 +1,68 @@
+"""Request state: token ids, how much KV is computed, status, per-request speculation stats.
+
+Pure Python. Positions [0, num_computed) of `all_ids` hold the target's verified KV; the
+last token of a decoding request is *pending*: known, but its KV is computed by the next
+verify pass (it is that pass's first query).
+"""
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from verispec.outputs import SpecStats
+from verispec.sampling import SamplingParams
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"      # not yet admitted, or preempted and waiting to recompute
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass
+class Request:
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    spec_method: str                 # "none" | "ngram" | "draft"
+    num_spec_tokens: int             # k_max for this request
+    adaptive: bool
+    arrival: int                     # FCFS order
+    output_ids: list[int] = field(default_factory=list)
+    status: Status = Status.WAITING
+    num_computed: int = 0            # target KV positions holding verified tokens
+    draft_computed: int = 0          # draft-model KV positions holding verified tokens
+    finish_reason: str | None = None
+    error: str | None = None
+    num_preemptions: int = 0
+    stats: SpecStats = field(default_factory=SpecStats)
+    # Text emitted so far (stop strings applied) and the engine's per-request objects
+    # (detokenizer, generator) live here so preemption and recompute keep them.
+    text: str = ""
+    detokenizer: object = None
+    generator: object = None
+
+    @property
+    def all_ids(self) -> list[int]:
+        return self.prompt_ids + self.output_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def prefill_target(self) -> int:
+        """KV positions to compute before decoding: all tokens, or all but the pending one."""
+        return self.num_tokens - 1 if self.output_ids else self.num_tokens
+
+    @property
+    def is_prefilling(self) -> bool:
+        return self.num_computed < self.prefill_target
+
+    @property
+    def remaining_tokens(self) -> int:
+        return self.params.max_tokens - len(self.output_ids)
+
+    @property
+    def finished(self) -> bool:
+        return self.status is Status.FINISHED

@@ -1,0 +1,70 @@
+"""The draft-model proposer: a smaller model with the same tokenizer.
+
+Its KV lives in its own preallocated store, indexed by the SAME slots as the target's (the
+same block tables), so it needs no block manager of its own. `Request.draft_computed` is
+the draft's KV length; after a verify round it is rolled back to the verified length
+(O(1): positions past it are rewritten before they are read again). Each propose call
+first catches the draft up on every token it has not seen (the pending token, plus the
+last accepted draft / bonus token after a fully accepted round) in one multi-token pass,
+then drafts autoregressively.
+"""
+from __future__ import annotations
+
+import torch
+
+from verispec.engine.runner import ModelRunner, RowInput
+from verispec.request import Request
+from verispec.sampling import SamplingTensors, sample
+
+
+class DraftModelProposer:
+    name = "draft"
+
+    def __init__(self, runner: ModelRunner, block_table):
+        self.runner = runner
+        self.block_table = block_table  # seq_id -> list[int]
+
+    def prefill(self, chunks: list[tuple[Request, int, int]]) -> None:
+        """Compute the same prefill chunks as the target, keeping the KV in lockstep."""
+        rows = []
+        for req, start, end in chunks:
+            if req.draft_computed == start:
+                rows.append(RowInput(req.all_ids[start:end], start, self.block_table(req.request_id), end - start))
+                req.draft_computed = end
+        if rows:
+            self.runner.forward(rows)
+
+    def propose(self, reqs: list[Request], ks: list[int]) -> list[tuple[list[int], torch.Tensor]]:
+        """Draft ks[i] tokens for reqs[i]; returns (tokens, q (k_i, V)) per request."""
+        tokens_out: list[list[int]] = [[] for _ in reqs]
+        probs_out: list[list[torch.Tensor]] = [[] for _ in reqs]
+        active = list(range(len(reqs)))
+        while active:
+            rows = []
+            for i in active:
+                req, drafted = reqs[i], tokens_out[i]
+                table = self.block_table(req.request_id)
+                if not drafted:  # catch up on every token not seen yet, pending one included
+                    tokens = req.all_ids[req.draft_computed:]
+                    rows.append(RowInput(tokens, req.draft_computed, table, len(tokens) - 1))
+                else:            # the last drafted token sits after the pending token's position
+                    rows.append(RowInput(drafted[-1:], req.num_tokens - 1 + len(drafted), table, 0))
+            logits = torch.cat(self.runner.forward(rows))  # (B, V): one scored position per row
+            st = SamplingTensors.from_params([reqs[i].params for i in active], logits.device)
+            probs = self.to_probs(st, logits)               # (B, V)
+            drawn = sample(probs, [reqs[i].generator for i in active]).tolist()
+            for j, i in enumerate(active):
+                tokens_out[i].append(drawn[j])
+                probs_out[i].append(probs[j])
+                reqs[i].draft_computed = rows[j].end
+            active = [i for i in active if len(tokens_out[i]) < ks[i]]
+        return [(t, torch.stack(p)) for t, p in zip(tokens_out, probs_out)]
+
+    def to_probs(self, st: SamplingTensors, logits: torch.Tensor) -> torch.Tensor:
+        """q: exactly the target's logits -> probs transform (tests patch this to inject bugs)."""
+        return st.to_probs(logits)
+
+    @staticmethod
+    def rollback(req: Request) -> None:
+        """After verification only the verified positions of the draft's KV stay valid."""
+        req.draft_computed = min(req.draft_computed, req.num_computed)
