@@ -1,0 +1,1 @@
+"""The measurement protocol: warm-up, seeded order, repeated passes, asserted completion."""
