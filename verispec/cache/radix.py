@@ -1,0 +1,270 @@
+"""RadixCache: a radix tree over token ids whose edges are whole KV blocks.
+
+Each node holds a run of full blocks: `key` is their token ids (len(blocks) * block_size of
+them) and `blocks` their block ids, so a path from the root spells a cached prefix. Children
+are keyed by the token ids of their first block, which makes lookup one dict probe per node.
+
+    root
+     └─ [A B | C D] blocks (7, 3)        a shared few-shot prefix, 2 blocks of 2 tokens
+         ├─ [E F]   blocks (9,)          request 1 continued with E F
+         └─ [E G | H I] blocks (4, 5)    request 2 continued with E G H I
+
+Matching [A B C D E G] walks the root's child, then the [E G ...] child, and stops after one
+of its two blocks: that node is split at the block boundary ([E G] above [H I]) so the match
+ends exactly on a node, the handle a sequence locks. A split keeps the deeper half in the
+original node object, so handles held by running sequences stay valid.
+
+Only the KV manager inserts, and only full blocks of committed positions: unverified draft
+tokens live in the manager's per-sequence provisional tier (see manager.py) and can never
+reach this tree, whose contents every other request trusts.
+
+Eviction takes least-recently-used unlocked leaves and trims them from the tail, block by
+block, so it frees exactly what is asked when enough is evictable. Recency is a counter
+bumped by every match and insert, which keeps eviction order deterministic.
+"""
+from __future__ import annotations
+
+import heapq
+import itertools
+from collections import Counter
+from collections.abc import Iterable, Iterator, Sequence
+
+from verispec.cache.kv_pool import BlockPool, _ensure
+from verispec.cache.prefix import PrefixCache, PrefixMatch
+
+
+class RadixNode:
+    """One run of full blocks in the tree; also the handle that lock/unlock take."""
+
+    __slots__ = ("key", "blocks", "children", "parent", "lock_ref", "last_access")
+
+    def __init__(self, key: tuple[int, ...], blocks: list[int], parent: RadixNode | None,
+                 last_access: int):
+        self.key = key
+        self.blocks = blocks
+        self.children: dict[tuple[int, ...], RadixNode] = {}
+        self.parent = parent
+        self.lock_ref = 0  # locks held on this node or any descendant
+        self.last_access = last_access
+
+    def __repr__(self) -> str:
+        return (f"RadixNode(blocks={self.blocks}, lock_ref={self.lock_ref}, "
+                f"children={len(self.children)})")
+
+
+class RadixCache(PrefixCache):
+    """Block-granular radix prefix cache with locking and LRU eviction."""
+
+    def __init__(self, pool: BlockPool):
+        super().__init__(pool)
+        self.root = RadixNode((), [], None, 0)
+        self._held: set[int] = set()
+        self._num_evictable = 0
+        self._clock = 0
+
+    # --- lookup and insertion -------------------------------------------------------------
+
+    def match_prefix(self, token_ids: Sequence[int]) -> PrefixMatch:
+        """The longest cached prefix of `token_ids`, in whole blocks (marks it recently used)."""
+        bs = self.block_size
+        tokens = tuple(token_ids[:len(token_ids) - len(token_ids) % bs])
+        now = self._tick()
+        node, pos, blocks = self.root, 0, []
+        while pos < len(tokens):
+            child = node.children.get(tokens[pos:pos + bs])
+            if child is None:
+                break
+            matched = self._common_blocks(child.key, tokens, pos)
+            if matched < len(child.blocks):
+                child = self._split(child, matched)
+            child.last_access = now
+            blocks.extend(child.blocks)
+            pos += matched * bs
+            node = child
+        return PrefixMatch(blocks, pos, None if node is self.root else node)
+
+    def insert(self, token_ids: Sequence[int], blocks: Sequence[int]) -> int:
+        """Cache `blocks` as the KV of `token_ids`; returns how many tokens were cached already."""
+        bs = self.block_size
+        if len(token_ids) != len(blocks) * bs:
+            raise ValueError(f"token_ids must be exactly len(blocks) * block_size = "
+                             f"{len(blocks) * bs} long (full blocks only), got {len(token_ids)}")
+        tokens = tuple(token_ids)
+        now = self._tick()
+        node, done = self.root, 0  # done: blocks of the path already in the tree
+        while done < len(blocks):
+            child = node.children.get(tokens[done * bs:(done + 1) * bs])
+            if child is None:
+                self._add_leaf(node, tokens[done * bs:], list(blocks[done:]), now)
+                break
+            matched = self._common_blocks(child.key, tokens, done * bs)
+            if matched < len(child.blocks):
+                child = self._split(child, matched)
+            child.last_access = now
+            node, done = child, done + matched
+        return done * bs
+
+    def _common_blocks(self, key: tuple[int, ...], tokens: tuple[int, ...], pos: int) -> int:
+        """How many whole blocks of `key` equal tokens[pos:] (at least 1 for a found child)."""
+        bs = self.block_size
+        n = 0
+        while ((n + 1) * bs <= len(key) and pos + (n + 1) * bs <= len(tokens)
+               and key[n * bs:(n + 1) * bs] == tokens[pos + n * bs:pos + (n + 1) * bs]):
+            n += 1
+        return n
+
+    def _split(self, node: RadixNode, num_blocks: int) -> RadixNode:
+        """Cut `node` after `num_blocks` blocks; returns the new upper half."""
+        bs = self.block_size
+        upper = RadixNode(node.key[:num_blocks * bs], node.blocks[:num_blocks], node.parent,
+                          node.last_access)
+        # Every lock below or on `node` also pins the new upper half.
+        upper.lock_ref = node.lock_ref
+        node.parent.children[upper.key[:bs]] = upper
+        node.key = node.key[num_blocks * bs:]
+        node.blocks = node.blocks[num_blocks:]
+        node.parent = upper
+        upper.children[node.key[:bs]] = node
+        return upper
+
+    def _add_leaf(self, parent: RadixNode, key: tuple[int, ...], blocks: list[int],
+                  now: int) -> None:
+        if len(set(blocks)) != len(blocks):
+            raise ValueError(f"blocks {blocks} repeat a block id")
+        for block in blocks:
+            if block in self._held:
+                raise ValueError(f"block {block} is already cached under another prefix")
+        for block in blocks:
+            self.pool.incref(block)
+        self._held.update(blocks)
+        self._num_evictable += len(blocks)
+        leaf = RadixNode(key, blocks, parent, now)
+        parent.children[key[:self.block_size]] = leaf
+
+    def _tick(self) -> int:
+        self._clock += 1
+        return self._clock
+
+    # --- locking and eviction -------------------------------------------------------------
+
+    def lock(self, node: RadixNode | None) -> None:
+        """Pin `node` and its ancestors: in use, not evictable."""
+        while node is not None and node is not self.root:
+            if node.lock_ref == 0:
+                self._num_evictable -= len(node.blocks)
+            node.lock_ref += 1
+            node = node.parent
+
+    def unlock(self, node: RadixNode | None) -> None:
+        """Undo one `lock(node)`."""
+        if node is not None and node is not self.root and node.lock_ref < 1:
+            raise ValueError(f"unlock of {node!r}, which is not locked")
+        while node is not None and node is not self.root:
+            node.lock_ref -= 1
+            if node.lock_ref == 0:
+                self._num_evictable += len(node.blocks)
+            node = node.parent
+
+    def evict(self, num_blocks: int) -> int:
+        """Free up to `num_blocks` unlocked blocks, least recently used leaves first."""
+        if not isinstance(num_blocks, int) or num_blocks < 0:
+            raise ValueError(f"num_blocks must be an integer >= 0, got {num_blocks!r}")
+        order = itertools.count()
+        heap = [(leaf.last_access, next(order), leaf) for leaf in self._unlocked_leaves()]
+        heapq.heapify(heap)
+        freed = 0
+        while freed < num_blocks and heap:
+            _, _, leaf = heapq.heappop(heap)
+            first_block_key = leaf.key[:self.block_size]
+            take = min(len(leaf.blocks), num_blocks - freed)
+            dropped = leaf.blocks[len(leaf.blocks) - take:]
+            leaf.blocks = leaf.blocks[:len(leaf.blocks) - take]
+            leaf.key = leaf.key[:len(leaf.blocks) * self.block_size]
+            self._num_evictable -= take
+            for block in dropped:
+                self._held.discard(block)
+                freed += self.pool.decref(block)
+            if not leaf.blocks:
+                parent = leaf.parent
+                del parent.children[first_block_key]
+                leaf.parent = None
+                if parent is not self.root and not parent.children and parent.lock_ref == 0:
+                    heapq.heappush(heap, (parent.last_access, next(order), parent))
+        return freed
+
+    def _unlocked_leaves(self) -> Iterator[RadixNode]:
+        for node in self._nodes():
+            if not node.children and node.lock_ref == 0:
+                yield node
+
+    def _nodes(self) -> Iterator[RadixNode]:
+        """Every node but the root, parents before children."""
+        stack = list(self.root.children.values())
+        while stack:
+            node = stack.pop()
+            yield node
+            stack.extend(node.children.values())
+
+    # --- accounting -----------------------------------------------------------------------
+
+    def path_blocks(self, node: RadixNode | None) -> list[int]:
+        """The blocks from the root down to `node`, in position order."""
+        runs = []
+        while node is not None and node is not self.root:
+            runs.append(node.blocks)
+            node = node.parent
+        return [block for run in reversed(runs) for block in run]
+
+    def cached_blocks(self) -> set[int]:
+        """Every block the tree holds a reference on."""
+        return set(self._held)
+
+    @property
+    def num_cached_blocks(self) -> int:
+        return len(self._held)
+
+    @property
+    def num_evictable_blocks(self) -> int:
+        return self._num_evictable
+
+    def check_integrity(self, locked_nodes: Iterable[RadixNode | None] | None = None) -> None:
+        """Raise AssertionError unless keys, blocks, links and lock counts are consistent."""
+        bs = self.block_size
+        _ensure(not self.root.key and not self.root.blocks and self.root.lock_ref == 0,
+                "the root holds tokens, blocks or locks")
+        seen: set[int] = set()
+        evictable = 0
+        for node in [self.root, *self._nodes()]:
+            for first, child in node.children.items():
+                _ensure(child.parent is node, f"{child!r} does not point back to its parent")
+                _ensure(len(first) == bs and child.key[:bs] == first,
+                        f"{child!r} is filed under the wrong first block")
+            if node is self.root:
+                continue  # the root is never locked nor evicted
+            _ensure(node.lock_ref >= sum(c.lock_ref for c in node.children.values()),
+                    f"{node!r} has fewer locks than its children")
+            _ensure(len(node.blocks) >= 1 and len(node.key) == len(node.blocks) * bs,
+                    f"{node!r} has {len(node.key)} tokens for {len(node.blocks)} blocks")
+            for block in node.blocks:
+                _ensure(block not in seen, f"block {block} appears twice in the tree")
+                _ensure(self.pool.ref_count(block) >= 1, f"cached block {block} is free")
+                seen.add(block)
+            if node.lock_ref == 0:
+                evictable += len(node.blocks)
+        _ensure(seen == self._held, "the held-block set disagrees with the tree")
+        _ensure(evictable == self._num_evictable,
+                f"evictable count {self._num_evictable} != {evictable} unlocked blocks")
+        if locked_nodes is not None:
+            self._check_locks(locked_nodes)
+
+    def _check_locks(self, locked_nodes: Iterable[RadixNode | None]) -> None:
+        expected: Counter[int] = Counter()
+        for node in locked_nodes:
+            while node is not None and node is not self.root:
+                expected[id(node)] += 1
+                _ensure(node.parent is not None, f"locked {node!r} is no longer in the tree")
+                node = node.parent
+        for node in self._nodes():
+            _ensure(node.lock_ref == expected.pop(id(node), 0),
+                    f"{node!r} lock count disagrees with the holders' locks")
+        _ensure(not expected, "a locked node is no longer in the tree")
