@@ -65,7 +65,7 @@ def tiny_pair(vocab: int = 16, noise: float = 0.5, seed: int = 0, logit_scale: f
 
 
 def tiny_engine(target: LlamaModel, draft: LlamaModel | None = None, method: str = "ngram", k: int = 4,
-                adaptive: bool = False, num_kv_tokens: int = 1 << 16, block_size: int = 4,
+                adaptive: bool = False, num_kv_tokens: int = 4096, block_size: int = 4,
                 max_num_seqs: int = 256, max_batched_tokens: int = 4096, prefix_cache: bool = True,
                 eos: int | None = None, seed: int = 0) -> LLMEngine:
     config = EngineConfig(

@@ -19,7 +19,7 @@ class Status(enum.Enum):
     FINISHED = "finished"
 
 
-@dataclass
+@dataclass(eq=False)  # identity semantics: a request is one live object
 class Request:
     request_id: str
     prompt_ids: list[int]

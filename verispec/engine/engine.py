@@ -24,11 +24,10 @@ from verispec.config import EngineConfig
 from verispec.engine.runner import ModelRunner, RowInput
 from verispec.engine.scheduler import ScheduledBatch, Scheduler
 from verispec.model.llama import LlamaModel
-from verispec.model.loader import load_model_files, resolve_model
 from verispec.model.tokenizer import IncrementalDetokenizer, Tokenizer
 from verispec.outputs import RequestOutput
 from verispec.request import Request, Status
-from verispec.sampling import SamplingParams, SamplingTensors, sample
+from verispec.sampling import SamplingParams, SamplingTensors, make_generator, sample
 from verispec.spec.draft_model import DraftModelProposer
 from verispec.spec.controller import AdaptiveController, ControllerConfig
 from verispec.spec.ngram import NgramProposer
@@ -72,8 +71,9 @@ class LLMEngine:
         self.kv = KVCacheManager(cache.num_blocks, cache.block_size, prefix_cache=cache.prefix_cache)
         num_slots = cache.num_blocks * cache.block_size
         self.target = ModelRunner(target, num_slots, cache.block_size, vocab_limit)
+        self._shared_generator = torch.Generator().manual_seed(config.seed)
         self.drafter = (DraftModelProposer(ModelRunner(draft, num_slots, cache.block_size, vocab_limit),
-                                           self.kv.block_table) if draft else None)
+                                           self.kv.block_table, self._shared_generator) if draft else None)
         self.scheduler = Scheduler(config.scheduler, self.kv, self.max_model_len, OutOfBlocks)
         self.ngram = NgramProposer(max_n=config.spec.ngram_max, min_n=config.spec.ngram_min)
         self.controller = AdaptiveController(ControllerConfig(
@@ -81,12 +81,12 @@ class LLMEngine:
             fixed_k=config.spec.num_spec_tokens))
         self.requests: dict[str, Request] = {}
         self._arrivals = 0
-        self._shared_generator = torch.Generator().manual_seed(config.seed)
         self.eos_ids = set(tokenizer.eos_token_ids)
 
     # ------------------------------------------------------------------ construction
     @classmethod
     def from_config(cls, config: EngineConfig) -> "LLMEngine":
+        from verispec.model.loader import load_model_files, resolve_model
         dtype = getattr(torch, config.dtype)
         tcfg, tstate, tokenizer = load_model_files(resolve_model(config.model))
         target = LlamaModel.from_state_dict(tcfg, tstate, dtype=dtype)
@@ -127,8 +127,7 @@ class LLMEngine:
         req = Request(request_id, list(prompt_token_ids), params, method, k, adaptive, self._arrivals)
         self._arrivals += 1
         req.detokenizer = IncrementalDetokenizer(self.tokenizer, req.prompt_ids)
-        req.generator = (torch.Generator().manual_seed(params.seed) if params.seed is not None
-                         else self._shared_generator)
+        req.generator = make_generator(params, self.target.device)  # None: the shared stream
         self.requests[request_id] = req
         self.scheduler.add(req)
         if method != "none":
@@ -246,7 +245,7 @@ class LLMEngine:
         if self.config.cache.prefix_cache:
             self.kv.cache_sequence(req.request_id, req.all_ids[: req.num_computed])
         probs = SamplingTensors.from_params([req.params], logits.device).to_probs(logits[-1:])
-        token = int(sample(probs, [req.generator])[0])
+        token = int(sample(probs, [req.generator], shared_generator=self._shared_generator)[0])
         return self._append_tokens(req, [token])
 
     def _accept(self, rows: list[Request], logits: list[torch.Tensor], drafts) -> list[RequestOutput]:
@@ -274,19 +273,20 @@ class LLMEngine:
                     draft_probs[i, : len(toks)] = q
                 elif draft_probs is not None:  # mixed batch: one-hot q for probability-free rows
                     draft_probs[i, torch.arange(len(toks)), torch.tensor(toks)] = 1.0
-        result = rejection_sample(target_probs, draft_tokens, draft_probs, counts - 1,
-                                  [r.generator for r in rows])
+        result = rejection_sample(target_probs, draft_tokens, draft_probs, [c - 1 for c in counts_list],
+                                  [r.generator for r in rows], shared_generator=self._shared_generator)
         outputs = []
         for i, r in enumerate(rows):
             k = int(counts[i]) - 1
             accepted = int(result.accepted_len[i])
-            new = result.output_tokens[i, : accepted + 1].tolist()
+            new = result.output_tokens[i, : int(result.num_output[i])].tolist()
             base = r.num_computed
-            self.kv.commit(r.request_id, base + 1)  # the pending token's KV is now computed
-            if k:
+            if k:  # commits the pending token (its KV was just written) and the accepted drafts
                 self.kv.commit_provisional(r.request_id, accepted)
                 self.kv.evict_provisional(r.request_id)
                 self.controller.observe_acceptance(r.request_id, k, accepted)
+            else:
+                self.kv.commit(r.request_id, base + 1)
             r.num_computed = base + 1 + accepted
             if self.drafter is not None:
                 self.drafter.rollback(r)
@@ -327,7 +327,8 @@ class LLMEngine:
         keep = req.all_ids[: req.num_computed] if cache and self.config.cache.prefix_cache else None
         if keep is not None and self.drafter is not None:
             keep = keep[: req.draft_computed]
-        self.kv.close_sequence(req.request_id, keep)
+        if req.request_id in self.kv:  # a request still waiting holds no blocks
+            self.kv.close_sequence(req.request_id, keep)
         self.ngram.forget(req.request_id)
         if req.spec_method != "none":
             self.controller.finish(req.request_id)

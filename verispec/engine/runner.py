@@ -62,7 +62,7 @@ class ModelRunner:
         meta = AttentionMetadata.build(q_lens, ctx_lens, positions, slots, ctx_slots, self.device)
         t0 = time.perf_counter()
         logits = self.model(torch.tensor(ids, device=self.device), meta, self.kv,
-                            torch.tensor(logits_index, device=self.device))  # (N, V)
+                            torch.tensor(logits_index, dtype=torch.long, device=self.device))  # (N, V)
         self.last_forward_s = time.perf_counter() - t0
         if self.vocab_limit is not None:
             logits = logits[:, : self.vocab_limit]

@@ -21,10 +21,6 @@ from verispec.config import SchedulerConfig
 from verispec.request import Request, Status
 
 
-class OutOfBlocks(Exception):
-    """Raised by the KV manager when the pool cannot hold what was asked."""
-
-
 @dataclass
 class PrefillChunk:
     request: Request
@@ -44,7 +40,7 @@ class ScheduledBatch:
 
 
 class Scheduler:
-    def __init__(self, cfg: SchedulerConfig, kv, max_model_len: int, out_of_blocks=Exception):
+    def __init__(self, cfg: SchedulerConfig, kv, max_model_len: int, out_of_blocks: type[Exception]):
         self.cfg = cfg
         self.kv = kv
         self.max_model_len = max_model_len

@@ -20,9 +20,10 @@ from verispec.sampling import SamplingTensors, sample
 class DraftModelProposer:
     name = "draft"
 
-    def __init__(self, runner: ModelRunner, block_table):
+    def __init__(self, runner: ModelRunner, block_table, shared_generator: torch.Generator | None = None):
         self.runner = runner
         self.block_table = block_table  # seq_id -> list[int]
+        self.shared_generator = shared_generator
 
     def prefill(self, chunks: list[tuple[Request, int, int]]) -> None:
         """Compute the same prefill chunks as the target, keeping the KV in lockstep."""
@@ -52,7 +53,8 @@ class DraftModelProposer:
             logits = torch.cat(self.runner.forward(rows))  # (B, V): one scored position per row
             st = SamplingTensors.from_params([reqs[i].params for i in active], logits.device)
             probs = self.to_probs(st, logits)               # (B, V)
-            drawn = sample(probs, [reqs[i].generator for i in active]).tolist()
+            drawn = sample(probs, [reqs[i].generator for i in active],
+                           shared_generator=self.shared_generator).tolist()
             for j, i in enumerate(active):
                 tokens_out[i].append(drawn[j])
                 probs_out[i].append(probs[j])
