@@ -1,0 +1,310 @@
+"""GGUF -> Hugging Face layout: config dict, float32 state dict, tokenizer.
+
+A GGUF file carries everything a model needs (hyper-parameters, quantized tensors, the
+tokenizer's vocabulary and merges, the chat template) under llama.cpp's names. This module
+translates it into the layout of a Hugging Face checkpoint, so that the rest of verispec (and
+the weight cache, which *is* such a directory) only ever sees one format:
+
+    config.json         `hf_config_from_gguf`      (LlamaForCausalLM / Qwen2 / Qwen3 keys)
+    model.safetensors   `iter_hf_tensors`          (dequantized to float32, HF tensor names)
+    tokenizer.json      `build_tokenizer`          (byte-level BPE, pre-tokenizer per `pre`)
+    tokenizer_config    `tokenizer_config_from_gguf` (chat template, BOS/EOS, add_bos_token)
+
+Only the cache builder in `loader.py` imports this module, so `gguf` (and its numpy-heavy
+quantization code) stays out of the warm start path.
+"""
+from __future__ import annotations
+
+import logging
+import re
+from pathlib import Path
+from typing import Iterator
+
+import numpy as np
+
+from verispec.model.config import UnsupportedArchitecture
+
+log = logging.getLogger("verispec")
+
+# GGUF `general.architecture` -> HF `architectures[0]`. Mistral GGUFs say "llama".
+GGUF_ARCHITECTURES = {
+    "llama": "LlamaForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+}
+
+# GGUF per-layer tensor suffix -> HF per-layer name (both without the ".weight"/".bias" tail).
+_LAYER_TENSORS = {
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+_GLOBAL_TENSORS = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+_LAYER_NAME = re.compile(r"^blk\.(\d+)\.([a-z_]+)\.(weight|bias)$")
+
+# llama.cpp token types (gguf.TokenType): which vocabulary entries are not plain BPE pieces.
+TOKEN_NORMAL, TOKEN_CONTROL, TOKEN_USER_DEFINED, TOKEN_UNUSED = 1, 3, 4, 5
+
+# Strings llama.cpp treats as "end of generation" when the file marks them as control tokens.
+# Matching it keeps a GGUF's stopping behaviour the same here as in llama.cpp.
+_EOG_STRINGS = ("<|im_end|>", "<|endoftext|>", "<|eot_id|>", "<|end_of_text|>", "<|end|>",
+                "<end_of_turn>", "<|eom_id|>")
+
+# Pre-tokenizer split patterns, keyed by GGUF `tokenizer.ggml.pre`.
+_GPT2_SPLIT = r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
+_QWEN2_SPLIT = (r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"""
+                r"""| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+""")
+_LLAMA3_SPLIT = (r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"""
+                 r"""| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+""")
+# pre name -> (split regex, isolate every digit first, NFC-normalize)
+PRE_TOKENIZERS = {
+    "default": (_GPT2_SPLIT, False, False),
+    "gpt-2": (_GPT2_SPLIT, False, False),
+    # SmolLM / StarCoder: every digit is its own piece, then the GPT-2 split.
+    "smollm": (_GPT2_SPLIT, True, False),
+    "starcoder": (_GPT2_SPLIT, True, False),
+    "refact": (_GPT2_SPLIT, True, False),
+    # Qwen2/2.5/3: its own split; the original tokenizer.json NFC-normalizes first.
+    "qwen2": (_QWEN2_SPLIT, False, True),
+    "deepseek-r1-qwen": (_QWEN2_SPLIT, False, True),
+    "llama-bpe": (_LLAMA3_SPLIT, False, False),
+    "llama3": (_LLAMA3_SPLIT, False, False),
+    "smaug-bpe": (_LLAMA3_SPLIT, False, False),
+}
+
+
+class GGUFMetadata:
+    """The key/value metadata of one GGUF file, decoded to Python values on access."""
+
+    def __init__(self, reader):
+        self._reader = reader
+        self.arch = self.get("general.architecture")
+        if self.arch is None:
+            raise ValueError("GGUF file has no general.architecture key")
+
+    def get(self, key: str, default=None):
+        field = self._reader.fields.get(key)
+        return default if field is None else field.contents()
+
+    def arch_key(self, suffix: str, default=None):
+        """Read `<arch>.<suffix>`, e.g. `llama.block_count`."""
+        return self.get(f"{self.arch}.{suffix}", default)
+
+    @property
+    def tensor_names(self) -> set[str]:
+        return {t.name for t in self._reader.tensors}
+
+
+def open_gguf(path: Path):
+    """Open a GGUF file (memory-mapped) and check its architecture is one we run."""
+    from gguf import GGUFReader
+
+    reader = GGUFReader(str(path))
+    meta = GGUFMetadata(reader)
+    if meta.arch not in GGUF_ARCHITECTURES:
+        raise UnsupportedArchitecture(
+            f"{path}: unsupported GGUF architecture {meta.arch!r}; supported: "
+            f"{', '.join(sorted(GGUF_ARCHITECTURES))} (Mistral GGUFs use 'llama')")
+    return reader, meta
+
+
+def _f32(value: float) -> float:
+    """GGUF stores floats as float32; keep the short decimal (1e-05, not 9.9999997e-06)."""
+    return float(str(np.float32(value)))
+
+
+def hf_config_from_gguf(reader, meta: GGUFMetadata, eos_token_ids: list[int]) -> dict:
+    """A Hugging Face `config.json` dict for this GGUF."""
+    names = meta.tensor_names
+    if "rope_freqs.weight" in names:
+        raise ValueError("GGUF has a rope_freqs tensor (Llama-3.1-style rope scaling), which the "
+                         "GGUF loader does not translate; load the Hugging Face checkpoint instead")
+    embd = next(t for t in reader.tensors if t.name == "token_embd.weight")
+    hidden = int(meta.arch_key("embedding_length"))
+    num_heads = int(meta.arch_key("attention.head_count"))
+    cfg = {
+        "architectures": [GGUF_ARCHITECTURES[meta.arch]],
+        "model_type": meta.arch,
+        "vocab_size": int(embd.shape[1]),  # rows of the embedding; GGUF shapes are reversed
+        "hidden_size": hidden,
+        "intermediate_size": int(meta.arch_key("feed_forward_length")),
+        "num_hidden_layers": int(meta.arch_key("block_count")),
+        "num_attention_heads": num_heads,
+        "num_key_value_heads": int(meta.arch_key("attention.head_count_kv", num_heads)),
+        "head_dim": int(meta.arch_key("attention.key_length", hidden // num_heads)),
+        "rms_norm_eps": _f32(meta.arch_key("attention.layer_norm_rms_epsilon", 1e-5)),
+        "rope_theta": _f32(meta.arch_key("rope.freq_base", 10000.0)),
+        "max_position_embeddings": int(meta.arch_key("context_length", 4096)),
+        "tie_word_embeddings": "output.weight" not in names,
+        "attention_bias": "blk.0.attn_q.bias" in names,
+        "bos_token_id": meta.get("tokenizer.ggml.bos_token_id"),
+        "eos_token_id": eos_token_ids,
+        "torch_dtype": "float32",
+    }
+    scaling = _rope_scaling(meta)
+    if scaling is not None:
+        cfg["rope_scaling"] = scaling
+    return cfg
+
+
+def _rope_scaling(meta: GGUFMetadata) -> dict | None:
+    kind = meta.arch_key("rope.scaling.type")
+    if kind in (None, "none"):
+        return None
+    factor = _f32(meta.arch_key("rope.scaling.factor", 1.0))
+    if kind == "linear":
+        return {"rope_type": "linear", "factor": factor}
+    if kind == "yarn":
+        original = meta.arch_key("rope.scaling.original_context_length")
+        return {"rope_type": "yarn", "factor": factor,
+                "original_max_position_embeddings": int(original)}
+    raise ValueError(f"GGUF rope.scaling.type {kind!r} is not supported; supported: none, linear, yarn")
+
+
+# --- tensors -------------------------------------------------------------------------------
+
+def hf_tensor_name(gguf_name: str) -> str:
+    """Map a GGUF tensor name to its Hugging Face name, or raise for one we do not know."""
+    if gguf_name in _GLOBAL_TENSORS:
+        return _GLOBAL_TENSORS[gguf_name]
+    match = _LAYER_NAME.match(gguf_name)
+    if match is None or match.group(2) not in _LAYER_TENSORS:
+        raise ValueError(f"GGUF tensor {gguf_name!r} has no Hugging Face counterpart in verispec")
+    layer, kind, tail = match.groups()
+    return f"model.layers.{layer}.{_LAYER_TENSORS[kind]}.{tail}"
+
+
+def permute_for_gguf(w: np.ndarray, n_head: int) -> np.ndarray:
+    """llama.cpp's converter permutation of Q/K rows (half-split rotary -> interleaved pairs).
+
+    Within each head, HF orders rotary dims as [x0..x_{d/2-1}, y0..y_{d/2-1}]; llama.cpp
+    wants [x0, y0, x1, y1, ...]. Kept here (unused at load time) so tests can show that
+    skipping `unpermute_from_gguf` changes the weights.
+    """
+    rows = w.shape[0]
+    return w.reshape(n_head, 2, rows // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def unpermute_from_gguf(w: np.ndarray, n_head: int) -> np.ndarray:
+    """Inverse of `permute_for_gguf`: interleaved rotary pairs back to HF's half-split order."""
+    rows = w.shape[0]
+    return w.reshape(n_head, rows // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def iter_hf_tensors(reader, meta: GGUFMetadata, cfg: dict) -> Iterator[tuple[str, np.ndarray]]:
+    """Yield (HF name, float32 array) per tensor: dequantized, Q/K un-permuted for `llama`."""
+    from gguf.quants import dequantize
+
+    for t in reader.tensors:
+        name = hf_tensor_name(t.name)
+        shape = tuple(int(n) for n in reversed(t.shape))  # GGUF lists dims innermost first
+        w = dequantize(t.data, t.tensor_type).reshape(shape).astype(np.float32, copy=False)
+        if meta.arch == "llama":
+            # llama.cpp permutes Q/K only for `llama` (interleaved rotary); qwen2/3 use NeoX rope.
+            if name.endswith("self_attn.q_proj.weight") or name.endswith("self_attn.q_proj.bias"):
+                w = unpermute_from_gguf(w, cfg["num_attention_heads"])
+            elif name.endswith("self_attn.k_proj.weight") or name.endswith("self_attn.k_proj.bias"):
+                w = unpermute_from_gguf(w, cfg["num_key_value_heads"])
+        yield name, np.ascontiguousarray(w)
+
+
+# --- tokenizer -----------------------------------------------------------------------------
+
+def gguf_vocab(meta: GGUFMetadata) -> tuple[list[str], list[int]]:
+    """Token strings and types, without the trailing `[PADn]` filler rows.
+
+    llama.cpp's converter pads the token list up to the embedding size with UNUSED
+    placeholders; the original tokenizer has no such tokens, so they are dropped here.
+    """
+    tokens = list(meta.get("tokenizer.ggml.tokens") or [])
+    types = list(meta.get("tokenizer.ggml.token_type") or [TOKEN_NORMAL] * len(tokens))
+    while tokens and types[-1] == TOKEN_UNUSED:
+        tokens.pop()
+        types.pop()
+    return tokens, types
+
+
+def build_tokenizer(meta: GGUFMetadata):
+    """A `tokenizers.Tokenizer` equal to the model's original byte-level BPE tokenizer."""
+    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers
+
+    kind = meta.get("tokenizer.ggml.model")
+    if kind != "gpt2":
+        raise ValueError(f"GGUF tokenizer.ggml.model {kind!r} is not supported; supported: gpt2 "
+                         "(byte-level BPE)")
+    pre = meta.get("tokenizer.ggml.pre", "default")
+    if pre not in PRE_TOKENIZERS:
+        raise ValueError(f"GGUF tokenizer.ggml.pre {pre!r} is not supported; supported: "
+                         f"{', '.join(sorted(PRE_TOKENIZERS))}")
+    tokens, types = gguf_vocab(meta)
+    vocab: dict[str, int] = {}
+    for i, tok in enumerate(tokens):
+        vocab.setdefault(tok, i)  # a duplicated string keeps its first id, as llama.cpp does
+    merges = [tuple(m.split(" ", 1)) for m in meta.get("tokenizer.ggml.merges") or []]
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=merges, dropout=None, continuing_subword_prefix="",
+                               end_of_word_suffix="", fuse_unk=False, byte_fallback=False))
+    split, split_digits, nfc = PRE_TOKENIZERS[pre]
+    if nfc:
+        tok.normalizer = normalizers.NFC()
+    if split == _GPT2_SPLIT:
+        steps = [pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)]
+    else:
+        steps = [pre_tokenizers.Split(Regex(split), behavior="isolated"),
+                 pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)]
+    if split_digits:
+        steps.insert(0, pre_tokenizers.Digits(individual_digits=True))
+    tok.pre_tokenizer = pre_tokenizers.Sequence(steps)
+    tok.decoder = decoders.ByteLevel()
+    # Control tokens (<|im_start|>, ...) are matched whole and are "special" (skipped when
+    # decoding with skip_special_tokens); user-defined ones (<tool_call>) are matched whole only.
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False)
+                            for t, ty in zip(tokens, types) if ty == TOKEN_CONTROL])
+    tok.add_tokens([AddedToken(t, special=False, normalized=False)
+                    for t, ty in zip(tokens, types) if ty == TOKEN_USER_DEFINED])
+    return tok
+
+
+def eos_token_ids_from_gguf(meta: GGUFMetadata) -> list[int]:
+    """EOS first, then EOT/EOM, then control tokens llama.cpp also treats as end of generation."""
+    tokens, types = gguf_vocab(meta)
+    ids: list[int] = []
+    for key in ("eos_token_id", "eot_token_id", "eom_token_id"):
+        value = meta.get(f"tokenizer.ggml.{key}")
+        if value is not None and int(value) not in ids:
+            ids.append(int(value))
+    for i, (tok, ty) in enumerate(zip(tokens, types)):
+        if ty == TOKEN_CONTROL and tok in _EOG_STRINGS and i not in ids:
+            ids.append(i)
+    return ids
+
+
+def tokenizer_config_from_gguf(meta: GGUFMetadata, eos_token_ids: list[int]) -> dict:
+    """The `tokenizer_config.json` fields verispec reads (special tokens, template, BOS rule)."""
+    tokens, _ = gguf_vocab(meta)
+
+    def token(key: str) -> str | None:
+        idx = meta.get(f"tokenizer.ggml.{key}")
+        return tokens[int(idx)] if idx is not None and int(idx) < len(tokens) else None
+
+    return {
+        "add_bos_token": bool(meta.get("tokenizer.ggml.add_bos_token", False)),
+        "add_eos_token": bool(meta.get("tokenizer.ggml.add_eos_token", False)),
+        "bos_token": token("bos_token_id"),
+        "eos_token": tokens[eos_token_ids[0]] if eos_token_ids else None,
+        "unk_token": token("unknown_token_id"),
+        "pad_token": token("padding_token_id"),
+        "chat_template": meta.get("tokenizer.chat_template"),
+        "tokenizer_class": "PreTrainedTokenizerFast",
+    }
