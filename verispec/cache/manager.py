@@ -210,13 +210,21 @@ class KVCacheManager:
         return slots_for(state.block_table, start, end, self.block_size)
 
     def commit(self, seq_id: SeqId, num_tokens: int) -> None:
-        """Positions < num_tokens now hold verified KV (prefill chunks, plain decode)."""
+        """Positions < num_tokens now hold verified KV (prefill chunks, plain decode).
+
+        During an undecided draft round it may cover the round's verified inputs (positions
+        below base_len) but never a draft: only commit_provisional commits drafts.
+        """
         state = self._state(seq_id)
-        self._require_no_round(seq_id, state, "commit")
-        limit = len(state.block_table) * self.block_size
+        run = state.provisional
+        if run is not None and run.accepted_len is not None:
+            raise ValueError(f"commit after sequence {seq_id!r}'s draft round was decided; "
+                             f"call evict_provisional first")
+        limit = run.base_len if run is not None else len(state.block_table) * self.block_size
         if not (isinstance(num_tokens, int) and state.num_committed <= num_tokens <= limit):
             raise ValueError(f"num_tokens must be in [{state.num_committed}, {limit}] "
-                             f"(committed so far, allocated), got {num_tokens!r}")
+                             f"(committed so far, {'first draft' if run else 'allocated'}), "
+                             f"got {num_tokens!r}")
         state.num_committed = num_tokens
 
     # --- provisional tier -----------------------------------------------------------------
