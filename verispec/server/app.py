@@ -1,0 +1,507 @@
+"""HTTP routes of the OpenAI-compatible server (Starlette on uvicorn).
+
+    POST /v1/completions, /v1/chat/completions   JSON or SSE (stream=true)
+    GET  /v1/models                               the one served model
+    GET  /health                                  engine liveness, KV usage, integrity check when idle
+    GET  /metrics                                 Prometheus text format
+
+Security defaults: binds 127.0.0.1; with an API key (--api-key or VERISPEC_API_KEY) every
+/v1 route needs `Authorization: Bearer <key>` (compared in constant time); /health and
+/metrics stay open for probes and scrapers. Request bodies are capped while they are read.
+A client that disconnects (streaming or not) has its request aborted, which frees its KV
+blocks at once.
+
+The CLI calls `add_arguments(parser)` and `serve(engine_factory, args)`; tests can call
+`create_app(engine, ServerConfig(...))` and talk to it in-process.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import hmac
+import ipaddress
+import logging
+import os
+import uuid
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from typing import Any, AsyncIterator, Callable
+
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from verispec.outputs import RequestOutput
+from verispec.server import protocol as P
+from verispec.server.async_engine import (AsyncEngine, EngineClosed, QueueFull, RequestFailed,
+                                          RequestStream)
+from verispec.server.metrics import ServerMetrics
+
+log = logging.getLogger("verispec.server")
+
+DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions; chat: rest of context
+API_KEY_ENV = "VERISPEC_API_KEY"
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    """Server settings (the engine's are separate); built once from flags."""
+
+    host: str = "127.0.0.1"
+    port: int = 8000
+    api_key: str | None = None
+    max_waiting: int = 256
+    max_body_bytes: int = 1 << 20
+    served_model_name: str | None = None
+    shutdown_timeout_s: float = 10.0
+    log_level: str = "info"
+    access_log: bool = True
+
+    def __post_init__(self):
+        if not 0 <= self.port <= 65535:
+            raise ValueError(f"port must be in [0, 65535], got {self.port}")
+        if self.max_waiting < 1:
+            raise ValueError(f"max_waiting must be >= 1, got {self.max_waiting}")
+        if self.max_body_bytes < 1024:
+            raise ValueError(f"max_body_bytes must be >= 1024, got {self.max_body_bytes}")
+        if self.shutdown_timeout_s < 0:
+            raise ValueError(f"shutdown_timeout must be >= 0, got {self.shutdown_timeout_s}")
+        if self.api_key is not None and not self.api_key:
+            raise ValueError("api_key must not be empty (omit it to disable authentication)")
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> "ServerConfig":
+        d = cls()
+        return cls(host=getattr(args, "host", d.host), port=getattr(args, "port", d.port),
+                   api_key=getattr(args, "api_key", None) or os.environ.get(API_KEY_ENV) or None,
+                   max_waiting=getattr(args, "max_waiting", d.max_waiting),
+                   max_body_bytes=getattr(args, "max_body_bytes", d.max_body_bytes),
+                   served_model_name=getattr(args, "served_model_name", None),
+                   shutdown_timeout_s=getattr(args, "shutdown_timeout", d.shutdown_timeout_s),
+                   log_level=getattr(args, "log_level", d.log_level),
+                   access_log=getattr(args, "access_log", d.access_log))
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Add the server's flags (not the engine's) to `parser`."""
+    d = ServerConfig()
+    g = parser.add_argument_group("server")
+    g.add_argument("--host", default=d.host, help="address to bind (default: loopback only)")
+    g.add_argument("--port", type=int, default=d.port)
+    g.add_argument("--api-key", default=None,
+                   help=f"require 'Authorization: Bearer KEY' on /v1 routes (or set {API_KEY_ENV}; "
+                        "the variable keeps the key out of the process list)")
+    g.add_argument("--max-waiting", type=int, default=d.max_waiting,
+                   help="requests allowed to wait for the engine; beyond it: HTTP 429")
+    g.add_argument("--max-body-bytes", type=int, default=d.max_body_bytes,
+                   help="largest request body accepted; beyond it: HTTP 413")
+    g.add_argument("--served-model-name", default=None,
+                   help="model name clients must send (default: the engine's model name)")
+    g.add_argument("--shutdown-timeout", type=float, default=d.shutdown_timeout_s,
+                   help="seconds in-flight requests get to finish on shutdown before they are aborted")
+    g.add_argument("--log-level", default=d.log_level,
+                   choices=["critical", "error", "warning", "info", "debug"])
+    g.add_argument("--access-log", action=argparse.BooleanOptionalAction, default=d.access_log)
+
+
+def serve(engine_factory: Callable[[], Any], args: argparse.Namespace) -> int:
+    """Build the engine, then serve it until SIGINT/SIGTERM; returns the exit status."""
+    import uvicorn
+
+    config = ServerConfig.from_args(args)
+    if not logging.getLogger().handlers:
+        logging.basicConfig(level=config.log_level.upper(),
+                            format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if config.api_key is None and not _is_loopback(config.host):
+        log.warning("listening on %s without an API key: anyone who can reach it can use it",
+                    config.host)
+    engine = engine_factory()
+    app = create_app(engine, config)
+    server = uvicorn.Server(uvicorn.Config(
+        app, host=config.host, port=config.port, log_level=config.log_level, lifespan="on",
+        access_log=config.access_log, server_header=False,
+        timeout_graceful_shutdown=max(1, round(config.shutdown_timeout_s))))
+    try:
+        server.run()
+    except KeyboardInterrupt:
+        pass
+    except SystemExit as exc:  # uvicorn exits this way when it cannot bind or start
+        return exc.code if isinstance(exc.code, int) else 1
+    return 0 if server.started else 1
+
+
+def create_app(engine, config: ServerConfig = ServerConfig()) -> Starlette:
+    """The ASGI app serving `engine`; its engine thread starts and stops with the lifespan."""
+    server = OpenAIServer(engine, config)
+
+    @asynccontextmanager
+    async def lifespan(app):
+        server.async_engine.start()
+        log.info("serving %s (max_model_len=%d, speculation=%s)", server.model_name,
+                 engine.max_model_len, engine.spec_method)
+        try:
+            yield
+        finally:
+            # uvicorn already gave in-flight requests the graceful window; abort leftovers.
+            await server.async_engine.shutdown(drain_timeout_s=1.0)
+
+    routes = [
+        Route("/health", server.health, methods=["GET"]),
+        Route("/metrics", server.metrics_endpoint, methods=["GET"]),
+        Route("/v1/models", server.models, methods=["GET"]),
+        Route("/v1/completions", server.completions, methods=["POST"]),
+        Route("/v1/chat/completions", server.chat_completions, methods=["POST"]),
+    ]
+    app = Starlette(routes=routes, lifespan=lifespan,
+                    exception_handlers={HTTPException: _http_exception})
+    app.state.server = server
+    return app
+
+
+def _api(handler):
+    """Turn APIError (and any bug) raised by a route into an OpenAI-style error response."""
+    async def wrapped(self: "OpenAIServer", request: Request) -> Response:
+        try:
+            return await handler(self, request)
+        except P.APIError as exc:
+            self.metrics.on_rejected(exc.status)
+            return JSONResponse(exc.body(), exc.status, headers=exc.headers)
+        except Exception:
+            log.exception("unhandled error in %s", request.url.path)
+            body = P.error_body("internal server error", type="server_error", code="internal_error")
+            return JSONResponse(body, 500)
+    wrapped.__name__ = handler.__name__
+    wrapped.__doc__ = handler.__doc__
+    return wrapped
+
+
+class OpenAIServer:
+    """Route handlers over one AsyncEngine."""
+
+    def __init__(self, engine, config: ServerConfig):
+        self.engine = engine
+        self.config = config
+        self.tokenizer = engine.tokenizer
+        self.model_name = config.served_model_name or engine.model_name
+        self.created = P.now()
+        self.async_engine = AsyncEngine(engine, max_waiting=config.max_waiting)
+        self.metrics = ServerMetrics(self.model_name, stats_source=lambda: self.async_engine.latest_stats)
+        self.async_engine.observer = self.metrics
+        self.spec_cls = _spec_override_class(engine)
+
+    # ------------------------------------------------------------------ plain routes
+    async def health(self, request: Request) -> Response:
+        """Engine state; runs the KV integrity check when the engine is idle."""
+        ae = self.async_engine
+        body: dict[str, Any] = {"status": "ok", "model": self.model_name, "accepting": ae.accepting,
+                                "in_flight": ae.num_in_flight, "last_step_error": ae.last_step_error}
+        if not ae.is_alive:
+            return JSONResponse({**body, "status": "unavailable"}, 503)
+        try:
+            stats, integrity = await ae.call(self._probe, timeout_s=5.0)
+        except (asyncio.TimeoutError, EngineClosed):
+            stats, integrity = ae.latest_stats, "skipped: engine busy"
+        body.update(_stats_dict(stats), integrity=integrity)
+        if integrity.startswith("failed"):
+            body["status"] = "degraded"
+            return JSONResponse(body, 503)
+        return JSONResponse(body)
+
+    def _probe(self) -> tuple[Any, str]:  # engine thread
+        stats = self.engine.stats()
+        if self.engine.has_unfinished_requests():
+            return stats, "skipped: requests in flight"
+        try:
+            self.engine.check_integrity()
+        except AssertionError as exc:
+            return stats, f"failed: {exc}"
+        return stats, "ok"
+
+    async def metrics_endpoint(self, request: Request) -> Response:
+        body, content_type = self.metrics.render()
+        return Response(body, headers={"content-type": content_type})
+
+    @_api
+    async def models(self, request: Request) -> Response:
+        self._authorize(request)
+        card = {"id": self.model_name, "object": "model", "created": self.created,
+                "owned_by": "verispec", "max_model_len": self.engine.max_model_len}
+        return JSONResponse({"object": "list", "data": [card]})
+
+    # ------------------------------------------------------------------ generation routes
+    @_api
+    async def completions(self, request: Request) -> Response:
+        self._authorize(request)
+        req = P.parse_request(P.CompletionRequest, await read_body(request, self.config.max_body_bytes))
+        self._check_model(req.model)
+        prompt_ids = self._encode_prompt(req.prompt)
+        max_tokens = self._resolve_max_tokens(req.max_tokens, "max_tokens", len(prompt_ids), "prompt",
+                                              DEFAULT_COMPLETION_MAX_TOKENS)
+        rid = f"cmpl-{uuid.uuid4().hex}"
+        stream = await self._start(rid, prompt_ids, P.sampling_params(req, max_tokens), req)
+        return await self._respond(request, stream, "completion", req)
+
+    @_api
+    async def chat_completions(self, request: Request) -> Response:
+        self._authorize(request)
+        req = P.parse_request(P.ChatCompletionRequest, await read_body(request, self.config.max_body_bytes))
+        self._check_model(req.model)
+        try:
+            prompt_ids = list(self.tokenizer.encode_chat(req.message_dicts()))
+        except Exception as exc:  # the template rejecting a conversation is bad input
+            raise P.APIError(400, f"messages: the chat template rejected them: {exc}",
+                             param="messages", code="invalid_value") from None
+        param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
+        max_tokens = self._resolve_max_tokens(req.requested_max_tokens(), param, len(prompt_ids),
+                                              "messages", None)
+        rid = f"chatcmpl-{uuid.uuid4().hex}"
+        stream = await self._start(rid, prompt_ids, P.sampling_params(req, max_tokens), req)
+        return await self._respond(request, stream, "chat", req)
+
+    async def _respond(self, request: Request, stream: RequestStream, kind: str, req) -> Response:
+        if req.stream:
+            events = self._events(stream, kind, req.include_usage_in_stream())
+            return SSEResponse(events, stream)
+        try:
+            out = await _collect(stream, request)
+        except (RequestFailed, EngineClosed) as exc:
+            raise _failure(exc) from None
+        if out is None:  # the client went away; its request is already aborted
+            return Response(status_code=499)
+        build = P.completion_response if kind == "completion" else P.chat_response
+        return JSONResponse(build(stream.request_id, P.now(), self.model_name, out.text,
+                                  out.finish_reason, _usage(out), P.spec_summary(out.spec, stream.method)))
+
+    async def _events(self, stream: RequestStream, kind: str, include_usage: bool) -> AsyncIterator[bytes]:
+        """SSE events of one request; `spec` rides on the last chunk before [DONE]."""
+        rid, created, model = stream.request_id, P.now(), self.model_name
+
+        def chunk(text: str | None, finish_reason: str | None) -> dict:
+            if kind == "completion":
+                c = P.completion_chunk(rid, created, model, text or "", finish_reason)
+            else:
+                c = P.chat_chunk(rid, created, model, {} if text is None else {"content": text}, finish_reason)
+            if include_usage:
+                c["usage"] = None
+            return c
+
+        try:
+            if kind == "chat":
+                yield P.sse({**chunk("", None), "choices": [
+                    {"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                     "finish_reason": None}]})
+            async for out in stream:
+                _raise_if_engine_aborted(out)
+                if out.new_text and (kind == "chat" or not out.finished):
+                    yield P.sse(chunk(out.new_text, None))
+                if out.finished:
+                    last = chunk(out.new_text if kind == "completion" else None, out.finish_reason)
+                    spec = P.spec_summary(out.spec, stream.method)
+                    if not include_usage:
+                        last["spec"] = spec
+                    yield P.sse(last)
+                    if include_usage:
+                        obj = "text_completion" if kind == "completion" else "chat.completion.chunk"
+                        yield P.sse({**P.usage_chunk(rid, created, model, obj, _usage(out)), "spec": spec})
+        except (RequestFailed, EngineClosed) as exc:
+            yield P.sse(_failure(exc).body())
+        yield P.sse("[DONE]")
+
+    # ------------------------------------------------------------------ helpers
+    def _authorize(self, request: Request) -> None:
+        key = self.config.api_key
+        if key is None:
+            return
+        scheme, _, token = request.headers.get("authorization", "").partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), key.encode()):
+            raise P.APIError(401, "missing or invalid API key (send 'Authorization: Bearer <key>')",
+                             type="authentication_error", code="invalid_api_key",
+                             headers={"WWW-Authenticate": "Bearer"})
+
+    def _check_model(self, model: str | None) -> None:
+        if model is not None and model != self.model_name:
+            raise P.APIError(400, f"model {model!r} is not served here; use {self.model_name!r}",
+                             param="model", code="model_not_found")
+
+    def _encode_prompt(self, prompt: str | list[int]) -> list[int]:
+        if isinstance(prompt, str):
+            return list(self.tokenizer.encode(prompt))
+        vocab = getattr(self.tokenizer, "vocab_size", None)
+        if vocab is not None and any(not 0 <= t < vocab for t in prompt):
+            raise P.APIError(400, f"prompt: token ids must be in [0, {vocab})", param="prompt",
+                             code="invalid_value")
+        return prompt
+
+    def _resolve_max_tokens(self, requested: int | None, param: str, prompt_len: int,
+                            prompt_param: str, default: int | None) -> int:
+        """Check the prompt and max_tokens against the context; fill in the default."""
+        context = self.engine.max_model_len
+        room = context - prompt_len
+        if prompt_len == 0:
+            raise P.APIError(400, f"{prompt_param}: the prompt is empty", param=prompt_param,
+                             code="invalid_value")
+        if room < 1:
+            raise P.APIError(400, f"{prompt_param}: the prompt is {prompt_len} tokens; the context is "
+                             f"{context} tokens and must leave room for at least one generated token",
+                             param=prompt_param, code="context_length_exceeded")
+        if requested is None:
+            return room if default is None else min(default, room)
+        if requested > room:
+            raise P.APIError(400, f"{param}: {requested} with a {prompt_len}-token prompt exceeds the "
+                             f"context of {context} tokens (at most {room})", param=param,
+                             code="context_length_exceeded")
+        return requested
+
+    async def _start(self, rid: str, prompt_ids: list[int], params, req) -> RequestStream:
+        """Hand the request to the engine, mapping refusals to HTTP errors."""
+        try:
+            return await self.async_engine.add_request(rid, prompt_ids, params,
+                                                       P.spec_override(req, self.spec_cls))
+        except QueueFull as exc:
+            raise P.APIError(429, str(exc), type="rate_limit_error", code="queue_full",
+                             headers={"Retry-After": str(exc.retry_after_s)}) from None
+        except ValueError as exc:
+            raise P.APIError(400, str(exc), param=P.engine_error_param(str(exc)),
+                             code="invalid_value") from None
+        except (RequestFailed, EngineClosed) as exc:
+            raise _failure(exc) from None
+
+
+class SSEResponse:
+    """A text/event-stream response that aborts its request as soon as the client leaves.
+
+    Starlette's StreamingResponse notices a disconnect only when a write fails, i.e. at the
+    next token; this one also listens for http.disconnect while waiting for tokens.
+    """
+
+    def __init__(self, events: AsyncIterator[bytes], stream: RequestStream):
+        self.events = events
+        self.stream = stream
+
+    async def __call__(self, scope, receive, send) -> None:
+        tasks: list[asyncio.Future] = []
+        try:
+            await send({"type": "http.response.start", "status": 200, "headers": [
+                (b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-control", b"no-cache"),
+                (b"x-accel-buffering", b"no")]})
+            tasks = [asyncio.ensure_future(self._send_all(send)),
+                     asyncio.ensure_future(_wait_for_disconnect(receive))]
+            await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            self.stream.abort()  # no-op when the request already finished
+            for task in tasks:
+                task.cancel()
+            if tasks:
+                await asyncio.wait(tasks)
+        sender = tasks[0]
+        if not sender.cancelled() and sender.exception() is not None:
+            exc = sender.exception()
+            if not isinstance(exc, OSError):  # OSError: the client closed the socket
+                log.error("SSE stream %s failed", self.stream.request_id, exc_info=exc)
+
+    async def _send_all(self, send) -> None:
+        try:
+            async for event in self.events:
+                await send({"type": "http.response.body", "body": event, "more_body": True})
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+        finally:
+            await self.events.aclose()
+
+
+async def read_body(request: Request, limit: int) -> bytes:
+    """The request body, refusing (413) as soon as it grows past `limit` bytes."""
+    declared = request.headers.get("content-length")
+    if declared is not None:
+        if not declared.isdigit():
+            raise P.APIError(400, "invalid Content-Length header", code="invalid_value")
+        if int(declared) > limit:
+            raise P.APIError(413, f"request body is {declared} bytes; the limit is {limit}",
+                             code="request_too_large")
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise P.APIError(413, f"request body exceeds the limit of {limit} bytes",
+                             code="request_too_large")
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+async def _collect(stream: RequestStream, request: Request) -> RequestOutput | None:
+    """The final output of a non-streaming request, or None if the client disconnected."""
+    async def consume() -> RequestOutput:
+        last = None
+        async for out in stream:
+            _raise_if_engine_aborted(out)
+            last = out
+        return last
+
+    consumer = asyncio.ensure_future(consume())
+    watcher = asyncio.ensure_future(_wait_for_disconnect(request.receive))
+    try:
+        await asyncio.wait({consumer, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        stream.abort()  # no-op when it finished; frees the KV at once when the client left
+        for task in (consumer, watcher):
+            task.cancel()
+    if consumer.done() and not consumer.cancelled():
+        return consumer.result()
+    return None
+
+
+async def _wait_for_disconnect(receive) -> None:
+    while (await receive())["type"] != "http.disconnect":
+        pass
+
+
+def _raise_if_engine_aborted(out: RequestOutput) -> None:
+    if out.finished and out.finish_reason not in ("stop", "length"):
+        raise RequestFailed(f"the engine ended the request ({out.finish_reason})")
+
+
+def _failure(exc: Exception) -> P.APIError:
+    if isinstance(exc, EngineClosed):
+        return P.APIError(503, str(exc), type="server_error", code="unavailable")
+    return P.APIError(500, str(exc), type="server_error", code="engine_error")
+
+
+def _usage(out: RequestOutput) -> dict:
+    return P.usage(len(out.prompt_token_ids), len(out.token_ids))
+
+
+def _stats_dict(stats) -> dict:
+    names = ("num_running", "num_waiting", "kv_blocks_used", "kv_blocks_total",
+             "prefix_hit_tokens", "prefix_query_tokens")
+    return {n: getattr(stats, n, None) for n in names}
+
+
+async def _http_exception(request: Request, exc: HTTPException) -> Response:
+    code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
+    app_state = getattr(request.app.state, "server", None)
+    if app_state is not None:
+        app_state.metrics.on_rejected(exc.status_code)
+    body = P.error_body(f"{request.method} {request.url.path}: {exc.detail}", code=code)
+    return JSONResponse(body, exc.status_code, headers=getattr(exc, "headers", None))
+
+
+def _spec_override_class(engine) -> type:
+    """The engine's own SpecOverride (from the module defining the engine class), if any.
+
+    Looking it up there keeps the server from importing the engine package itself; an
+    engine without one gets the protocol's dataclass, which has the same fields.
+    """
+    import sys
+
+    module = sys.modules.get(type(engine).__module__)
+    return getattr(module, "SpecOverride", None) or P.SpecOverride
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False

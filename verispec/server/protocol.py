@@ -1,0 +1,383 @@
+"""OpenAI-compatible request schemas, their validation, and the response/error bodies.
+
+Requests are parsed strictly (no "1" for 1, no true for 1): a wrong type is a 400 that
+names the field, never a silent coercion. Unknown fields are ignored, as OpenAI-compatible
+servers do, but known features this server does not implement (n > 1, logprobs, echo,
+penalties, tools, ...) are rejected rather than silently dropped.
+
+Extensions over the OpenAI API: `top_k`, `min_p`, `ignore_eos`, and
+`speculative: {"method": "ngram"|"draft"|"none", "num_tokens": k, "adaptive": bool}` on
+requests; `spec` (the request's speculation statistics) on responses.
+"""
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from verispec.outputs import SpecStats
+from verispec.sampling import SamplingParams
+
+MAX_STOP_STRINGS = 16
+MAX_SEED = 2**63 - 1
+
+
+class APIError(Exception):
+    """An error answered to the client as an OpenAI-style error body."""
+
+    def __init__(self, status: int, message: str, *, param: str | None = None,
+                 type: str = "invalid_request_error", code: str | None = None,
+                 headers: dict[str, str] | None = None):
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.type = type
+        self.code = code
+        self.headers = headers or {}
+
+    def body(self) -> dict:
+        return error_body(self.message, type=self.type, param=self.param, code=self.code)
+
+
+def error_body(message: str, *, type: str = "invalid_request_error", param: str | None = None,
+               code: str | None = None) -> dict:
+    """{"error": {"message", "type", "param", "code"}} as the OpenAI API returns it."""
+    return {"error": {"message": message, "type": type, "param": param, "code": code}}
+
+
+# ---------------------------------------------------------------------------- requests
+class _Strict(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_means_default(cls, data: Any) -> Any:
+        # OpenAI clients send `"field": null` for "not set"; treat it as absent.
+        if isinstance(data, dict):
+            return {k: v for k, v in data.items() if v is not None}
+        return data
+
+
+class SpeculativeOptions(_Strict):
+    method: Literal["ngram", "draft", "none"] | None = None
+    num_tokens: int | None = Field(None, ge=0)  # the engine enforces its own upper bound
+    adaptive: bool | None = None
+
+
+class StreamOptions(_Strict):
+    include_usage: bool = False
+
+
+class _GenerationRequest(_Strict):
+    """Fields shared by /v1/completions and /v1/chat/completions."""
+
+    model: str | None = None
+    max_tokens: int | None = Field(None, gt=0)
+    temperature: float = Field(1.0, ge=0)
+    top_p: float = Field(1.0, gt=0, le=1)
+    top_k: int = Field(0, ge=0)          # extension; 0 disables
+    min_p: float = Field(0.0, ge=0, le=1)  # extension
+    seed: int | None = Field(None, ge=-MAX_SEED, le=MAX_SEED)
+    stop: Any = ()
+    n: int = 1
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    speculative: SpeculativeOptions | None = None  # extension
+    ignore_eos: bool = False                       # extension
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: dict | None = None
+    user: str | None = None
+
+    @field_validator("stop")
+    @classmethod
+    def _check_stop(cls, v: Any) -> tuple[str, ...]:
+        if v is None:
+            return ()
+        stops = [v] if isinstance(v, str) else v
+        if not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops):
+            raise ValueError("must be a non-empty string or a list of non-empty strings")
+        if len(stops) > MAX_STOP_STRINGS:
+            raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings, got {len(stops)}")
+        return tuple(stops)
+
+    @field_validator("n")
+    @classmethod
+    def _check_n(cls, v: int) -> int:
+        if v != 1:
+            raise ValueError(f"only n=1 is supported, got {v}")
+        return v
+
+    @field_validator("presence_penalty", "frequency_penalty")
+    @classmethod
+    def _check_penalty(cls, v: float) -> float:
+        if v != 0:
+            raise ValueError("penalties are not supported; only 0 is accepted")
+        return v
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _check_logit_bias(cls, v: dict | None) -> dict | None:
+        if v:
+            raise ValueError("logit_bias is not supported")
+        return v
+
+    def check_stream_options(self) -> None:
+        if self.stream_options is not None and not self.stream:
+            raise APIError(400, "stream_options is only allowed when stream is true",
+                           param="stream_options", code="invalid_value")
+
+    def include_usage_in_stream(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+
+class CompletionRequest(_GenerationRequest):
+    """POST /v1/completions: `prompt` is a string or a list of token ids (one prompt)."""
+
+    prompt: Any
+    echo: bool = False
+    logprobs: int | None = None
+    best_of: int | None = None
+    suffix: str | None = None
+
+    @field_validator("prompt")
+    @classmethod
+    def _check_prompt(cls, v: Any) -> str | list[int]:
+        if isinstance(v, list) and len(v) == 1 and isinstance(v[0], (str, list)):
+            v = v[0]  # a batch of one prompt
+        if isinstance(v, str):
+            return v
+        if isinstance(v, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in v):
+            return v
+        raise ValueError("must be a string or a list of token ids (integers); batches of "
+                         "several prompts are not supported")
+
+    @field_validator("echo")
+    @classmethod
+    def _check_echo(cls, v: bool) -> bool:
+        if v:
+            raise ValueError("echo is not supported")
+        return v
+
+    @field_validator("logprobs")
+    @classmethod
+    def _check_logprobs(cls, v: int | None) -> int | None:
+        if v is not None:
+            raise ValueError("logprobs are not supported")
+        return v
+
+    @field_validator("best_of")
+    @classmethod
+    def _check_best_of(cls, v: int | None) -> int | None:
+        if v not in (None, 1):
+            raise ValueError(f"only best_of=1 is supported, got {v}")
+        return v
+
+    @field_validator("suffix")
+    @classmethod
+    def _check_suffix(cls, v: str | None) -> str | None:
+        if v:
+            raise ValueError("suffix is not supported")
+        return v
+
+
+class ChatMessage(_Strict):
+    role: Literal["system", "developer", "user", "assistant"]
+    content: Any
+    name: str | None = None
+
+    @field_validator("content")
+    @classmethod
+    def _check_content(cls, v: Any) -> str:
+        if isinstance(v, str):
+            return v
+        if isinstance(v, list) and all(isinstance(p, dict) and p.get("type") == "text"
+                                       and isinstance(p.get("text"), str) for p in v):
+            return "".join(p["text"] for p in v)
+        raise ValueError('must be a string or a list of {"type": "text", "text": ...} parts')
+
+
+class ChatCompletionRequest(_GenerationRequest):
+    """POST /v1/chat/completions."""
+
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(None, gt=0)
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    tools: list | None = None
+    response_format: dict | None = None
+
+    @field_validator("logprobs")
+    @classmethod
+    def _check_logprobs(cls, v: bool) -> bool:
+        if v:
+            raise ValueError("logprobs are not supported")
+        return v
+
+    @field_validator("top_logprobs")
+    @classmethod
+    def _check_top_logprobs(cls, v: int | None) -> int | None:
+        if v is not None:
+            raise ValueError("top_logprobs is not supported")
+        return v
+
+    @field_validator("tools")
+    @classmethod
+    def _check_tools(cls, v: list | None) -> list | None:
+        if v:
+            raise ValueError("tools are not supported")
+        return v
+
+    @field_validator("response_format")
+    @classmethod
+    def _check_response_format(cls, v: dict | None) -> dict | None:
+        if v is not None and v != {"type": "text"}:
+            raise ValueError('only {"type": "text"} is supported')
+        return v
+
+    def requested_max_tokens(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    def message_dicts(self) -> list[dict]:
+        return [{"role": m.role, "content": m.content} for m in self.messages]
+
+
+def parse_request(model: type[_Strict], body: bytes) -> Any:
+    """Decode and validate a JSON body; raises APIError(400) naming the offending field."""
+    try:
+        data = json.loads(body)
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise APIError(400, f"request body is not valid JSON: {exc}", code="invalid_json") from None
+    if not isinstance(data, dict):
+        raise APIError(400, "request body must be a JSON object", code="invalid_json")
+    try:
+        request = model.model_validate(data)
+    except ValidationError as exc:
+        raise _validation_error(exc) from None
+    request.check_stream_options()
+    return request
+
+
+def _validation_error(exc: ValidationError) -> APIError:
+    err = exc.errors(include_url=False)[0]
+    param = format_param(err["loc"])
+    message = err["msg"].removeprefix("Value error, ")
+    if err["type"] == "missing":
+        message = "is required"
+    code = "missing_required_parameter" if err["type"] == "missing" else "invalid_value"
+    return APIError(400, f"{param}: {message}", param=param, code=code)
+
+
+def format_param(loc: tuple) -> str:
+    """('messages', 0, 'content') -> 'messages[0].content'."""
+    out = ""
+    for part in loc:
+        out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else str(part))
+    return out
+
+
+# ---------------------------------------------------------------------------- to the engine
+@dataclass(frozen=True)
+class SpecOverride:
+    """Same fields as the engine's SpecOverride; used only if the engine module has none."""
+
+    method: str | None = None
+    num_tokens: int | None = None
+    adaptive: bool | None = None
+
+
+def sampling_params(request: _GenerationRequest, max_tokens: int) -> SamplingParams:
+    """SamplingParams for a validated request; `max_tokens` is already resolved."""
+    try:
+        return SamplingParams(temperature=request.temperature, top_p=request.top_p,
+                              top_k=request.top_k, min_p=request.min_p, max_tokens=max_tokens,
+                              seed=request.seed, stop=request.stop, ignore_eos=request.ignore_eos)
+    except ValueError as exc:  # the protocol checks first, so this is a belt-and-braces path
+        raise APIError(400, str(exc), param=engine_error_param(str(exc))) from None
+
+
+def spec_override(request: _GenerationRequest, cls: type = SpecOverride):
+    """The request's speculative options as the engine's SpecOverride, or None."""
+    s = request.speculative
+    if s is None:
+        return None
+    return cls(method=s.method, num_tokens=s.num_tokens, adaptive=s.adaptive)
+
+
+_KNOWN_PARAMS = ("speculative.method", "speculative.num_tokens", "speculative.adaptive",
+                 "max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "prompt")
+
+
+def engine_error_param(message: str) -> str | None:
+    """Best guess at the field an engine ValueError is about (its message starts with it)."""
+    for name in _KNOWN_PARAMS:
+        if message.startswith(name):
+            return name
+    return None
+
+
+# ---------------------------------------------------------------------------- responses
+def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+def spec_summary(stats: SpecStats, method: str) -> dict:
+    """The `spec` extension: acceptance summary plus the raw per-position counts."""
+    return {
+        "method": method,
+        "num_drafts": stats.num_drafts,
+        "drafted": stats.num_draft_tokens,
+        "accepted": stats.num_accepted_tokens,
+        "acceptance_per_position": stats.acceptance_per_position,
+        "mean_accepted_len": stats.mean_accepted_len,
+        "accepted_per_position": list(stats.accepted_per_position),
+        "drafted_per_position": list(stats.drafted_per_position),
+    }
+
+
+def now() -> int:
+    return int(time.time())
+
+
+def completion_response(rid: str, created: int, model: str, text: str, finish_reason: str,
+                        usage_: dict, spec: dict) -> dict:
+    return {"id": rid, "object": "text_completion", "created": created, "model": model,
+            "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}],
+            "usage": usage_, "spec": spec}
+
+
+def chat_response(rid: str, created: int, model: str, text: str, finish_reason: str,
+                  usage_: dict, spec: dict) -> dict:
+    message = {"role": "assistant", "content": text}
+    return {"id": rid, "object": "chat.completion", "created": created, "model": model,
+            "choices": [{"index": 0, "message": message, "logprobs": None,
+                         "finish_reason": finish_reason}],
+            "usage": usage_, "spec": spec}
+
+
+def completion_chunk(rid: str, created: int, model: str, text: str,
+                     finish_reason: str | None) -> dict:
+    return {"id": rid, "object": "text_completion", "created": created, "model": model,
+            "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}]}
+
+
+def chat_chunk(rid: str, created: int, model: str, delta: dict, finish_reason: str | None) -> dict:
+    return {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
+            "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}]}
+
+
+def usage_chunk(rid: str, created: int, model: str, obj: str, usage_: dict) -> dict:
+    """The final stream chunk of `stream_options.include_usage`: no choices, the usage."""
+    return {"id": rid, "object": obj, "created": created, "model": model, "choices": [],
+            "usage": usage_}
+
+
+def sse(data: dict | str) -> bytes:
+    """One server-sent event."""
+    payload = data if isinstance(data, str) else json.dumps(data, separators=(",", ":"))
+    return f"data: {payload}\n\n".encode()
