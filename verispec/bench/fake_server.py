@@ -38,7 +38,8 @@ class Behaviour:
     close_substrings: tuple[str, ...] = ()      # ... get the connection dropped mid-stream
     truncate_substrings: tuple[str, ...] = ()   # ... end without finish_reason and [DONE]
     diverge_substrings: tuple[str, ...] = ()    # ... produce a different continuation
-    json_output: bool = False               # answer with a JSON object
+    json_substrings: tuple[str, ...] = ()   # prompts containing one get a JSON object back
+    broken_json_substrings: tuple[str, ...] = ()  # ... get a JSON object cut short
     metrics_prefix: str | None = "verispec:"  # None: /metrics has no speculation counters
     metrics_status: int = 200
     accept_tokens: bool = True              # False: draft counters grow, accepted stay at 0
@@ -135,8 +136,10 @@ async def _stream(body: dict, text: str, b: Behaviour, counters: _Counters):
     continuous = b.send_usage and b.honour_continuous_usage and opts.get("continuous_usage_stats")
     diverge = any(s in text for s in b.diverge_substrings)
     tokens = _tokens_for(body["messages"], body["max_tokens"], diverge)
-    if b.json_output:
-        tokens = ['{"answer": ', f'"{len(tokens)}"', "}"]
+    if any(s in text for s in b.json_substrings):
+        tokens = ['{"answer": ', f'"{len(tokens)}"', ', "words": ', '["a", ', '"b"]', "}"]
+        if any(s in text for s in b.broken_json_substrings):
+            tokens = tokens[:-1]
     prompt_tokens = len(text) // 4 + 1
     finish = "length" if len(tokens) >= body["max_tokens"] else "stop"
     truncate = any(s in text for s in b.truncate_substrings)
