@@ -75,11 +75,12 @@ def test_pass_order_is_seeded_and_differs_between_passes():
     (Behaviour(fail_500_substrings=("number 1",)), "http_status", {"p1"}),
     (Behaviour(close_substrings=("number 1",)), "transport", {"p1"}),
     (Behaviour(truncate_substrings=("number 1",)), "stream_truncated", {"p1"}),
-], ids=["missing-usage", "http-500", "connection-closed", "stream-cut-short"])
+    (Behaviour(stall_substrings=("number 1",), stall_s=3.0), "timeout", {"p1"}),
+], ids=["missing-usage", "http-500", "connection-closed", "stream-cut-short", "timeout"])
 def test_misbehaving_server_fails_the_run_and_lists_what_is_missing(
         tmp_path, dataset, capsys, behaviour, kind, missing_prompts):
     with FakeServer(behaviour) as server:
-        code = run(server, tmp_path / "run", dataset, num=6, warmup=0)
+        code = run(server, tmp_path / "run", dataset, "--request-timeout", "0.5", num=6, warmup=0)
     assert code == 1
     manifest, records = read_run(tmp_path / "run")
     assert manifest["status"] == "incomplete"

@@ -6,6 +6,8 @@
   * speedups with seeded bootstrap confidence intervals, resampling prompts (the unit that was
     paired), never requests of one prompt independently:
       decode_tps   geometric mean over prompts of spec/base per-request decode tokens/s
+      inv_tpot     geometric mean over prompts of base TPOT / spec TPOT (needs no per-chunk
+                   counts, so it exists for servers that send none)
       e2e_tput     (sum completion tokens / sum end-to-end seconds), spec over base
 """
 from __future__ import annotations
@@ -52,7 +54,7 @@ def _interval(samples: np.ndarray, point: float, n: int, resamples: int) -> dict
 
 
 def bootstrap_decode_speedup(spec: dict, base: dict, resamples: int, seed: int) -> dict | None:
-    """Geometric-mean speedup of per-prompt decode tokens/s with a percentile bootstrap CI."""
+    """Geometric-mean speedup of a per-prompt rate (spec / base) with a percentile bootstrap CI."""
     keys = sorted(k for k in spec.keys() & base.keys() if spec[k] > 0 and base[k] > 0)
     if not keys:
         return None
@@ -144,10 +146,17 @@ def json_validity(records: list[dict]) -> dict:
     return {"checked": len(rows), "valid": sum(r["json_valid"] for r in rows), "invalid": invalid}
 
 
+def _inverse(values: dict[tuple, float]) -> dict[tuple, float]:
+    return {k: 1.0 / v for k, v in values.items() if v > 0}
+
+
 def _speedups(spec: list[dict], base: list[dict], resamples: int, seed: int) -> dict:
     return {"decode_tps": bootstrap_decode_speedup(per_prompt(spec, "decode_tokens_per_s"),
                                                    per_prompt(base, "decode_tokens_per_s"),
                                                    resamples, seed),
+            "inv_tpot": bootstrap_decode_speedup(_inverse(per_prompt(spec, "tpot_s")),
+                                                 _inverse(per_prompt(base, "tpot_s")),
+                                                 resamples, seed),
             "e2e_throughput": bootstrap_e2e_speedup(_sums(spec), _sums(base), resamples, seed)}
 
 

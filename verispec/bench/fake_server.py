@@ -38,6 +38,8 @@ class Behaviour:
     close_substrings: tuple[str, ...] = ()      # ... get the connection dropped mid-stream
     truncate_substrings: tuple[str, ...] = ()   # ... end without finish_reason and [DONE]
     diverge_substrings: tuple[str, ...] = ()    # ... produce a different continuation
+    stall_substrings: tuple[str, ...] = ()      # ... stall for stall_s before the first token
+    stall_s: float = 5.0
     json_substrings: tuple[str, ...] = ()   # prompts containing one get a JSON object back
     broken_json_substrings: tuple[str, ...] = ()  # ... get a JSON object cut short
     metrics_prefix: str | None = "verispec:"  # None: /metrics has no speculation counters
@@ -144,6 +146,8 @@ async def _stream(body: dict, text: str, b: Behaviour, counters: _Counters):
     finish = "length" if len(tokens) >= body["max_tokens"] else "stop"
     truncate = any(s in text for s in b.truncate_substrings)
     close = any(s in text for s in b.close_substrings)
+    if any(s in text for s in b.stall_substrings):
+        await asyncio.sleep(b.stall_s)
     i, sent, cid = 0, 0, "chatcmpl-fake"
     yield _chunk(cid, b.model, {"role": "assistant", "content": ""}, None,
                  {"prompt_tokens": prompt_tokens, "completion_tokens": 0} if continuous else None)

@@ -16,6 +16,9 @@ post-mortem's CSV with 14 headers and 10 values). Field semantics:
                 the tokens that arrived after the first token chunk over the time they took;
                 null when per-chunk counts are unavailable (never estimated from words)
   tpot_s        (e2e_s - ttft_s) / (completion_tokens - 1), the vLLM benchmark convention
+  itl_s         gaps between consecutive token-carrying chunks (a chunk of 3 tokens is one gap:
+                with speculation a chunk holds every token one verify step accepted)
+  spec          the server's per-response speculation stats, verbatim (verispec adds "spec")
 """
 from __future__ import annotations
 

@@ -35,6 +35,21 @@ def _spec_acceptance(records: list[dict]) -> float | None:
     return accepted / drafted if drafted else None
 
 
+def spec_per_position(records: list[dict]) -> list[dict]:
+    """Acceptance per draft position summed from per-response spec stats (verispec's fields)."""
+    accepted: dict[int, float] = {}
+    drafted: dict[int, float] = {}
+    for r in ok_records(records):
+        spec = r["spec"] or {}
+        acc, dr = spec.get("accepted_per_position"), spec.get("drafted_per_position")
+        if isinstance(acc, list) and isinstance(dr, list) and len(acc) == len(dr):
+            for i, (a, d) in enumerate(zip(acc, dr)):
+                accepted[i] = accepted.get(i, 0) + a
+                drafted[i] = drafted.get(i, 0) + d
+    return [{"position": i, "accepted": accepted[i],
+             "rate": accepted[i] / drafted[i] if drafted[i] else None} for i in sorted(accepted)]
+
+
 def summarize(records: list[dict]) -> dict[str, dict]:
     """Per-dataset (and "all") request counts, latency medians, throughput and acceptance."""
     groups: dict[str, list[dict]] = defaultdict(list)
@@ -150,12 +165,13 @@ def _comparison_section(cmp: dict) -> list[str]:
             f"{d['key']}: {d['spec']} vs {d['base']}" for d in cmp["config_differences"]), ""]
     rows = []
     for task, sp in list(cmp["speedup_by_task"].items()) + [("all", cmp["speedup"])]:
-        rows.append([task] + [_ci(sp[m]) for m in ("decode_tps", "e2e_throughput")])
-    lines += _table(["task", "decode tok/s speedup [95% CI]", "e2e throughput speedup [95% CI]"],
-                    rows)
+        rows.append([task] + [_ci(sp[m]) for m in ("decode_tps", "inv_tpot", "e2e_throughput")])
+    lines += _table(["task", "decode tok/s speedup [95% CI]", "1/TPOT speedup [95% CI]",
+                     "e2e throughput speedup [95% CI]"], rows)
     lines += ["", "Speedups: decode = geometric mean over prompts of per-request decode tok/s "
-              "ratios; e2e = ratio of summed tokens over summed end-to-end seconds. CIs: "
-              "percentile bootstrap over prompts.", ""]
+              "ratios; 1/TPOT = geometric mean of baseline TPOT / spec TPOT; e2e = ratio of "
+              "summed tokens over summed end-to-end seconds. CIs: percentile bootstrap over "
+              "prompts.", ""]
     eq = cmp["equality"]
     if "not_applicable" in eq:
         lines += [f"Output equality: n/a ({eq['not_applicable']}).", ""]
@@ -228,8 +244,9 @@ def _plots(run_dir: Path, manifest: dict, records: list[dict], base, cmp) -> lis
                                    out / "ttft_distribution.png"))
     made.append(plots.distribution(series["tpot"], "TPOT (ms)", "Time per output token",
                                    out / "tpot_distribution.png"))
-    made.append(plots.acceptance_per_position(acc.get("per_position") or [],
-                                              out / "acceptance_per_position.png"))
+    # /metrics deltas first; the responses' own spec stats when the server exposes no counters
+    per_position = acc.get("per_position") or spec_per_position(records)
+    made.append(plots.acceptance_per_position(per_position, out / "acceptance_per_position.png"))
     if cmp is not None:
         made.append(plots.speedup_by_task(cmp["speedup_by_task"], "decode_tps",
                                           out / "speedup_by_task.png"))
