@@ -12,6 +12,7 @@ import hashlib
 import json
 import logging
 import os
+import struct
 import subprocess
 import sys
 import tempfile
@@ -126,13 +127,12 @@ def check_gguf_header(path: Path, expected_arch: str | None) -> str:
         magic = f.read(4)
     if magic != GGUF_MAGIC:
         raise FetchError(f"{path}: not a GGUF file (magic {magic!r}, expected {GGUF_MAGIC!r})")
-    from gguf import GGUFReader
+    from verispec.model.gguf_loader import read_gguf
 
     try:
-        field = GGUFReader(str(path)).fields.get("general.architecture")
-    except Exception as exc:  # a truncated or corrupt file fails inside the reader
+        arch = read_gguf(path).arch
+    except (ValueError, struct.error, UnicodeDecodeError) as exc:  # truncated or corrupt header
         raise FetchError(f"{path}: unreadable GGUF header ({exc})") from exc
-    arch = field.contents() if field is not None else None
     if expected_arch is not None and arch != expected_arch:
         raise FetchError(f"{path}: GGUF architecture {arch!r}, expected {expected_arch!r}")
     return arch

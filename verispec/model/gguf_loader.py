@@ -16,7 +16,10 @@ quantization code) stays out of the warm start path.
 from __future__ import annotations
 
 import logging
+import mmap
 import re
+import struct
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
 
@@ -85,39 +88,112 @@ PRE_TOKENIZERS = {
 }
 
 
-class GGUFMetadata:
-    """The key/value metadata of one GGUF file, decoded to Python values on access."""
+@dataclass(frozen=True)
+class TensorInfo:
+    name: str
+    shape: tuple[int, ...]  # numpy / HF order (GGUF lists dims innermost first; reversed here)
+    qtype: int              # gguf.GGMLQuantizationType value
+    offset: int             # absolute byte offset of the data in the file
 
-    def __init__(self, reader):
-        self._reader = reader
-        self.arch = self.get("general.architecture")
+
+class GGUFMetadata:
+    """The key/value metadata and tensor directory of one GGUF file."""
+
+    def __init__(self, path: Path, fields: dict, tensors: list[TensorInfo]):
+        self.path = path
+        self.fields = fields
+        self.tensors = tensors
+        self.arch = fields.get("general.architecture")
         if self.arch is None:
-            raise ValueError("GGUF file has no general.architecture key")
+            raise ValueError(f"{path}: GGUF file has no general.architecture key")
 
     def get(self, key: str, default=None):
-        field = self._reader.fields.get(key)
-        return default if field is None else field.contents()
+        return self.fields.get(key, default)
 
     def arch_key(self, suffix: str, default=None):
         """Read `<arch>.<suffix>`, e.g. `llama.block_count`."""
-        return self.get(f"{self.arch}.{suffix}", default)
+        return self.fields.get(f"{self.arch}.{suffix}", default)
 
     @property
     def tensor_names(self) -> set[str]:
-        return {t.name for t in self._reader.tensors}
+        return {t.name for t in self.tensors}
 
 
-def open_gguf(path: Path):
-    """Open a GGUF file (memory-mapped) and check its architecture is one we run."""
-    from gguf import GGUFReader
+# GGUF value type -> struct format (8 = string, 9 = array are handled apart).
+_SCALAR = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?",
+           10: "<Q", 11: "<q", 12: "<d"}
+_NUMPY = {0: "<u1", 1: "<i1", 2: "<u2", 3: "<i2", 4: "<u4", 5: "<i4", 6: "<f4", 7: "?",
+          10: "<u8", 11: "<i8", 12: "<f8"}
 
-    reader = GGUFReader(str(path))
-    meta = GGUFMetadata(reader)
+
+class _Cursor:
+    """Sequential little-endian reads from a memory-mapped file."""
+
+    def __init__(self, buf, pos: int = 0):
+        self.buf, self.pos = buf, pos
+
+    def scalar(self, fmt: str):
+        (value,) = struct.unpack_from(fmt, self.buf, self.pos)
+        self.pos += struct.calcsize(fmt)
+        return value
+
+    def string(self) -> str:
+        n = self.scalar("<Q")
+        self.pos += n
+        return bytes(self.buf[self.pos - n:self.pos]).decode("utf-8")
+
+    def value(self, vtype: int):
+        if vtype == 8:
+            return self.string()
+        if vtype == 9:
+            etype, count = self.scalar("<I"), self.scalar("<Q")
+            if etype in _NUMPY:  # numeric arrays in one read, not element by element
+                arr = np.frombuffer(self.buf, dtype=_NUMPY[etype], count=count, offset=self.pos)
+                self.pos += arr.nbytes
+                return arr.tolist()
+            return [self.value(etype) for _ in range(count)]
+        if vtype not in _SCALAR:
+            raise ValueError(f"unknown GGUF value type {vtype} at byte {self.pos}")
+        return self.scalar(_SCALAR[vtype])
+
+
+def read_gguf(path: Path) -> GGUFMetadata:
+    """Parse a GGUF header: metadata and tensor directory (tensor data is not read).
+
+    Hand-rolled rather than gguf.GGUFReader: that reader builds a numpy view per array
+    element, which takes seconds for a 150k-token vocabulary; this takes a fraction of one.
+    """
+    with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mm:
+        if mm[:4] != b"GGUF":
+            raise ValueError(f"{path}: not a GGUF file (magic {bytes(mm[:4])!r})")
+        cur = _Cursor(mm, 4)
+        version = cur.scalar("<I")
+        if version not in (2, 3):
+            raise ValueError(f"{path}: GGUF version {version} is not supported; supported: 2, 3")
+        n_tensors, n_fields = cur.scalar("<Q"), cur.scalar("<Q")
+        fields = {}
+        for _ in range(n_fields):
+            key = cur.string()
+            fields[key] = cur.value(cur.scalar("<I"))
+        infos = []
+        for _ in range(n_tensors):
+            name = cur.string()
+            dims = [cur.scalar("<Q") for _ in range(cur.scalar("<I"))]
+            infos.append((name, tuple(reversed(dims)), cur.scalar("<I"), cur.scalar("<Q")))
+        align = int(fields.get("general.alignment", 32))
+        data_start = cur.pos + (-cur.pos % align)
+    tensors = [TensorInfo(n, shape, qtype, data_start + off) for n, shape, qtype, off in infos]
+    return GGUFMetadata(Path(path), fields, tensors)
+
+
+def open_gguf(path: Path) -> GGUFMetadata:
+    """Read a GGUF header and check its architecture is one we run."""
+    meta = read_gguf(path)
     if meta.arch not in GGUF_ARCHITECTURES:
         raise UnsupportedArchitecture(
             f"{path}: unsupported GGUF architecture {meta.arch!r}; supported: "
             f"{', '.join(sorted(GGUF_ARCHITECTURES))} (Mistral GGUFs use 'llama')")
-    return reader, meta
+    return meta
 
 
 def _f32(value: float) -> float:
@@ -125,19 +201,21 @@ def _f32(value: float) -> float:
     return float(str(np.float32(value)))
 
 
-def hf_config_from_gguf(reader, meta: GGUFMetadata, eos_token_ids: list[int]) -> dict:
+def hf_config_from_gguf(meta: GGUFMetadata, eos_token_ids: list[int]) -> dict:
     """A Hugging Face `config.json` dict for this GGUF."""
     names = meta.tensor_names
     if "rope_freqs.weight" in names:
         raise ValueError("GGUF has a rope_freqs tensor (Llama-3.1-style rope scaling), which the "
                          "GGUF loader does not translate; load the Hugging Face checkpoint instead")
-    embd = next(t for t in reader.tensors if t.name == "token_embd.weight")
+    embd = next((t for t in meta.tensors if t.name == "token_embd.weight"), None)
+    if embd is None:
+        raise ValueError(f"{meta.path}: GGUF has no token_embd.weight tensor")
     hidden = int(meta.arch_key("embedding_length"))
     num_heads = int(meta.arch_key("attention.head_count"))
     cfg = {
         "architectures": [GGUF_ARCHITECTURES[meta.arch]],
         "model_type": meta.arch,
-        "vocab_size": int(embd.shape[1]),  # rows of the embedding; GGUF shapes are reversed
+        "vocab_size": embd.shape[0],  # rows of the embedding (may exceed the tokenizer's)
         "hidden_size": hidden,
         "intermediate_size": int(meta.arch_key("feed_forward_length")),
         "num_hidden_layers": int(meta.arch_key("block_count")),
@@ -203,19 +281,25 @@ def unpermute_from_gguf(w: np.ndarray, n_head: int) -> np.ndarray:
     return w.reshape(n_head, rows // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def iter_hf_tensors(reader, meta: GGUFMetadata, cfg: dict) -> Iterator[tuple[str, np.ndarray]]:
+def iter_hf_tensors(meta: GGUFMetadata, cfg: dict) -> Iterator[tuple[str, np.ndarray]]:
     """Yield (HF name, float32 array) per tensor: dequantized, Q/K un-permuted for `llama`."""
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
     from gguf.quants import dequantize
 
-    for t in reader.tensors:
+    data = np.memmap(meta.path, dtype=np.uint8, mode="r")
+    for t in meta.tensors:
         name = hf_tensor_name(t.name)
-        shape = tuple(int(n) for n in reversed(t.shape))  # GGUF lists dims innermost first
-        w = dequantize(t.data, t.tensor_type).reshape(shape).astype(np.float32, copy=False)
+        qtype = GGMLQuantizationType(t.qtype)
+        block, block_bytes = GGML_QUANT_SIZES[qtype]
+        row_bytes = t.shape[-1] // block * block_bytes
+        rows = int(np.prod(t.shape[:-1], dtype=np.int64))
+        raw = data[t.offset:t.offset + rows * row_bytes].reshape(rows, row_bytes)
+        w = dequantize(raw, qtype).reshape(t.shape).astype(np.float32, copy=False)
         if meta.arch == "llama":
             # llama.cpp permutes Q/K only for `llama` (interleaved rotary); qwen2/3 use NeoX rope.
-            if name.endswith("self_attn.q_proj.weight") or name.endswith("self_attn.q_proj.bias"):
+            if ".self_attn.q_proj." in name:
                 w = unpermute_from_gguf(w, cfg["num_attention_heads"])
-            elif name.endswith("self_attn.k_proj.weight") or name.endswith("self_attn.k_proj.bias"):
+            elif ".self_attn.k_proj." in name:
                 w = unpermute_from_gguf(w, cfg["num_key_value_heads"])
         yield name, np.ascontiguousarray(w)
 

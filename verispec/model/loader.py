@@ -150,14 +150,14 @@ def ensure_cached(source: ModelSource) -> Path:
     return directory
 
 
-def _gguf_light_files(gguf_path: Path, reader_meta=None) -> dict:
+def _gguf_light_files(gguf_path: Path, meta=None) -> dict:
     """Config, tokenizer and tokenizer/generation configs of a GGUF, built from its metadata."""
     from verispec.model import gguf_loader as g
 
-    reader, meta = reader_meta or g.open_gguf(gguf_path)
+    meta = meta or g.open_gguf(gguf_path)
     eos = g.eos_token_ids_from_gguf(meta)
     return {
-        "config": g.hf_config_from_gguf(reader, meta, eos),
+        "config": g.hf_config_from_gguf(meta, eos),
         "tokenizer": g.build_tokenizer(meta),
         "tokenizer_config": g.tokenizer_config_from_gguf(meta, eos),
         "generation_config": {"bos_token_id": meta.get("tokenizer.ggml.bos_token_id"), "eos_token_id": eos},
@@ -168,13 +168,13 @@ def _convert_gguf(gguf_path: Path, out: Path) -> None:
     from verispec.model import gguf_loader as g
 
     out.mkdir(parents=True)
-    reader, meta = g.open_gguf(gguf_path)
-    files = _gguf_light_files(gguf_path, (reader, meta))
+    meta = g.open_gguf(gguf_path)
+    files = _gguf_light_files(gguf_path, meta)
     for name in ("config", "tokenizer_config", "generation_config"):
         (out / f"{name}.json").write_text(json.dumps(files[name], indent=2, ensure_ascii=False))
     files["tokenizer"].save(str(out / "tokenizer.json"))
-    shapes = [(g.hf_tensor_name(t.name), tuple(int(n) for n in reversed(t.shape))) for t in reader.tensors]
-    write_safetensors_f32(out / "model.safetensors", shapes, g.iter_hf_tensors(reader, meta, files["config"]))
+    shapes = [(g.hf_tensor_name(t.name), t.shape) for t in meta.tensors]
+    write_safetensors_f32(out / "model.safetensors", shapes, g.iter_hf_tensors(meta, files["config"]))
     marker = {"format_version": CACHE_FORMAT_VERSION, "source": str(gguf_path),
               "sha256": cached_sha256(gguf_path), "architecture": meta.arch}
     (out / _MARKER).write_text(json.dumps(marker, indent=2))
