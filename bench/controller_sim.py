@@ -1,0 +1,210 @@
+"""Simulate the adaptive draft-length controller against known acceptance and costs.
+
+The simulator knows the truth (per-position acceptance alpha, pass costs) and drives the
+controller only through its public API, the way the engine does: choose_k, then
+observe_acceptance per row and observe_cost per pass with the simulated (noisy) seconds.
+
+Throughput is reported two ways: `rate` (realised committed tokens per simulated second)
+and `expected_rate` (the expected tokens E(alpha_true, k) of every round actually played,
+per simulated second). Both estimate the same quantity; the second removes the
+acceptance-sampling noise, so small differences between policies can be asserted on it.
+
+    .venv/bin/python bench/controller_sim.py          # prints the comparison table
+"""
+from __future__ import annotations
+
+import math
+import random
+import sys
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
+
+from verispec.spec.controller import (  # noqa: E402
+    FREE_DRAFT_PROPOSERS, AdaptiveController, ControllerConfig, expected_tokens)
+
+
+@dataclass(frozen=True)
+class CostModel:
+    """True mean seconds of the passes of one round (arbitrary time unit)."""
+
+    verify_base: float = 1.0         # a verify pass of up to flat_tokens batch tokens
+    verify_per_token: float = 0.2    # each batch token beyond flat_tokens (compute-bound)
+    flat_tokens: int = 6             # batch * width handled at verify_base (memory-bound)
+    draft_base: float = 0.05         # draft pass: fixed part (e.g. the catch-up forward)
+    draft_per_token: float = 0.2     # draft pass: per drafted position (sequential forwards)
+    noise: float = 0.05              # relative sd of every measured time (log-normal)
+
+    def verify(self, batch_size: int, width: int) -> float:
+        return self.verify_base + self.verify_per_token * max(0, batch_size * width - self.flat_tokens)
+
+    def draft(self, batch_size: int, k: int) -> float:
+        return self.draft_base + self.draft_per_token * k if k > 0 else 0.0
+
+    def round_seconds(self, batch_size: int, k: int, drafts: bool = True) -> float:
+        """Mean seconds of one round in which every row drafts k."""
+        d = self.draft(batch_size, k) if drafts and k > 0 else 0.0
+        return self.verify(batch_size, k + 1) + d
+
+
+@dataclass(frozen=True)
+class Scenario:
+    """A workload: true acceptance per phase, costs, batch size and length."""
+
+    name: str
+    alphas: tuple[float, ...]        # true alpha per phase, cycled
+    cost: CostModel = field(default_factory=CostModel)
+    period_tokens: int = 0           # committed tokens per phase (0: stationary, alphas[0])
+    batch_size: int = 1
+    proposer: str = "draft"
+    tokens: int = 3000               # committed tokens per row
+
+    def alpha_at(self, committed: int) -> float:
+        if not self.period_tokens:
+            return self.alphas[0]
+        return self.alphas[(committed // self.period_tokens) % len(self.alphas)]
+
+    def oracle_k(self, alpha: float, k_max: int = 8, batch_size: int | None = None) -> int:
+        """The k maximising E(alpha, k) / mean round seconds (known truth)."""
+        b = batch_size or self.batch_size
+        drafts = self.proposer not in FREE_DRAFT_PROPOSERS
+        return max(range(k_max + 1),
+                   key=lambda k: expected_tokens(alpha, k) / self.cost.round_seconds(b, k, drafts))
+
+
+@dataclass
+class SimResult:
+    tokens: int = 0                  # committed tokens, all rows
+    expected: float = 0.0            # sum of E(alpha_true, k) over rows and rounds
+    seconds: float = 0.0             # simulated clock
+    rounds: int = 0
+    ks: list[int] = field(default_factory=list)        # k of row 0 per round
+    alpha_hat: list[float] = field(default_factory=list)  # row 0's estimate after each round
+    tested: list[int] = field(default_factory=list)    # row 0's tested positions so far
+
+    @property
+    def rate(self) -> float:
+        return self.tokens / self.seconds
+
+    @property
+    def expected_rate(self) -> float:
+        return self.expected / self.seconds
+
+    def modal_k(self, skip: int = 0) -> int:
+        return Counter(self.ks[skip:]).most_common(1)[0][0]
+
+
+def accepted_prefix(rng: random.Random, alpha: float, k: int) -> int:
+    """Accept each draft position with probability alpha until the first rejection."""
+    a = 0
+    while a < k and rng.random() < alpha:
+        a += 1
+    return a
+
+
+def _noisy(rng: random.Random, seconds: float, noise: float) -> float:
+    return seconds * math.exp(rng.gauss(0.0, noise) - noise * noise / 2) if noise else seconds
+
+
+class Simulation:
+    """One workload's rows in lockstep against a controller; `step` plays one round."""
+
+    def __init__(self, controller: AdaptiveController, scenario: Scenario, seed: int = 0):
+        self.controller, self.scenario = controller, scenario
+        self.rng = random.Random(seed)
+        self.ids = [f"{scenario.name}-{seed}-{i}" for i in range(scenario.batch_size)]
+        for rid in self.ids:
+            controller.start(rid, scenario.proposer)
+        self.committed = [0] * scenario.batch_size
+        self.result = SimResult()
+
+    @property
+    def done(self) -> bool:
+        return min(self.committed) >= self.scenario.tokens
+
+    def step(self) -> None:
+        """choose_k, accept each row's draft against the true alpha, report, advance the clock."""
+        ctl, sc, res = self.controller, self.scenario, self.result
+        ks = ctl.choose_k(self.ids, sc.batch_size)
+        for i, rid in enumerate(self.ids):
+            alpha, k = sc.alpha_at(self.committed[i]), ks[rid]
+            a = accepted_prefix(self.rng, alpha, k)
+            ctl.observe_acceptance(rid, k, a)
+            self.committed[i] += a + 1
+            res.tokens += a + 1
+            res.expected += expected_tokens(alpha, k)
+        res.seconds += self._play_passes(max(ks.values()))
+        res.rounds += 1
+        res.ks.append(ks[self.ids[0]])
+        res.alpha_hat.append(ctl.alpha(self.ids[0]))
+
+    def _play_passes(self, k: int) -> float:
+        """Time the round's passes, report them to the controller, return the seconds."""
+        cost, b, rng = self.scenario.cost, self.scenario.batch_size, self.rng
+        seconds = _noisy(rng, cost.verify(b, k + 1), cost.noise)
+        self.controller.observe_cost("verify", b, k + 1, seconds)
+        if k > 0 and self.scenario.proposer not in FREE_DRAFT_PROPOSERS:
+            draft = _noisy(rng, cost.draft(b, k), cost.noise)
+            self.controller.observe_cost("draft", b, k, draft)
+            seconds += draft
+        return seconds
+
+    def finish(self) -> SimResult:
+        for rid in self.ids:
+            self.controller.finish(rid)
+        return self.result
+
+
+def simulate(controller: AdaptiveController, scenario: Scenario, seed: int = 0) -> SimResult:
+    """Run one workload through the controller until every row has its tokens."""
+    sim = Simulation(controller, scenario, seed)
+    while not sim.done:
+        sim.step()
+    return sim.finish()
+
+
+# ---- the printed table ---------------------------------------------------------------
+
+# Cost models (time unit: one memory-bound target pass).
+DRAFT = CostModel()                                    # verify flat to 6 tokens, 0.05 + 0.2 k draft
+LOCKSTEP_DRAFT = CostModel(verify_per_token=0.05, flat_tokens=1,   # a draft model that runs
+                           draft_base=0.25, draft_per_token=0.25)  # k + 1 forwards at 1/4 cost
+COSTLY_DRAFT = CostModel(draft_base=0.2, draft_per_token=0.6)
+NGRAM_BATCH = CostModel(verify_per_token=0.02, flat_tokens=16, draft_per_token=0.0)
+
+SCENARIOS = {sc.name: sc for sc in (
+    Scenario("draft a=0.45", (0.45,), DRAFT, tokens=3000),
+    Scenario("draft a=0.70", (0.70,), DRAFT, tokens=3000),
+    Scenario("draft a=0.90", (0.90,), DRAFT, tokens=3000),
+    Scenario("ngram a=0.70 b=8", (0.70,), NGRAM_BATCH, batch_size=8, proposer="ngram", tokens=1000),
+    Scenario("ngram a=0.15 b=8", (0.15,), NGRAM_BATCH, batch_size=8, proposer="ngram", tokens=1000),
+    Scenario("costly draft a=0.6", (0.60,), COSTLY_DRAFT, tokens=3000),
+    Scenario("alternating 0.9/0.35", (0.90, 0.35), LOCKSTEP_DRAFT, period_tokens=200, tokens=12000),
+)}
+
+
+def fixed_rates(scenario: Scenario, seed: int = 0, k_max: int = 8) -> list[float]:
+    """expected_rate of fixed k for every k in [0, k_max] (index = k)."""
+    return [simulate(AdaptiveController(ControllerConfig(k_max=k_max, adaptive=False, fixed_k=k)),
+                     scenario, seed).expected_rate for k in range(k_max + 1)]
+
+
+def main(seeds: tuple[int, ...] = (0, 1, 2)) -> None:
+    shown = (0, 1, 2, 4, 8)
+    head = ["adaptive"] + ["plain" if k == 0 else f"k={k}" for k in shown] + ["best fixed", "vs best"]
+    print(f"{'scenario':22}" + "".join(f"{c:>11}" for c in head))
+    for sc in SCENARIOS.values():
+        adaptive = sum(simulate(AdaptiveController(), sc, s).expected_rate for s in seeds) / len(seeds)
+        fixed = fixed_rates(sc)
+        best = max(range(len(fixed)), key=fixed.__getitem__)
+        cells = [f"{adaptive:11.3f}"] + [f"{fixed[k]:11.3f}" for k in shown]
+        cells += [f"{fixed[best]:7.3f} k={best}", f"{adaptive / fixed[best] - 1:+11.1%}"]
+        print(f"{sc.name:22}" + "".join(cells))
+    print(f"tokens per simulated second (expected tokens of the rounds played); adaptive is the "
+          f"mean over seeds {list(seeds)}; best fixed is over every k in [0, 8]")
+
+
+if __name__ == "__main__":
+    main()
