@@ -1,7 +1,7 @@
 """Derived per-request numbers: tokens per chunk, TTFT, decode rate, TPOT, JSON validity."""
 import pytest
 
-from verispec.bench.client import ChunkEvent, RequestError, StreamResult, _absorb_chunk, _completion_problem
+from verispec.bench.client import ChunkEvent, StreamResult, _absorb_chunk, _completion_problem
 from verispec.bench.measure import RequestContext, build_record, chunk_tokens, json_valid, timings
 from verispec.bench.records import validate_request_record
 
