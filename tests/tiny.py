@@ -79,8 +79,9 @@ def tiny_engine(target: LlamaModel, draft: LlamaModel | None = None, method: str
 def run_all(engine: LLMEngine, prompts: list[list[int]], params, spec=None, check=True) -> list:
     """Add every prompt, step until done (checking integrity each step), return final outputs."""
     params_list = params if isinstance(params, list) else [params] * len(prompts)
-    for i, (p, sp) in enumerate(zip(prompts, params_list)):
-        engine.add_request(f"r{i}", p, sp, spec)
+    ids = [f"r{engine._arrivals + i}" for i in range(len(prompts))]
+    for rid, p, sp in zip(ids, prompts, params_list):
+        engine.add_request(rid, p, sp, spec)
     final = {}
     while engine.has_unfinished_requests():
         for out in engine.step():
@@ -88,4 +89,4 @@ def run_all(engine: LLMEngine, prompts: list[list[int]], params, spec=None, chec
                 final[out.request_id] = out
         if check:
             engine.check_integrity()
-    return [final[f"r{i}"] for i in range(len(prompts))]
+    return [final[rid] for rid in ids]

@@ -229,24 +229,29 @@ class LLMEngine:
         if not batch.prefill and rows:
             self.controller.observe_cost("verify", len(rows), max(len(i.token_ids) for i in inputs),
                                          self.target.last_forward_s)
-        outputs = []
-        for chunk, lg in zip(batch.prefill, logits):
-            outputs.extend(self._after_prefill(chunk, lg))
+        outputs = self._after_prefill(batch.prefill, logits[: len(batch.prefill)])
         outputs.extend(self._accept(rows, logits[len(batch.prefill):], drafts))
         return outputs
 
-    def _after_prefill(self, chunk, logits: torch.Tensor) -> list[RequestOutput]:
-        req = chunk.request
-        req.num_computed = chunk.end
-        req.stats.target_forwards += 1
-        self.kv.commit(req.request_id, chunk.end)
-        if req.is_prefilling or logits.shape[0] == 0:
+    def _after_prefill(self, chunks, logits: list[torch.Tensor]) -> list[RequestOutput]:
+        """Commit prefill chunks; prompts that are now complete sample their first token."""
+        done, last = [], []
+        for chunk, lg in zip(chunks, logits):
+            req = chunk.request
+            req.num_computed = chunk.end
+            req.stats.target_forwards += 1
+            self.kv.commit(req.request_id, chunk.end)
+            if req.is_prefilling or lg.shape[0] == 0:
+                continue
+            if self.config.cache.prefix_cache:
+                self.kv.cache_sequence(req.request_id, req.all_ids[: req.num_computed])
+            done.append(req)
+            last.append(lg[-1:])
+        if not done:
             return []
-        if self.config.cache.prefix_cache:
-            self.kv.cache_sequence(req.request_id, req.all_ids[: req.num_computed])
-        probs = SamplingTensors.from_params([req.params], logits.device).to_probs(logits[-1:])
-        token = int(sample(probs, [req.generator], shared_generator=self._shared_generator)[0])
-        return self._append_tokens(req, [token])
+        probs = SamplingTensors.from_params([r.params for r in done], last[0].device).to_probs(torch.cat(last))
+        tokens = sample(probs, [r.generator for r in done], shared_generator=self._shared_generator).tolist()
+        return [out for req, t in zip(done, tokens) for out in self._append_tokens(req, [t])]
 
     def _accept(self, rows: list[Request], logits: list[torch.Tensor], drafts) -> list[RequestOutput]:
         if not rows:
@@ -287,13 +292,21 @@ class LLMEngine:
                 self.controller.observe_acceptance(r.request_id, k, accepted)
             else:
                 self.kv.commit(r.request_id, base + 1)
-            r.num_computed = base + 1 + accepted
-            if self.drafter is not None:
-                self.drafter.rollback(r)
+            self._rollback(r, base, accepted, k)
             r.stats.record_round(k, accepted)
             r.stats.target_forwards += 1
             outputs.extend(self._append_tokens(r, new))
         return outputs
+
+    def _rollback(self, req: Request, base: int, accepted: int, k: int) -> None:
+        """O(1) per row: only the pending token and the accepted drafts stay as context.
+
+        The KV written for rejected drafts (target and draft model) stays in its slots but
+        is past the row's length, so no mask admits it until a later pass overwrites it.
+        """
+        req.num_computed = base + 1 + accepted
+        if self.drafter is not None:
+            self.drafter.rollback(req)
 
     # ------------------------------------------------------------------ tokens, stops, finish
     def _append_tokens(self, req: Request, tokens: list[int]) -> list[RequestOutput]:

@@ -1,0 +1,85 @@
+"""Deliberately broken pieces, injected into the engine to prove the gates can fail."""
+from __future__ import annotations
+
+import torch
+
+import verispec.engine.engine as engine_mod
+from verispec.spec.draft_model import DraftModelProposer
+from verispec.spec.rejection import RejectionResult
+
+_real_rejection_sample = engine_mod.rejection_sample
+
+
+def _from_p(probs: torch.Tensor) -> torch.Tensor:
+    return torch.multinomial(probs, 1).squeeze(-1)
+
+
+def skip_acceptance_test(target_probs, draft_tokens, draft_probs, num_draft, *args, **kw):
+    """Accept every draft token, then a bonus token from p."""
+    num = torch.as_tensor(num_draft)
+    rows = torch.arange(draft_tokens.shape[0])
+    out = torch.cat([draft_tokens, torch.full_like(draft_tokens[:, :1], -1)], dim=1)
+    out[rows, num] = _from_p(target_probs[rows, num])
+    return RejectionResult(out, num + 1, num)
+
+
+def resample_from_p(target_probs, draft_tokens, draft_probs, num_draft, *args, **kw):
+    """On rejection draw the replacement from p instead of the residual norm(max(0, p - q))."""
+    res = _real_rejection_sample(target_probs, draft_tokens, draft_probs, num_draft, *args, **kw)
+    num = torch.as_tensor(num_draft)
+    rows = torch.arange(draft_tokens.shape[0])
+    rejected = res.accepted_len < num
+    fresh = _from_p(target_probs[rows, res.accepted_len])
+    out = res.output_tokens.clone()
+    out[rows, res.accepted_len] = torch.where(rejected, fresh, out[rows, res.accepted_len])
+    return res._replace(output_tokens=out)
+
+
+def drop_bonus(target_probs, draft_tokens, draft_probs, num_draft, *args, **kw):
+    """Forget the bonus token when every draft was accepted."""
+    res = _real_rejection_sample(target_probs, draft_tokens, draft_probs, num_draft, *args, **kw)
+    all_accepted = (res.accepted_len == torch.as_tensor(num_draft)) & (res.accepted_len > 0)
+    return res._replace(num_output=torch.where(all_accepted, res.accepted_len, res.num_output))
+
+
+def double_bonus(target_probs, draft_tokens, draft_probs, num_draft, *args, **kw):
+    """Emit the bonus token twice when every draft was accepted."""
+    res = _real_rejection_sample(target_probs, draft_tokens, draft_probs, num_draft, *args, **kw)
+    all_accepted = (res.accepted_len == torch.as_tensor(num_draft)) & (res.accepted_len > 0)
+    rows = torch.arange(draft_tokens.shape[0])
+    out = torch.cat([res.output_tokens, torch.full_like(res.output_tokens[:, :1], -1)], dim=1)
+    bonus = out[rows, res.accepted_len]
+    out[rows, res.accepted_len + 1] = torch.where(all_accepted, bonus, out[rows, res.accepted_len + 1])
+    return RejectionResult(out, torch.where(all_accepted, res.num_output + 1, res.num_output), res.accepted_len)
+
+
+def top_p_on_target_only(self, st, logits):
+    """The draft's q skips top-p while the target's p applies it."""
+    return st.__class__(st.temperature, st.top_k, torch.ones_like(st.top_p), st.min_p,
+                        st.use_sort, st.use_min_p).to_probs(logits)
+
+
+def keep_stale_draft_kv(self, req, base: int, accepted: int, k: int) -> None:
+    """After a rejection keep the rejected draft tokens' KV as if it were verified context."""
+    req.num_computed = base + 1 + k
+    if self.drafter is not None:
+        self.drafter.rollback(req)
+
+
+SAMPLER_BUGS = {
+    "skip_acceptance_test": skip_acceptance_test,
+    "resample_from_p": resample_from_p,
+    "drop_bonus": drop_bonus,
+    "double_bonus": double_bonus,
+}
+
+
+def inject(monkeypatch, bug: str) -> None:
+    if bug in SAMPLER_BUGS:
+        monkeypatch.setattr(engine_mod, "rejection_sample", SAMPLER_BUGS[bug])
+    elif bug == "top_p_on_target_only":
+        monkeypatch.setattr(DraftModelProposer, "to_probs", top_p_on_target_only)
+    elif bug == "stale_draft_kv":
+        monkeypatch.setattr(engine_mod.LLMEngine, "_rollback", keep_stale_draft_kv)
+    else:
+        raise KeyError(bug)
