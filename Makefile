@@ -22,7 +22,7 @@ test: setup
 
 # Benchmark-only datasets (MT-bench, HumanEval, GSM8K/MBPP/MATH-500/CNN, essays): never needed by tests.
 bench-setup: setup
-	VENV=$(VENV) bash bench/setup_datasets.sh
+	PYTHON=$(PY) bash bench/setup_datasets.sh
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis
