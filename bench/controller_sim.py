@@ -82,7 +82,7 @@ class SimResult:
     rounds: int = 0
     ks: list[int] = field(default_factory=list)        # k of row 0 per round
     alpha_hat: list[float] = field(default_factory=list)  # row 0's estimate after each round
-    tested: list[int] = field(default_factory=list)    # row 0's tested positions so far
+    committed: list[int] = field(default_factory=list)  # row 0's committed tokens so far
 
     @property
     def rate(self) -> float:
@@ -139,6 +139,7 @@ class Simulation:
         res.rounds += 1
         res.ks.append(ks[self.ids[0]])
         res.alpha_hat.append(ctl.alpha(self.ids[0]))
+        res.committed.append(self.committed[0])
 
     def _play_passes(self, k: int) -> float:
         """Time the round's passes, report them to the controller, return the seconds."""
@@ -179,7 +180,7 @@ SCENARIOS = {sc.name: sc for sc in (
     Scenario("draft a=0.70", (0.70,), DRAFT, tokens=3000),
     Scenario("draft a=0.90", (0.90,), DRAFT, tokens=3000),
     Scenario("ngram a=0.70 b=8", (0.70,), NGRAM_BATCH, batch_size=8, proposer="ngram", tokens=1000),
-    Scenario("ngram a=0.15 b=8", (0.15,), NGRAM_BATCH, batch_size=8, proposer="ngram", tokens=1000),
+    Scenario("ngram a=0.15 b=16", (0.15,), NGRAM_BATCH, batch_size=16, proposer="ngram", tokens=500),
     Scenario("costly draft a=0.6", (0.60,), COSTLY_DRAFT, tokens=3000),
     Scenario("alternating 0.9/0.35", (0.90, 0.35), LOCKSTEP_DRAFT, period_tokens=200, tokens=12000),
 )}

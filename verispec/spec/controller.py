@@ -40,13 +40,15 @@ equal weight (the order of outcomes inside a round carries no information).
 A round with drafted = 0 (k = 0, or n-gram found no match) tested nothing: it adds no
 trial, and in particular no rejection. But a request parked at k = 0 learns nothing, so it
 would never notice its acceptance rising (measured: on a workload alternating between
-alpha 0.9 and 0.35 the controller then gains nothing over fixed k). So an untested round
+alpha 0.9 and 0.35 the controller then gains 2% over the best fixed k instead of 11%). So an untested round
 counts as a chance, 1 - 2 ** (-1 / idle_half_life_rounds), that the request's acceptance
 has changed to a draw from its proposer's global estimate: the estimate moves that fraction
 toward the global one, and its weight toward `prior_weight_tokens`. A parked request so
 drifts toward what the workload shows and eventually drafts again; if its acceptance is
-still low, that round's evidence sends it back. Hence the engine reports every row of every
-round, drafted = 0 included.
+still low, that round's evidence sends it back. The controller notices untested rounds
+itself: a request passed to choose_k that reports no drafted position before its next
+choose_k (k = 0, no n-gram match, k clamped by the engine) gets one such step, whether or
+not the engine reports drafted = 0 (which is accepted and records nothing).
 
 Each request starts from its proposer's global estimate, worth `prior_weight_tokens`
 trials, and every observation also feeds that global estimate (with a longer half-life), so
@@ -69,7 +71,9 @@ Because the estimate is never above the truth it is optimistic, and optimism is 
 exploration: an unmeasured k is tried exactly when even its optimistic rate beats the best
 known one, and is measured by that round. A pessimistic guess (e.g. a chord across a flat
 region) could keep the optimal k from ever being tried. With nothing measured at all the
-controller plays k = 0 once, which measures the plain pass. Because EWMA only moves cells
+controller plays fixed_k (the engine times verify passes only in steps without prefill, so
+this can last a few steps); the plain pass (width 1) is then tried and measured because its
+bound, proportional from the wider pass, is optimistic. Because EWMA only moves cells
 that are visited, a small deterministic schedule (a fraction `explore` of rounds) also
 re-measures the neighbour of the current width that was measured longest ago.
 
@@ -238,6 +242,7 @@ class CostTable:
 class _Request:
     proposer: str
     estimator: AcceptanceEstimator
+    awaiting_test: bool = False  # chosen for a round that has not reported a tested position
 
 
 class AdaptiveController:
@@ -288,9 +293,9 @@ class AdaptiveController:
     def observe_acceptance(self, request_id: str, drafted: int, accepted: int) -> None:
         """Record one verify round of a request.
 
-        Report every row of every round, k = 0 rows included (see the module docstring).
         drafted: draft tokens actually proposed and verified for this row (may be fewer than
-            the k asked, e.g. 0 when n-gram found no match: no trial, no rejection).
+            the k asked, e.g. 0 when n-gram found no match: no trial, no rejection, and
+            reporting it is optional).
         accepted: length of the accepted prefix of those drafts, as the rejection sampler
             decided it (before any stop-string truncation), 0 <= accepted <= drafted.
         """
@@ -300,12 +305,8 @@ class AdaptiveController:
             raise ValueError(f"accepted must be an int in [0, drafted={drafted}], got {accepted!r}")
         req = self._request(request_id)
         if drafted == 0:
-            # Nothing tested: relax toward the proposer's global estimate so a request
-            # parked at k = 0 eventually drafts again and sees whether acceptance rose.
-            keep = 0.5 ** (1.0 / self.config.idle_half_life_rounds)
-            req.estimator.relax(self._global[req.proposer].value,
-                                self.config.prior_weight_tokens, keep)
-            return
+            return  # nothing tested; choose_k relaxes the estimate if the round stays untested
+        req.awaiting_test = False
         req.estimator.observe(drafted, accepted)
         self._global[req.proposer].observe(drafted, accepted)
 
@@ -360,6 +361,10 @@ class AdaptiveController:
         reqs = [self._request(r) for r in request_ids]
         if not reqs:
             return {}
+        for req in reqs:
+            if req.awaiting_test:
+                self._relax_untested(req)
+            req.awaiting_test = True
         if not self.config.adaptive:
             ks = [self.config.fixed_k] * len(reqs)
         else:
@@ -368,11 +373,16 @@ class AdaptiveController:
             self._k_counts[k] += 1
         return dict(zip(request_ids, ks))
 
+    def _relax_untested(self, req: _Request) -> None:
+        """The request's last round tested nothing: its acceptance may have changed since."""
+        keep = 0.5 ** (1.0 / self.config.idle_half_life_rounds)
+        req.estimator.relax(self._global[req.proposer].value, self.config.prior_weight_tokens, keep)
+
     def _adaptive_ks(self, reqs: list[_Request], batch_size: int) -> list[int]:
         self._rounds += 1
         costs = self._round_costs(batch_size)
         if costs is None:
-            return [0] * len(reqs)  # nothing measured yet: measure the plain pass first
+            return [self.config.fixed_k] * len(reqs)  # nothing measured yet
         verify, draft = costs
         if not any(r.proposer not in FREE_DRAFT_PROPOSERS for r in reqs):
             draft = [0.0] * len(draft)

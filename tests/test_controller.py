@@ -1,0 +1,442 @@
+"""The adaptive draft-length controller, tested alone by simulation.
+
+The simulator (bench/controller_sim.py) knows the true per-position acceptance and pass
+costs and drives the controller only through its public API. Each property is shown to be
+able to fail: a deliberately broken controller (an injected bug) fails the same assertion.
+Fixed seeds; throughput is compared on expected tokens of the rounds played (see the
+simulator's docstring), so the margins are not sampling noise.
+"""
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import json
+import math
+import statistics
+import subprocess
+import sys
+from collections import Counter
+from functools import lru_cache
+from pathlib import Path
+
+import pytest
+
+from verispec.spec.controller import (
+    AcceptanceEstimator, AdaptiveController, ControllerConfig, batch_bucket, expected_tokens)
+
+ROOT = Path(__file__).resolve().parents[1]
+_spec = importlib.util.spec_from_file_location("controller_sim", ROOT / "bench" / "controller_sim.py")
+sim = importlib.util.module_from_spec(_spec)
+sys.modules["controller_sim"] = sim  # dataclasses need the module registered
+_spec.loader.exec_module(sim)
+
+TEST_ALPHAS = (0.45, 0.7, 0.9)
+
+
+# ---- injected bugs ---------------------------------------------------------------------
+
+class NaiveRatioEstimator(AcceptanceEstimator):
+    """Bug: counts censored positions as rejections (accepted / drafted)."""
+
+    def observe(self, drafted, accepted):
+        if drafted:
+            keep = self._decay ** drafted
+            self.successes = self.successes * keep + accepted
+            self.trials = self.trials * keep + drafted
+
+
+class PerRoundRatioEstimator(AcceptanceEstimator):
+    """Bug: an EWMA of each round's ratio, one step per round."""
+
+    def observe(self, drafted, accepted):
+        trials = accepted + (accepted < drafted)
+        if trials:
+            value = self.value + (1 - self._decay) * (accepted / trials - self.value)
+            self.successes = value * self.trials
+
+
+class PerRoundDecayEstimator(AcceptanceEstimator):
+    """Bug: the sums decay once per round, so the window is counted in rounds, not tokens."""
+
+    def observe(self, drafted, accepted):
+        trials = accepted + (accepted < drafted)
+        if trials:
+            self.successes = self.successes * self._decay + accepted
+            self.trials = self.trials * self._decay + trials
+
+
+def with_estimator(cls):
+    return type(f"Controller{cls.__name__}", (AdaptiveController,), {"estimator_cls": cls})
+
+
+class AssumedCostController(AdaptiveController):
+    """Bug: a constant assumed cost model (flat verify, draft token = 0.1 verify)."""
+
+    def estimated_cost(self, kind, batch_size, tokens_per_row):
+        return 1.0 if kind == "verify" else 0.1 * tokens_per_row
+
+
+class IgnoresBatchController(AdaptiveController):
+    """Bug: one cost table for every batch size."""
+
+    def observe_cost(self, kind, batch_size, tokens_per_row, seconds):
+        super().observe_cost(kind, 1, tokens_per_row, seconds)
+
+    def estimated_cost(self, kind, batch_size, tokens_per_row):
+        return super().estimated_cost(kind, 1, tokens_per_row)
+
+
+class NoRelaxController(AdaptiveController):
+    """Bug: untested rounds are ignored, so a request parked at k = 0 never drafts again."""
+
+    def _relax_untested(self, req):
+        pass
+
+
+# ---- cached simulations ----------------------------------------------------------------
+
+@lru_cache(maxsize=None)
+def run(scenario: sim.Scenario, seed: int, controller_cls=AdaptiveController) -> sim.SimResult:
+    return sim.simulate(controller_cls(ControllerConfig()), scenario, seed)
+
+
+@lru_cache(maxsize=None)
+def best_fixed_rate(scenario: sim.Scenario) -> float:
+    return max(sim.fixed_rates(scenario))
+
+
+def stationary(alpha: float, tokens: int = 3000) -> sim.Scenario:
+    return sim.Scenario(f"draft a={alpha}", (alpha,), sim.DRAFT, tokens=tokens)
+
+
+# ---- acceptance estimate ---------------------------------------------------------------
+
+def alpha_bias(controller_cls, alpha: float, seeds=range(12), burn_in=200) -> float:
+    """Mean over seeds, and over every round after `burn_in` committed tokens, of alpha_hat - alpha.
+
+    Averaging over rounds as well as seeds measures the bias, not the window's noise (one
+    final value has sd ~0.06 at the default half-life; this mean has sd ~0.005).
+    """
+    sc = stationary(alpha, tokens=800)
+    means = []
+    for s in seeds:
+        res = run(sc, s, controller_cls)
+        after = [a for a, c in zip(res.alpha_hat, res.committed) if c >= burn_in]
+        means.append(statistics.mean(after))
+    return statistics.mean(means) - alpha
+
+
+@pytest.mark.parametrize("alpha", TEST_ALPHAS)
+def test_alpha_estimate_unbiased_within_002_after_200_tokens(alpha):
+    assert abs(alpha_bias(AdaptiveController, alpha)) <= 0.02
+
+
+@pytest.mark.parametrize("estimator", [NaiveRatioEstimator, PerRoundRatioEstimator])
+def test_biased_alpha_estimators_fail_the_002_bound(estimator):
+    biases = [alpha_bias(with_estimator(estimator), a) for a in TEST_ALPHAS]
+    assert max(abs(b) for b in biases) > 0.02, biases
+
+
+# ---- decisions on stationary workloads --------------------------------------------------
+
+def pooled_modal_k(controller_cls, scenario, seeds=range(6), skip=50) -> int:
+    counts = Counter(k for s in seeds for k in run(scenario, s, controller_cls).ks[skip:])
+    return counts.most_common(1)[0][0]
+
+
+def test_oracle_k_differs_across_test_alphas():
+    # Guards the scenario itself: the modal-k test below must tell the alphas apart.
+    assert len({stationary(a).oracle_k(a) for a in TEST_ALPHAS}) == len(TEST_ALPHAS)
+
+
+@pytest.mark.parametrize("alpha", TEST_ALPHAS)
+def test_modal_k_equals_oracle_k(alpha):
+    sc = stationary(alpha)
+    assert pooled_modal_k(AdaptiveController, sc) == sc.oracle_k(alpha)
+
+
+@pytest.mark.parametrize("controller_cls", [AssumedCostController, with_estimator(PerRoundRatioEstimator)],
+                         ids=["assumed-cost", "per-round-ratio"])
+def test_broken_controllers_miss_the_oracle_k(controller_cls):
+    modal = {a: pooled_modal_k(controller_cls, stationary(a)) for a in TEST_ALPHAS}
+    assert any(modal[a] != stationary(a).oracle_k(a) for a in TEST_ALPHAS), modal
+
+
+STATIONARY = [stationary(a) for a in TEST_ALPHAS] + [
+    sim.SCENARIOS["ngram a=0.70 b=8"], sim.SCENARIOS["costly draft a=0.6"]]
+
+
+def throughput_ratio(controller_cls, scenario, seeds=range(4)) -> float:
+    """Mean over seeds of expected_rate over the best fixed k's (every k in [0, k_max])."""
+    rates = [run(scenario, s, controller_cls).expected_rate for s in seeds]
+    return statistics.mean(rates) / best_fixed_rate(scenario)
+
+
+@pytest.mark.parametrize("scenario", STATIONARY, ids=lambda sc: sc.name)
+def test_stationary_throughput_at_least_98pct_of_best_fixed_k(scenario):
+    assert throughput_ratio(AdaptiveController, scenario) >= 0.98
+
+
+def test_assumed_cost_controller_loses_over_2pct_somewhere():
+    ratios = {sc.name: throughput_ratio(AssumedCostController, sc) for sc in STATIONARY}
+    assert min(ratios.values()) < 0.98, ratios
+
+
+PLAIN_IS_BEST = [sim.SCENARIOS["costly draft a=0.6"], sim.SCENARIOS["ngram a=0.15 b=16"]]
+
+
+@pytest.mark.parametrize("scenario", PLAIN_IS_BEST, ids=lambda sc: sc.name)
+def test_plain_decoding_when_drafting_costs_more_than_it_saves(scenario):
+    assert scenario.oracle_k(scenario.alphas[0]) == 0
+    ks = [k for s in range(4) for k in run(scenario, s).ks]
+    assert Counter(ks)[0] / len(ks) >= 0.9
+
+
+def test_assumed_cost_controller_drafts_when_it_should_not():
+    sc = sim.SCENARIOS["costly draft a=0.6"]
+    ks = run(sc, 0, AssumedCostController).ks
+    assert Counter(ks)[0] / len(ks) < 0.9
+
+
+# ---- a workload that moves ----------------------------------------------------------------
+
+ALTERNATING = sim.SCENARIOS["alternating 0.9/0.35"]
+
+
+def test_alternating_workload_beats_best_fixed_k_by_10pct():
+    assert throughput_ratio(AdaptiveController, ALTERNATING, seeds=range(3)) >= 1.10
+
+
+@pytest.mark.parametrize("controller_cls", [with_estimator(PerRoundDecayEstimator), NoRelaxController],
+                         ids=["per-round-decay", "no-relax-at-k0"])
+def test_slow_trackers_fail_the_10pct_bound(controller_cls):
+    assert throughput_ratio(controller_cls, ALTERNATING, seeds=range(3)) < 1.10
+
+
+# ---- costs per batch size ----------------------------------------------------------------
+
+def interleaved_modal_k(controller_cls, alpha=0.7, chunk=25, seed=0) -> dict[int, int]:
+    """Alternate chunks of rounds at batch 1 and batch 16 on one controller; modal k per batch."""
+    ctl = controller_cls(ControllerConfig())
+    sims = {b: sim.Simulation(ctl, dataclasses.replace(
+        sim.SCENARIOS["ngram a=0.70 b=8"], name=f"b{b}", alphas=(alpha,), batch_size=b,
+        tokens=1500), seed) for b in (1, 16)}
+    while not all(s.done for s in sims.values()):
+        for s in sims.values():
+            for _ in range(chunk):
+                if not s.done:
+                    s.step()
+    return {b: Counter(s.finish().ks[2 * chunk:]).most_common(1)[0][0] for b, s in sims.items()}
+
+
+def oracle_by_batch(alpha=0.7) -> dict[int, int]:
+    sc = sim.SCENARIOS["ngram a=0.70 b=8"]
+    return {b: sc.oracle_k(alpha, batch_size=b) for b in (1, 16)}
+
+
+def test_costs_are_kept_per_batch_bucket():
+    oracle = oracle_by_batch()
+    assert oracle[1] != oracle[16]
+    assert interleaved_modal_k(AdaptiveController) == oracle
+
+
+def test_one_cost_table_for_all_batch_sizes_fails():
+    assert interleaved_modal_k(IgnoresBatchController) != oracle_by_batch()
+
+
+# ---- units: formulas, observations, estimates -------------------------------------------
+
+def test_expected_tokens_formula():
+    assert expected_tokens(0.6, 0) == 1.0
+    assert expected_tokens(1.0, 4) == 5.0
+    assert expected_tokens(0.0, 7) == 1.0
+    assert math.isclose(expected_tokens(0.7, 3), (1 - 0.7 ** 4) / (1 - 0.7))
+    assert AdaptiveController.expected_tokens(0.5, 2) == 1.75
+
+
+def test_batch_bucket_is_next_power_of_two():
+    assert [batch_bucket(b) for b in (1, 2, 3, 4, 5, 8, 9, 100)] == [1, 2, 4, 4, 8, 8, 16, 128]
+
+
+def test_update_counts_one_rejection_and_no_censored_positions():
+    cfg = ControllerConfig(prior_weight_tokens=8.0, alpha_half_life_tokens=20.0)
+    ctl = AdaptiveController(cfg)
+    ctl.start("r", "draft")
+    lam = 0.5 ** (1 / 20)
+    ctl.observe_acceptance("r", 6, 2)   # 2 accepted, rejected at 3, 4..6 never tested
+    s, n = 8 * 0.7 * lam ** 3 + 2, 8 * lam ** 3 + 3
+    assert math.isclose(ctl.alpha("r"), s / n)
+    ctl.observe_acceptance("r", 4, 4)   # all accepted: 4 successes, no rejection
+    s, n = s * lam ** 4 + 4, n * lam ** 4 + 4
+    assert math.isclose(ctl.alpha("r"), s / n)
+
+
+def untested_round(ctl, rid, report_zero=True):
+    """One engine round in which the request drafted nothing (k = 0 or no n-gram match)."""
+    ctl.choose_k([rid], 1)
+    if report_zero:
+        ctl.observe_acceptance(rid, 0, 0)
+
+
+def test_untested_rounds_are_not_rejections():
+    ctl = AdaptiveController()
+    ctl.start("r", "ngram")
+    for _ in range(30):
+        ctl.choose_k(["r"], 1)
+        ctl.observe_acceptance("r", 4, 4)
+    before = ctl.alpha("r")
+    for _ in range(200):
+        untested_round(ctl, "r")
+        assert ctl.alpha("r") >= min(before, ctl.snapshot()["global_alpha"]["ngram"]) - 1e-12
+    assert ctl.alpha("r") > 0.9
+
+
+@pytest.mark.parametrize("report_zero", [True, False], ids=["drafted=0 reported", "not reported"])
+def test_parked_request_relaxes_to_the_global_estimate(report_zero):
+    ctl = AdaptiveController()
+    ctl.start("other", "draft")
+    ctl.start("r", "draft")
+    for _ in range(100):
+        ctl.observe_acceptance("other", 4, 4)
+    for _ in range(40):
+        ctl.choose_k(["r"], 1)
+        ctl.observe_acceptance("r", 2, 0)
+    assert ctl.alpha("r") < 0.2
+    for _ in range(32):                 # one half-life of untested rounds
+        untested_round(ctl, "r", report_zero)
+    glob = ctl.snapshot()["global_alpha"]["draft"]
+    assert glob > 0.8 and ctl.alpha("r") > 0.4
+    for _ in range(400):
+        untested_round(ctl, "r", report_zero)
+    assert abs(ctl.alpha("r") - glob) < 0.01
+
+
+def test_new_requests_start_from_what_the_workload_showed():
+    ctl = AdaptiveController()
+    for i in range(20):
+        ctl.start(f"r{i}", "draft")
+        for _ in range(50):
+            ctl.observe_acceptance(f"r{i}", 1, 1)
+        ctl.finish(f"r{i}")
+    ctl.start("new", "draft")
+    assert ctl.alpha("new") > 0.9 > ControllerConfig().prior_alpha["draft"]
+
+
+def test_unmeasured_cost_is_the_tightest_lower_bound_from_neighbours():
+    ctl = AdaptiveController()
+    assert ctl.estimated_cost("verify", 4, 3) is None
+    ctl.observe_cost("verify", 4, 5, 2.0)
+    ctl.observe_cost("verify", 4, 1, 1.0)
+    assert ctl.estimated_cost("verify", 4, 5) == 2.0
+    assert ctl.estimated_cost("verify", 4, 3) == max(1.0, 2.0 * 3 / 5)   # flat / proportional
+    assert ctl.estimated_cost("verify", 4, 8) == 2.0                      # never falls with width
+    assert ctl.estimated_cost("verify", 16, 5) == 2.0                     # nor with batch
+    assert ctl.estimated_cost("verify", 2, 5) == 1.0                      # per row never grows
+    assert ctl.estimated_cost("verify", 3, 5) == 2.0                      # 3 is bucket 4
+
+
+def test_cost_cell_is_a_mean_then_an_ewma():
+    ctl = AdaptiveController(ControllerConfig(cost_ewma=0.25))
+    for s in (1.0, 2.0, 3.0, 4.0):
+        ctl.observe_cost("verify", 1, 2, s)
+    assert math.isclose(ctl.estimated_cost("verify", 1, 2), 2.5)
+    ctl.observe_cost("verify", 1, 2, 6.5)
+    assert math.isclose(ctl.estimated_cost("verify", 1, 2), 2.5 + 0.25 * 4.0)
+
+
+def test_cold_start_plays_fixed_k_then_explores_plain_and_the_neighbours_of_k_star():
+    ctl = AdaptiveController(ControllerConfig(fixed_k=6))
+    ctl.start("r", "draft")
+    assert ctl.choose_k(["r"], 1) == {"r": 6}
+    sc = stationary(0.7, tokens=600)
+    sim.simulate(ctl, dataclasses.replace(sc, name="cold"), seed=0)
+    widths = {c["tokens_per_row"] for c in ctl.snapshot()["costs"]["verify"]}
+    k_star = sc.oracle_k(0.7)
+    assert {1, k_star, k_star + 1, k_star + 2} <= widths   # plain, k*, and both neighbours
+
+
+def test_batch_picks_one_k_weighted_by_each_request():
+    ctl = AdaptiveController(ControllerConfig(explore=0.0))
+    for w in range(1, 10):
+        ctl.observe_cost("verify", 4, w, 1.0 + 0.3 * (w - 1))
+    ids = ["high", "low1", "low2", "low3"]
+    for rid in ids:
+        ctl.start(rid, "ngram")
+    for i in range(300):
+        ctl.observe_acceptance("high", 1, 1)
+        for rid in ids[1:]:
+            ctl.observe_acceptance(rid, 1, 1 if i % 10 < 3 else 0)   # alpha 0.3
+    alone = ctl.choose_k(["high"], 4)["high"]
+    together = ctl.choose_k(ids, 4)
+    assert alone == 8 and set(together.values()) == {1}
+
+
+def test_fixed_mode_returns_fixed_k():
+    ctl = AdaptiveController(ControllerConfig(adaptive=False, fixed_k=3))
+    ctl.start("a", "draft")
+    ctl.start("b", "ngram")
+    assert ctl.choose_k(["a", "b"], 2) == {"a": 3, "b": 3}
+    assert ctl.choose_k([], 1) == {}
+
+
+def test_snapshot_is_plain_json():
+    ctl = AdaptiveController()
+    sim.simulate(ctl, stationary(0.7, tokens=200), seed=0)
+    ctl.start("live", "ngram")
+    snap = json.loads(json.dumps(ctl.snapshot()))
+    assert snap["requests"]["live"]["proposer"] == "ngram"
+    assert snap["costs"]["verify"] and snap["rounds"] > 0 and sum(snap["k_counts"]) > 0
+
+
+@pytest.mark.parametrize("kwargs, field", [
+    (dict(k_max=-1), "k_max"), (dict(fixed_k=9), "fixed_k"), (dict(prior_alpha={}), "prior_alpha"),
+    (dict(prior_alpha={"draft": 1.0}), "prior_alpha"), (dict(alpha_half_life_tokens=0), "alpha_half_life"),
+    (dict(cost_ewma=0.0), "cost_ewma"), (dict(explore=1.0), "explore"),
+    (dict(idle_half_life_rounds=-1), "idle_half_life_rounds")])
+def test_config_rejects_out_of_range_fields(kwargs, field):
+    with pytest.raises(ValueError, match=field):
+        ControllerConfig(**kwargs)
+
+
+def test_config_is_frozen_and_copies_its_priors():
+    priors = {"draft": 0.6}
+    cfg = ControllerConfig(prior_alpha=priors)
+    priors["draft"] = 0.1
+    assert cfg.prior_alpha["draft"] == 0.6
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        cfg.k_max = 3
+    assert json.loads(json.dumps(cfg.to_dict()))["prior_alpha"] == {"draft": 0.6}
+
+
+def test_api_rejects_bad_input_naming_the_field():
+    ctl = AdaptiveController()
+    ctl.start("r", "draft")
+    cases = [
+        (lambda: ctl.start("r", "draft"), "request_id"),
+        (lambda: ctl.start("x", "eagle"), "proposer"),
+        (lambda: ctl.observe_acceptance("nope", 1, 0), "request_id"),
+        (lambda: ctl.observe_acceptance("r", 2, 3), "accepted"),
+        (lambda: ctl.observe_acceptance("r", -1, 0), "drafted"),
+        (lambda: ctl.observe_cost("prefill", 1, 1, 0.1), "kind"),
+        (lambda: ctl.observe_cost("verify", 0, 1, 0.1), "batch_size"),
+        (lambda: ctl.observe_cost("verify", 1, 0, 0.1), "tokens_per_row"),
+        (lambda: ctl.observe_cost("verify", 1, 1, float("nan")), "seconds"),
+        (lambda: ctl.choose_k(["r"], 0), "batch_size"),
+        (lambda: ctl.alpha("nope"), "request_id"),
+        (lambda: ctl.finish("nope"), "request_id"),
+    ]
+    for call, field in cases:
+        with pytest.raises(ValueError, match=field):
+            call()
+
+
+def test_controller_file_alone_imports_no_torch():
+    # Load the file by path (not via the verispec package) so only its own imports count.
+    path = ROOT / "verispec" / "spec" / "controller.py"
+    code = ("import importlib.util, sys\n"
+            f"spec = importlib.util.spec_from_file_location('controller_alone', {str(path)!r})\n"
+            "mod = sys.modules['controller_alone'] = importlib.util.module_from_spec(spec)\n"
+            "spec.loader.exec_module(mod)\n"
+            "mod.AdaptiveController().start('r', 'draft')\n"
+            "assert 'torch' not in sys.modules, 'controller.py pulled in torch'\n")
+    subprocess.run([sys.executable, "-c", code], check=True)
