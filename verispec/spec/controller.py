@@ -163,6 +163,7 @@ class ControllerConfig:
             raise ValueError(f"explore must be in [0, 1), got {self.explore}")
 
     def to_dict(self) -> dict:
+        """Plain data, recorded next to benchmark results."""
         return asdict(self)
 
 
@@ -193,6 +194,7 @@ class AcceptanceEstimator:
 
     @property
     def value(self) -> float:
+        """The estimate: decayed successes over decayed trials."""
         return self.successes / self.trials
 
 
@@ -234,6 +236,7 @@ class CostTable:
         return best
 
     def snapshot(self) -> list[dict]:
+        """Measured cells as plain data."""
         return [{"batch_bucket": b, "tokens_per_row": w, "seconds": s, "samples": n}
                 for (b, w), (s, _, n) in sorted(self._cells.items())]
 
@@ -347,6 +350,7 @@ class AdaptiveController:
         verify = [self.estimated_cost("verify", batch_size, k + 1) for k in ks]
         if verify[0] is None:
             return None
+        # No draft pass measured yet: count drafting as free (optimistic) until one is.
         draft = [0.0] + [self.estimated_cost("draft", batch_size, k) or 0.0 for k in ks[1:]]
         return verify, draft
 
@@ -379,12 +383,14 @@ class AdaptiveController:
         req.estimator.relax(self._global[req.proposer].value, self.config.prior_weight_tokens, keep)
 
     def _adaptive_ks(self, reqs: list[_Request], batch_size: int) -> list[int]:
+        """One common k maximising the batch's expected tokens per measured second."""
         self._rounds += 1
         costs = self._round_costs(batch_size)
         if costs is None:
             return [self.config.fixed_k] * len(reqs)  # nothing measured yet
         verify, draft = costs
-        if not any(r.proposer not in FREE_DRAFT_PROPOSERS for r in reqs):
+        runs_draft_model = any(r.proposer not in FREE_DRAFT_PROPOSERS for r in reqs)
+        if not runs_draft_model:
             draft = [0.0] * len(draft)
         rows = [self._expected_row(r) for r in reqs]
         tokens = [sum(e[k] for e in rows) for k in range(self.config.k_max + 1)]
@@ -406,6 +412,7 @@ class AdaptiveController:
         return out
 
     def _probe_due(self) -> bool:
+        """Deterministic: true on a fraction `explore` of rounds, evenly spread."""
         e = self.config.explore
         return math.floor(self._rounds * e) > math.floor((self._rounds - 1) * e)
 
