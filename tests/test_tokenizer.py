@@ -197,3 +197,62 @@ def test_incremental_window_stays_small(tok):
     for i in ids:
         detok.push([i])
         assert len(detok._ids) <= 12  # only a short context window is ever decoded
+
+
+# --- SentencePiece GGUFs (Llama 2 / Mistral): a synthetic vocabulary ---------------------------------
+
+SPM_PIECES = ["▁", "h", "e", "l", "o", "w", "r", "d", "▁h", "he", "ll", "▁he", "llo", "▁hel", "▁hello",
+              "▁w", "or", "▁wor", "ld", "▁world", "lo", "el"]
+
+
+@pytest.fixture(scope="module")
+def spm_gguf(tmp_path_factory):
+    """A GGUF with a tiny SentencePiece vocabulary: specials, 256 byte tokens, scored pieces."""
+    import gguf
+    import numpy as np
+
+    path = tmp_path_factory.mktemp("spm") / "spm.gguf"
+    tokens = ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)] + SPM_PIECES
+    types = [2, 3, 3] + [6] * 256 + [1] * len(SPM_PIECES)
+    w = gguf.GGUFWriter(str(path), "llama")
+    for add, value in ((w.add_block_count, 1), (w.add_context_length, 128), (w.add_embedding_length, 8),
+                       (w.add_feed_forward_length, 16), (w.add_head_count, 2), (w.add_head_count_kv, 2),
+                       (w.add_layer_norm_rms_eps, 1e-5), (w.add_tokenizer_model, "llama"),
+                       (w.add_token_list, tokens), (w.add_token_types, types),
+                       (w.add_token_scores, [0.0] * 259 + [-float(i) for i in range(len(SPM_PIECES))]),
+                       (w.add_bos_token_id, 1), (w.add_eos_token_id, 2), (w.add_unk_token_id, 0)):
+        add(value)
+    w.add_tensor("token_embd.weight", np.zeros((len(tokens), 8), np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+@pytest.fixture(scope="module")
+def spm_tok(spm_gguf):
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("VERISPEC_CACHE", str(spm_gguf.parent / "cache"))
+        return load_config_and_tokenizer(resolve_model(str(spm_gguf)))[1]
+
+
+@pytest.fixture(scope="module")
+def spm_ref(spm_gguf):
+    transformers = pytest.importorskip("transformers")
+    return transformers.AutoTokenizer.from_pretrained(str(spm_gguf.parent), gguf_file=spm_gguf.name)
+
+
+@pytest.mark.parametrize("text", ["hello world", "hello  world", "héllo wörld", "world hello", "hello\nworld"])
+def test_sentencepiece_gguf_encodes_like_transformers(spm_tok, spm_ref, text):
+    assert spm_tok.encode(text) == spm_ref(text)["input_ids"]
+    assert spm_tok.decode(spm_tok.encode(text)) == text
+
+
+def test_sentencepiece_space_prefix_and_byte_fallback(spm_tok):
+    """BOS is added (SentencePiece default); a leading space stays a piece, as SentencePiece and
+    llama.cpp do; characters outside the vocabulary fall back to <0xXX> byte tokens."""
+    pieces = lambda text: [spm_tok.backend.id_to_token(i) for i in spm_tok.encode(text)]
+    assert pieces(" hello") == ["<s>", "▁", "▁hello"]
+    assert pieces("hé") == ["<s>", "▁h", "<0xC3>", "<0xA9>"]
+    assert spm_tok.decode(spm_tok.encode(" hello é")) == " hello é"

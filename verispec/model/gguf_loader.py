@@ -58,7 +58,7 @@ _GLOBAL_TENSORS = {
 _LAYER_NAME = re.compile(r"^blk\.(\d+)\.([a-z_]+)\.(weight|bias)$")
 
 # llama.cpp token types (gguf.TokenType): which vocabulary entries are not plain BPE pieces.
-TOKEN_NORMAL, TOKEN_CONTROL, TOKEN_USER_DEFINED, TOKEN_UNUSED = 1, 3, 4, 5
+TOKEN_NORMAL, TOKEN_UNKNOWN, TOKEN_CONTROL, TOKEN_USER_DEFINED, TOKEN_UNUSED, TOKEN_BYTE = 1, 2, 3, 4, 5, 6
 
 # Strings llama.cpp treats as "end of generation" when the file marks them as control tokens.
 # Matching it keeps a GGUF's stopping behaviour the same here as in llama.cpp.
@@ -321,21 +321,40 @@ def gguf_vocab(meta: GGUFMetadata) -> tuple[list[str], list[int]]:
 
 
 def build_tokenizer(meta: GGUFMetadata):
-    """A `tokenizers.Tokenizer` equal to the model's original byte-level BPE tokenizer."""
-    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers
+    """A `tokenizers.Tokenizer` equal to the model's original tokenizer.
+
+    `tokenizer.ggml.model` "gpt2": byte-level BPE with the file's merges and the split
+    regex of its `pre` type. "llama": SentencePiece BPE (Llama 2, Mistral), merges rebuilt
+    from the token scores.
+    """
+    from tokenizers import AddedToken
 
     kind = meta.get("tokenizer.ggml.model")
-    if kind != "gpt2":
-        raise ValueError(f"GGUF tokenizer.ggml.model {kind!r} is not supported; supported: gpt2 "
-                         "(byte-level BPE)")
-    pre = meta.get("tokenizer.ggml.pre", "default")
-    if pre not in PRE_TOKENIZERS:
-        raise ValueError(f"GGUF tokenizer.ggml.pre {pre!r} is not supported; supported: "
-                         f"{', '.join(sorted(PRE_TOKENIZERS))}")
+    builders = {"gpt2": _byte_level_bpe, "llama": _sentencepiece_bpe}
+    if kind not in builders:
+        raise ValueError(f"GGUF tokenizer.ggml.model {kind!r} is not supported; supported: "
+                         "gpt2 (byte-level BPE), llama (SentencePiece BPE)")
     tokens, types = gguf_vocab(meta)
     vocab: dict[str, int] = {}
     for i, tok in enumerate(tokens):
         vocab.setdefault(tok, i)  # a duplicated string keeps its first id, as llama.cpp does
+    tok = builders[kind](meta, vocab, tokens, types)
+    # Control tokens (<|im_start|>, <s>) are matched whole and are "special" (skipped when
+    # decoding with skip_special_tokens); user-defined ones (<tool_call>) are matched whole only.
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False)
+                            for t, ty in zip(tokens, types) if ty in (TOKEN_CONTROL, TOKEN_UNKNOWN)])
+    tok.add_tokens([AddedToken(t, special=False, normalized=False)
+                    for t, ty in zip(tokens, types) if ty == TOKEN_USER_DEFINED])
+    return tok
+
+
+def _byte_level_bpe(meta: GGUFMetadata, vocab: dict, tokens: list[str], types: list[int]):
+    from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers
+
+    pre = meta.get("tokenizer.ggml.pre", "default")
+    if pre not in PRE_TOKENIZERS:
+        raise ValueError(f"GGUF tokenizer.ggml.pre {pre!r} is not supported; supported: "
+                         f"{', '.join(sorted(PRE_TOKENIZERS))}")
     merges = [tuple(m.split(" ", 1)) for m in meta.get("tokenizer.ggml.merges") or []]
     tok = Tokenizer(models.BPE(vocab=vocab, merges=merges, dropout=None, continuing_subword_prefix="",
                                end_of_word_suffix="", fuse_unk=False, byte_fallback=False))
@@ -351,13 +370,45 @@ def build_tokenizer(meta: GGUFMetadata):
         steps.insert(0, pre_tokenizers.Digits(individual_digits=True))
     tok.pre_tokenizer = pre_tokenizers.Sequence(steps)
     tok.decoder = decoders.ByteLevel()
-    # Control tokens (<|im_start|>, ...) are matched whole and are "special" (skipped when
-    # decoding with skip_special_tokens); user-defined ones (<tool_call>) are matched whole only.
-    tok.add_special_tokens([AddedToken(t, special=True, normalized=False)
-                            for t, ty in zip(tokens, types) if ty == TOKEN_CONTROL])
-    tok.add_tokens([AddedToken(t, special=False, normalized=False)
-                    for t, ty in zip(tokens, types) if ty == TOKEN_USER_DEFINED])
     return tok
+
+
+def _sentencepiece_bpe(meta: GGUFMetadata, vocab: dict, tokens: list[str], types: list[int]):
+    """SentencePiece BPE as a `tokenizers` BPE: "▁" for spaces, <0xXX> byte fallback.
+
+    The space prefix goes through a normalizer, so like llama.cpp (and the original Llama 2 /
+    Mistral tokenizer.json) it is added at the start and again after every special token.
+    """
+    from tokenizers import Tokenizer, decoders, models, normalizers
+
+    unk_id = meta.get("tokenizer.ggml.unknown_token_id")
+    scores = list(meta.get("tokenizer.ggml.scores") or [])
+    if len(scores) < len(tokens):
+        raise ValueError(f"{meta.path}: SentencePiece GGUF has {len(scores)} token scores for "
+                         f"{len(tokens)} tokens; merges cannot be rebuilt")
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=_merges_from_scores(tokens, types, scores),
+                               unk_token=tokens[unk_id] if unk_id is not None else None,
+                               fuse_unk=True, byte_fallback=True, dropout=None))
+    prefix = bool(meta.get("tokenizer.ggml.add_space_prefix", True))
+    steps = [normalizers.Replace(" ", "\u2581")]
+    tok.normalizer = normalizers.Sequence(([normalizers.Prepend("\u2581")] if prefix else []) + steps)
+    decode = [decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()]
+    tok.decoder = decoders.Sequence(decode + ([decoders.Strip(" ", 1, 0)] if prefix else []))
+    return tok
+
+
+def _merges_from_scores(tokens: list[str], types: list[int], scores: list[float]) -> list[tuple[str, str]]:
+    """BPE merges implied by a SentencePiece vocabulary: every split of a normal token into two
+    normal tokens, ranked by the merged token's score (SentencePiece merges best score first)."""
+    normal = {t: i for i, (t, ty) in enumerate(zip(tokens, types)) if ty == TOKEN_NORMAL}
+    ranked = []
+    for piece, idx in normal.items():
+        for cut in range(1, len(piece)):
+            left, right = piece[:cut], piece[cut:]
+            if left in normal and right in normal:
+                ranked.append((-scores[idx], normal[left], normal[right], left, right))
+    ranked.sort()
+    return [(left, right) for *_, left, right in ranked]
 
 
 def eos_token_ids_from_gguf(meta: GGUFMetadata) -> list[int]:
@@ -383,7 +434,9 @@ def tokenizer_config_from_gguf(meta: GGUFMetadata, eos_token_ids: list[int]) -> 
         return tokens[int(idx)] if idx is not None and int(idx) < len(tokens) else None
 
     return {
-        "add_bos_token": bool(meta.get("tokenizer.ggml.add_bos_token", False)),
+        # SentencePiece vocabularies add BOS unless the file says otherwise (llama.cpp's default).
+        "add_bos_token": bool(meta.get("tokenizer.ggml.add_bos_token",
+                                       meta.get("tokenizer.ggml.model") == "llama")),
         "add_eos_token": bool(meta.get("tokenizer.ggml.add_eos_token", False)),
         "bos_token": token("bos_token_id"),
         "eos_token": tokens[eos_token_ids[0]] if eos_token_ids else None,
