@@ -16,23 +16,30 @@ One speculative round, per sequence, in the only safe order:
     allocate_slots -> insert_provisional -> (verify forward) -> commit_provisional
                    -> evict_provisional
 
+(commit(s, base_len), which covers only the round's verified inputs, may come anywhere
+between insert_provisional and commit_provisional; a plain decode row with no drafts just
+calls allocate_slots and commit.)
+
 Example: block_size 4; before the round the sequence knows 10 tokens t0..t9 and
 num_committed = 9 (t9 was just sampled, its KV not yet written). The row feeds t9 plus k = 5
 drafts d1..d5 at positions 9..14 (allocate_slots(s, 9, 15), base_len = 10), and the
-rejection sampler accepts 2.
+rejection sampler accepts accepted_len = 2 of them.
 
     position   0  1  2  3 | 4  5  6  7 | 8  9 10 11 | 12 13 14 15 | 16 ...
-    block      b0         | b1         | b2         | b3          | (none)
-    token      t0 ............ t7      | t8 t9 d1 d2| d3 d4 d5  . |
-    range      committed ............. | c  p  a  a | r  r  r  u  | free
+    block      b0         | b1         | b2         | b3          |
+    token      t0 t1 t2 t3| t4 t5 t6 t7| t8 t9 d1 d2| d3 d4 d5  - |
+    range      c  c  c  c | c  c  c  c | c  p  a  a | r  r  r  u  | free
 
-    range  indices                        KV holds               after commit_provisional(2)
-    c      [0, num_committed)             verified               committed
-    p      [num_committed, base_len)      t9, written this round committed (t9 is verified)
-    a      [base_len, base_len + 2)       accepted drafts        committed
-    r      [base_len + 2, base_len + k)   rejected drafts        stale, never committed
-    u      [base_len + k, table end)      nothing yet            stale
-    free   [table end, ...)               other sequences' KV    -
+    range  indices                      KV holds            commit_provisional   evict_provisional
+    c      [0, num_committed)           verified tokens     committed            kept
+    p      [num_committed, base_len)    t9, this round      committed (final)    kept
+    a      [base_len, base_len + acc)   accepted drafts     committed            kept
+    r      [base_len + acc, base_len+k) rejected drafts     stale, uncommitted   block freed unless
+    u      [base_len + k, table end)    nothing yet         stale                it holds c/p/a too
+    free   [table end, ...)             not this sequence's -                    -
+
+    (acc = accepted_len; the commit_provisional and evict_provisional columns show each range
+    after that call)
 
 After commit_provisional(s, 2), num_committed = 12; evict_provisional frees every block past
 the one holding position 11 (here b3) at once. Had 3 drafts been accepted, b3 would stay
@@ -179,7 +186,7 @@ class KVCacheManager:
     def _release_blocks(self, state: _SequenceState, keep: int) -> int:
         """Drop the sequence's blocks past the first `keep`; returns how many were freed."""
         freed = 0
-        for block in reversed(state.block_table[keep:]):
+        for block in state.block_table[keep:]:
             freed += self.pool.decref(block)
         del state.block_table[keep:]
         return freed
