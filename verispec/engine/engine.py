@@ -163,6 +163,10 @@ class LLMEngine:
                            self.kv.num_total_blocks - self.kv.num_free_blocks - self.kv.num_evictable_blocks,
                            self.kv.num_total_blocks, self.kv.hit_tokens, self.kv.query_tokens)
 
+    @property
+    def num_preemptions(self) -> int:
+        return self.scheduler.num_preemptions
+
     def check_integrity(self) -> None:
         self.kv.check_integrity()
 
@@ -185,10 +189,10 @@ class LLMEngine:
         return outputs
 
     def _choose_k(self, rows: list[Request]) -> dict[str, int]:
-        spec_rows = [r for r in rows if r.spec_method != "none"]
-        chosen = self.controller.choose_k([r.request_id for r in spec_rows], len(rows)) if spec_rows else {}
-        return {r.request_id: min(chosen.get(r.request_id, 0) if r.adaptive else r.num_spec_tokens,
-                                  self.scheduler.spec_budget(r)) for r in rows}
+        adaptive = [r.request_id for r in rows if r.spec_method != "none" and r.adaptive]
+        chosen = self.controller.choose_k(adaptive, len(rows)) if adaptive else {}
+        return {r.request_id: min(chosen.get(r.request_id, r.num_spec_tokens), self.scheduler.spec_budget(r))
+                for r in rows}
 
     def _propose(self, rows: list[Request], ks: dict[str, int]) -> dict[str, tuple[list[int], torch.Tensor | None]]:
         """Draft tokens (and draft probabilities for the draft model) per request."""

@@ -47,6 +47,7 @@ class Scheduler:
         self._out_of_blocks = out_of_blocks
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
+        self.num_preemptions = 0
 
     def add(self, req: Request) -> None:
         self.waiting.append(req)
@@ -131,6 +132,7 @@ class Scheduler:
         req.status = Status.WAITING
         req.num_computed = req.draft_computed = 0
         req.num_preemptions += 1
+        self.num_preemptions += 1
         batch.preempted.append(req)
         # Back to its FCFS place: the queue is kept in arrival order.
         self.waiting.append(req)
