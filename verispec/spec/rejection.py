@@ -69,9 +69,9 @@ def rejection_sample(
     argmax, exactly greedy decoding. Noise: one draw per seeded row (V + its count
     uniforms, from its own generator); all unseeded rows share one draw.
     """
+    counts_host = _check_inputs(target_probs, draft_tokens, draft_probs, num_draft_tokens)
     batch, num_positions, vocab = target_probs.shape
     k_max = num_positions - 1
-    counts_host = _check_inputs(target_probs, draft_tokens, draft_probs, num_draft_tokens)
     device = target_probs.device
     num_draft = torch.as_tensor(num_draft_tokens, dtype=torch.int64).to(device, non_blocking=True)
 
