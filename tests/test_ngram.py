@@ -1,0 +1,139 @@
+"""Prompt-lookup proposer: longest, most recent match; the incremental index equals a scan."""
+import random
+from dataclasses import dataclass, field
+
+import pytest
+import torch
+
+from verispec.spec.ngram import NgramProposer
+
+
+@dataclass
+class Seq:
+    seq_id: int
+    token_ids: list[int] = field(default_factory=list)
+
+
+def brute_force(tokens: list[int], k: int, min_n: int, max_n: int) -> list[int]:
+    """The spec by exhaustive scan: longest suffix first, then latest earlier start."""
+    for n in range(max_n, min_n - 1, -1):
+        if len(tokens) < n + 1:
+            continue
+        suffix = tokens[len(tokens) - n:]
+        for start in range(len(tokens) - n - 1, -1, -1):
+            if tokens[start:start + n] == suffix:
+                return tokens[start + n:start + n + k]
+    return []
+
+
+def propose_one(proposer: NgramProposer, seq: Seq, k: int) -> list[int]:
+    draft = proposer.propose_for([seq], k)
+    return draft.tokens[0, :int(draft.num_tokens[0])].tolist()
+
+
+def test_longest_suffix_match_wins_over_a_more_recent_shorter_one():
+    #          0  1  2  3  4  5  6  7  8  9
+    history = [1, 2, 3, 7, 8, 9, 3, 5, 1, 2, 3]
+    # suffix (1, 2, 3) occurred at 0 -> followed by 7 8 9; the 1-gram (3,) recurs later at 6.
+    assert propose_one(NgramProposer(max_n=3), Seq(0, history), 3) == [7, 8, 9]
+    # Limited to 1-grams, the most recent earlier 3 (position 6) wins: followed by 5 1 2.
+    assert propose_one(NgramProposer(max_n=1), Seq(1, history), 3) == [5, 1, 2]
+
+
+def test_most_recent_occurrence_and_up_to_k_tokens():
+    history = [4, 5, 10, 11, 4, 5, 20, 21, 22, 4, 5]
+    proposer = NgramProposer(max_n=2)
+    assert propose_one(proposer, Seq(0, history), 2) == [20, 21]
+    assert propose_one(proposer, Seq(0, history), 5) == [20, 21, 22, 4, 5]
+    # Near the end of the history fewer than k tokens follow: propose what there is.
+    assert propose_one(proposer, Seq(1, [6, 7, 6]), 4) == [7, 6]
+
+
+def test_no_match_proposes_nothing_and_min_n_is_respected():
+    proposer = NgramProposer(max_n=3, min_n=2)
+    seqs = [Seq(0, [1, 2, 3, 4]), Seq(1, [9, 1, 9]), Seq(2, []), Seq(3, [5])]
+    draft = proposer.propose_for(seqs, 3)
+    # Row 1: only the 1-gram (9,) recurs, below min_n = 2.
+    assert draft.num_tokens.tolist() == [0, 0, 0, 0]
+    assert draft.tokens.shape == (4, 3) and draft.probs is None
+
+
+def test_draft_shapes_with_per_row_k():
+    proposer = NgramProposer()
+    seqs = [Seq(0, [1, 2, 3, 1, 2]), Seq(1, [7, 8, 7]), Seq(2, [1, 2, 1, 2, 1, 2])]
+    draft = proposer.propose_for(seqs, [1, 0, 5])
+    assert draft.tokens.dtype == torch.int64 and draft.tokens.shape == (3, 5)
+    assert draft.num_tokens.tolist() == [1, 0, 2]
+    assert draft.tokens.tolist() == [[3, 0, 0, 0, 0], [0, 0, 0, 0, 0], [1, 2, 0, 0, 0]]
+    assert proposer.name == "ngram"
+    with pytest.raises(ValueError, match="k must be"):
+        proposer.propose_for(seqs, [1, 2])
+    with pytest.raises(ValueError, match="min_n"):
+        NgramProposer(min_n=0)
+    with pytest.raises(ValueError, match="max_n"):
+        NgramProposer(max_n=1, min_n=2)
+
+
+@pytest.mark.parametrize("min_n,max_n", [(1, 4), (2, 3), (1, 1)])
+def test_incremental_index_equals_brute_force_scan_on_random_histories(min_n, max_n):
+    rng = random.Random(min_n * 10 + max_n)
+    proposer = NgramProposer(max_n=max_n, min_n=min_n)
+    seqs = [Seq(i, [rng.randrange(4) for _ in range(rng.randrange(0, 6))]) for i in range(6)]
+    for _ in range(60):
+        for seq in seqs:  # histories grow by ragged chunks, as accepted tokens do
+            seq.token_ids.extend(rng.randrange(4) for _ in range(rng.randrange(0, 4)))
+        ks = [rng.randrange(0, 6) for _ in seqs]
+        draft = proposer.propose_for(seqs, ks)
+        for row, (seq, k) in enumerate(zip(seqs, ks)):
+            got = draft.tokens[row, :int(draft.num_tokens[row])].tolist()
+            assert got == brute_force(seq.token_ids, k, min_n, max_n), (seq.token_ids, k)
+
+
+def test_index_is_incremental_not_a_rescan():
+    proposer = NgramProposer(max_n=4)
+    seq = Seq(0, list(range(1000)) * 2)
+    proposer.propose_for([seq], 3)
+    index = proposer._indexes[0]
+    size = len(index.latest_start)
+    seq.token_ids.append(5)
+    proposer.propose_for([seq], 3)
+    assert index.num_tokens == len(seq.token_ids)
+    assert len(index.latest_start) - size <= 4  # at most one new n-gram per n
+
+
+def test_forget_and_a_shrunk_history_rebuild_the_index():
+    proposer = NgramProposer(max_n=2)
+    seq = Seq(7, [1, 2, 3, 1, 2])
+    assert propose_one(proposer, seq, 1) == [3]
+    proposer.forget(7)
+    proposer.forget(12345)  # unknown ids are ignored
+    assert 7 not in proposer._indexes
+    # Same id, different (shorter) history: a stale index would still propose 3.
+    seq.token_ids = [1, 2, 9, 1]
+    assert propose_one(proposer, seq, 2) == [2, 9]
+    seq.token_ids = [5, 1]
+    assert propose_one(proposer, seq, 2) == []
+
+
+def _first_occurrence_extend(self, tokens, min_n, max_n):
+    # Injected bug: keeps the earliest occurrence instead of the most recent.
+    for end in range(max(self.num_tokens - 1, 0), len(tokens) - 1):
+        for n in range(min_n, min(max_n, end + 1) + 1):
+            self.latest_start.setdefault(tuple(tokens[end - n + 1:end + 1]), end - n + 1)
+    self.num_tokens = len(tokens)
+
+
+def _skips_boundary_extend(self, tokens, min_n, max_n):
+    # Injected bug: off by one, never indexes the n-grams ending at the old last token.
+    for end in range(self.num_tokens, len(tokens) - 1):
+        for n in range(min_n, min(max_n, end + 1) + 1):
+            self.latest_start[tuple(tokens[end - n + 1:end + 1])] = end - n + 1
+    self.num_tokens = len(tokens)
+
+
+@pytest.mark.parametrize("buggy_extend", [_first_occurrence_extend, _skips_boundary_extend])
+def test_brute_force_comparison_catches_a_broken_index(buggy_extend, monkeypatch):
+    import verispec.spec.ngram as ngram
+    monkeypatch.setattr(ngram._SeqIndex, "extend", buggy_extend)
+    with pytest.raises(AssertionError):
+        test_incremental_index_equals_brute_force_scan_on_random_histories(1, 4)
