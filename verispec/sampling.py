@@ -105,7 +105,7 @@ class SamplingTensors:
         """Repeat row i counts[i] times (or `counts` times each): one row per scored position.
 
         Verify rows score k_i + 1 positions each. An int or a host list costs no sync; a
-        device tensor of counts makes repeat_interleave read its total back.
+        device tensor of counts is read back to the host (a sync) to size the output.
         """
         import torch
 
