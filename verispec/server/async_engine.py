@@ -159,6 +159,7 @@ class AsyncEngine:
         self._cond = threading.Condition()
         self._commands: list[tuple[Callable, tuple]] = []  # guarded by _cond
         self._pending_adds = 0                              # adds queued, not yet in a snapshot
+        self._unapplied_adds = 0                            # adds queued, not yet applied
         self._engine_waiting = 0                            # num_waiting of the latest snapshot
         self._accepting = False
         self._stopping = False
@@ -205,7 +206,7 @@ class AsyncEngine:
     @property
     def num_in_flight(self) -> int:
         """Requests queued for the engine or running in it (not yet finished or aborted)."""
-        return len(self._channels) + self._pending_adds
+        return len(self._channels) + self._unapplied_adds
 
     @property
     def latest_stats(self):
@@ -230,6 +231,7 @@ class AsyncEngine:
             if waiting >= self.max_waiting:
                 raise QueueFull(waiting, self.max_waiting)
             self._pending_adds += 1
+            self._unapplied_adds += 1
             self._commands.append((self._apply_add, (channel, list(prompt_token_ids), params, spec)))
             self._cond.notify()
         stream = RequestStream(self, channel)
@@ -322,15 +324,18 @@ class AsyncEngine:
         try:
             self.engine.add_request(rid, prompt, params, spec)
         except ValueError as exc:
-            channel.put(exc)
-            return
+            outcome = exc
         except Exception as exc:
             log.exception("engine.add_request(%s) raised", rid)
-            channel.put(RequestFailed(f"the engine could not take the request: {type(exc).__name__}"))
-            return
-        self._channels[rid] = channel
-        self._notify("on_request_started", channel.record)
-        channel.put(_ACCEPTED)
+            outcome = RequestFailed(f"the engine could not take the request: {type(exc).__name__}")
+        else:
+            outcome = _ACCEPTED
+            self._channels[rid] = channel
+        with self._cond:  # before the caller can see the outcome, so num_in_flight is exact
+            self._unapplied_adds -= 1
+        if outcome is _ACCEPTED:
+            self._notify("on_request_started", channel.record)
+        channel.put(outcome)
 
     def _apply_abort(self, request_id: str, error: BaseException | None) -> None:
         channel = self._channels.pop(request_id, None)

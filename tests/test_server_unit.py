@@ -1,0 +1,548 @@
+"""Server unit tests, in process, against the fake engine (tests/fake_engine.py).
+
+Protocol validation (every bad input -> 4xx naming the field, never a 5xx), API key and
+body limit, metric names and their agreement with per-response stats, and the AsyncEngine
+contract: abort on cancel/disconnect, 429 on a full queue, step failures, shutdown.
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import sys
+
+import httpx
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+sys.path.insert(0, os.path.dirname(__file__))
+from fake_engine import FakeEngine, SpecOverride  # noqa: E402
+
+from verispec.sampling import SamplingParams  # noqa: E402
+from verispec.server.app import ServerConfig, create_app  # noqa: E402
+from verispec.server.async_engine import (AsyncEngine, EngineClosed, QueueFull,  # noqa: E402
+                                          RequestFailed)
+
+GREEDY = SamplingParams(temperature=0, max_tokens=8)
+
+
+def run(coro):
+    return asyncio.run(asyncio.wait_for(coro, timeout=30))
+
+
+@contextlib.asynccontextmanager
+async def serving(engine: FakeEngine | None = None, **config):
+    """An app on `engine` with its lifespan running, and an httpx client talking ASGI to it."""
+    engine = engine or FakeEngine()
+    app = create_app(engine, ServerConfig(**config))
+    async with app.router.lifespan_context(app):
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://test") as client:
+            yield app, client, engine
+
+
+async def wait_idle(client: httpx.AsyncClient) -> dict:
+    """Poll /health until no request is in flight; returns the last health body."""
+    for _ in range(500):
+        health = (await client.get("/health")).json()
+        if health["in_flight"] == 0 and health["num_running"] == 0 and health["num_waiting"] == 0:
+            return health
+        await asyncio.sleep(0.01)
+    raise AssertionError(f"server never went idle: {health}")
+
+
+# ---------------------------------------------------------------------------- validation
+CHAT = "/v1/chat/completions"
+COMP = "/v1/completions"
+MSG = [{"role": "user", "content": "hi"}]
+
+BAD_REQUESTS = [
+    # (path, body, status, param)
+    (COMP, b"{not json", 400, None),
+    (COMP, b"[1, 2]", 400, None),
+    (COMP, {"prompt": "x", "temperature": "0.5"}, 400, "temperature"),
+    (COMP, {"prompt": "x", "temperature": -0.1}, 400, "temperature"),
+    (COMP, {"prompt": "x", "top_p": 0}, 400, "top_p"),
+    (COMP, {"prompt": "x", "top_p": 1.5}, 400, "top_p"),
+    (COMP, {"prompt": "x", "top_k": -1}, 400, "top_k"),
+    (COMP, {"prompt": "x", "min_p": 2}, 400, "min_p"),
+    (COMP, {"prompt": "x", "max_tokens": 0}, 400, "max_tokens"),
+    (COMP, {"prompt": "x", "max_tokens": "5"}, 400, "max_tokens"),
+    (COMP, {"prompt": "x", "max_tokens": True}, 400, "max_tokens"),
+    (COMP, {"prompt": "x", "max_tokens": 10_000}, 400, "max_tokens"),
+    (COMP, {"prompt": "x" * 600}, 400, "prompt"),
+    (COMP, {"prompt": ""}, 400, "prompt"),
+    (COMP, {"prompt": [1, 2, 999]}, 400, "prompt"),
+    (COMP, {"prompt": ["a", "b"]}, 400, "prompt"),
+    (COMP, {"prompt": 5}, 400, "prompt"),
+    (COMP, {}, 400, "prompt"),
+    (COMP, {"prompt": "x", "model": "gpt-4"}, 400, "model"),
+    (COMP, {"prompt": "x", "n": 2}, 400, "n"),
+    (COMP, {"prompt": "x", "stream": "yes"}, 400, "stream"),
+    (COMP, {"prompt": "x", "stop": [""]}, 400, "stop"),
+    (COMP, {"prompt": "x", "seed": 1.5}, 400, "seed"),
+    (COMP, {"prompt": "x", "logprobs": 2}, 400, "logprobs"),
+    (COMP, {"prompt": "x", "echo": True}, 400, "echo"),
+    (COMP, {"prompt": "x", "stream_options": {"include_usage": True}}, 400, "stream_options"),
+    (COMP, {"prompt": "x", "speculative": {"method": "medusa"}}, 400, "speculative.method"),
+    (COMP, {"prompt": "x", "speculative": {"num_tokens": -1}}, 400, "speculative.num_tokens"),
+    (COMP, {"prompt": "x", "speculative": {"num_tokens": 99}}, 400, "speculative.num_tokens"),
+    (COMP, {"prompt": "x", "speculative": {"method": "draft"}}, 400, "speculative.method"),
+    (CHAT, {"messages": []}, 400, "messages"),
+    (CHAT, {"messages": [{"role": "user", "content": 3}]}, 400, "messages[0].content"),
+    (CHAT, {"messages": [{"role": "robot", "content": "x"}]}, 400, "messages[0].role"),
+    (CHAT, {"messages": MSG, "max_completion_tokens": 0}, 400, "max_completion_tokens"),
+    (CHAT, {"messages": MSG, "max_tokens": 10_000}, 400, "max_tokens"),
+    (CHAT, {"messages": [{"role": "user", "content": "x" * 600}]}, 400, "messages"),
+    (CHAT, {"messages": MSG, "n": 3}, 400, "n"),
+    (CHAT, {"messages": MSG, "presence_penalty": 0.5}, 400, "presence_penalty"),
+    (CHAT, {"messages": MSG, "tools": [{"type": "function"}]}, 400, "tools"),
+]
+
+
+def test_every_bad_input_is_a_4xx_naming_the_field_and_the_server_keeps_serving():
+    async def scenario():
+        async with serving() as (_, client, _engine):
+            for path, body, status, param in BAD_REQUESTS:
+                content = body if isinstance(body, bytes) else json.dumps(body).encode()
+                r = await client.post(path, content=content, headers={"content-type": "application/json"})
+                assert r.status_code == status, (body, r.text)
+                err = r.json()["error"]
+                assert err["param"] == param, (body, err)
+                assert err["type"] == "invalid_request_error" and err["message"], err
+            ok = await client.post(COMP, json={"prompt": "still alive", "max_tokens": 3})
+            assert ok.status_code == 200
+            health = await wait_idle(client)
+            assert health["kv_blocks_used"] == 0 and health["integrity"] == "ok"
+    run(scenario())
+
+
+def test_oversized_body_is_refused_with_413_declared_or_streamed():
+    async def scenario():
+        async with serving(max_body_bytes=2048) as (_, client, _engine):
+            big = json.dumps({"prompt": "x" * 5000}).encode()
+            r = await client.post(COMP, content=big)
+            assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large"
+
+            async def chunks():  # no Content-Length: the limit must apply while reading
+                for _ in range(10):
+                    yield b" " * 1024
+            r = await client.post(COMP, content=chunks())
+            assert r.status_code == 413
+    run(scenario())
+
+
+def test_body_limit_stops_reading_early():
+    """The app must refuse once past the limit, not after reading the whole body."""
+    async def scenario():
+        app = create_app(FakeEngine(), ServerConfig(max_body_bytes=4096))
+        received = 0
+        sent = []
+
+        async def receive():
+            nonlocal received
+            received += 1
+            return {"type": "http.request", "body": b" " * 1024, "more_body": received < 1000}
+
+        async def send(message):
+            sent.append(message)
+
+        scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST",
+                 "path": COMP, "raw_path": COMP.encode(), "query_string": b"", "headers": [],
+                 "scheme": "http", "server": ("test", 80), "client": ("test", 1), "root_path": ""}
+        async with app.router.lifespan_context(app):
+            await app(scope, receive, send)
+        assert sent[0]["status"] == 413
+        assert received <= 6, f"read {received} KiB of a 1000 KiB body before refusing"
+    run(scenario())
+
+
+def test_api_key_guards_v1_routes_only():
+    async def scenario():
+        async with serving(api_key="s3cret") as (_, client, _engine):
+            body = {"prompt": "x", "max_tokens": 2}
+            assert (await client.post(COMP, json=body)).status_code == 401
+            r = await client.post(COMP, json=body, headers={"Authorization": "Bearer wrong"})
+            assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+            assert (await client.get("/v1/models")).status_code == 401
+            r = await client.post(COMP, json=body, headers={"Authorization": "Bearer s3cret"})
+            assert r.status_code == 200
+            assert (await client.get("/health")).status_code == 200
+            assert (await client.get("/metrics")).status_code == 200
+    run(scenario())
+
+
+def test_unknown_route_and_method_get_openai_error_bodies():
+    async def scenario():
+        async with serving() as (_, client, _engine):
+            r = await client.get("/v1/nothing")
+            assert r.status_code == 404 and r.json()["error"]["code"] == "not_found"
+            r = await client.get(COMP)
+            assert r.status_code == 405 and r.json()["error"]["code"] == "method_not_allowed"
+    run(scenario())
+
+
+# ---------------------------------------------------------------------------- responses
+def test_completion_and_chat_report_exact_usage_and_spec():
+    async def scenario():
+        async with serving() as (_, client, engine):
+            tok = engine.tokenizer
+            r = (await client.post(COMP, json={"prompt": "count me", "max_tokens": 7, "temperature": 0,
+                                               "ignore_eos": True})).json()
+            assert r["usage"] == {"prompt_tokens": len(tok.encode("count me")), "completion_tokens": 7,
+                                  "total_tokens": len(tok.encode("count me")) + 7}
+            assert r["choices"][0]["finish_reason"] == "length"
+            assert set(r["spec"]) >= {"drafted", "accepted", "acceptance_per_position",
+                                      "mean_accepted_len", "num_drafts"}
+            msgs = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hello"}]
+            r = (await client.post(CHAT, json={"messages": msgs, "max_tokens": 5, "temperature": 0,
+                                               "ignore_eos": True})).json()
+            assert r["usage"]["prompt_tokens"] == len(tok.encode_chat(msgs))
+            assert r["usage"]["completion_tokens"] == 5
+            assert r["choices"][0]["message"]["role"] == "assistant"
+            r = (await client.post(COMP, json={"prompt": [104, 105], "max_tokens": 2})).json()
+            assert r["usage"]["prompt_tokens"] == 2
+    run(scenario())
+
+
+def _sse_events(text: str) -> list:
+    events = [line[len("data: "):] for line in text.splitlines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    return [json.loads(e) for e in events[:-1]]
+
+
+def test_stream_matches_non_stream_and_puts_usage_and_spec_on_the_last_chunk():
+    async def scenario():
+        async with serving() as (_, client, _engine):
+            body = {"prompt": "same as it ever was", "max_tokens": 24, "temperature": 0}
+            whole = (await client.post(COMP, json=body)).json()
+            r = await client.post(COMP, json={**body, "stream": True,
+                                              "stream_options": {"include_usage": True}})
+            assert r.headers["content-type"].startswith("text/event-stream")
+            events = _sse_events(r.text)
+            text = "".join(c["text"] for e in events for c in e["choices"])
+            assert text == whole["choices"][0]["text"]
+            assert events[-1]["choices"] == [] and events[-1]["usage"] == whole["usage"]
+            assert events[-1]["spec"] == whole["spec"]
+            assert all("spec" not in e for e in events[:-1])
+            # without include_usage the finishing chunk carries spec
+            events = _sse_events((await client.post(COMP, json={**body, "stream": True})).text)
+            assert events[-1]["choices"][0]["finish_reason"] == whole["choices"][0]["finish_reason"]
+            assert events[-1]["spec"] == whole["spec"] and "usage" not in events[-1]
+    run(scenario())
+
+
+def test_speculative_override_reaches_the_engine():
+    async def scenario():
+        async with serving() as (_, client, _engine):
+            base = {"prompt": "speculate", "max_tokens": 20, "temperature": 0, "ignore_eos": True}
+            plain = (await client.post(COMP, json={**base, "speculative": {"method": "none"}})).json()
+            assert plain["spec"]["method"] == "none" and plain["spec"]["num_drafts"] == 0
+            k1 = (await client.post(COMP, json={**base, "speculative": {"num_tokens": 1}})).json()
+            assert k1["spec"]["method"] == "ngram" and len(k1["spec"]["drafted_per_position"]) == 1
+            assert plain["choices"][0]["text"] == k1["choices"][0]["text"]  # lossless (fake's promise)
+    run(scenario())
+
+
+# ---------------------------------------------------------------------------- metrics
+def scrape(text: str) -> dict[tuple, float]:
+    """{(sample name, sorted labels): value} from a Prometheus exposition."""
+    out = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            out[(s.name, tuple(sorted(s.labels.items())))] = s.value
+    return out
+
+
+def total(samples: dict, name: str, **labels) -> float:
+    return sum(v for (n, ls), v in samples.items()
+               if n == name and all(dict(ls).get(k) == val for k, val in labels.items()))
+
+
+EXPECTED_METRICS = [
+    "verispec:request_success_total", "verispec:request_aborted_total", "verispec:request_error_total",
+    "verispec:prompt_tokens_total", "verispec:generation_tokens_total",
+    "verispec:time_to_first_token_seconds_bucket", "verispec:time_per_output_token_seconds_bucket",
+    "verispec:e2e_request_latency_seconds_bucket", "verispec:num_requests_running",
+    "verispec:num_requests_waiting", "verispec:kv_cache_usage_perc", "verispec:prefix_cache_hit_rate",
+    "verispec:prefix_cache_queries_total", "verispec:prefix_cache_hits_total",
+    "verispec:spec_decode_num_drafts_total", "verispec:spec_decode_num_draft_tokens_total",
+    "verispec:spec_decode_num_accepted_tokens_total",
+    "verispec:spec_decode_num_accepted_tokens_per_pos_total",
+]
+
+
+def test_metric_names_and_spec_counters_equal_the_sum_of_response_stats():
+    async def scenario():
+        async with serving() as (_, client, _engine):
+            before = scrape((await client.get("/metrics")).text)
+            sums = {"drafts": 0, "drafted": 0, "accepted": 0, "prompt": 0, "completion": 0}
+            per_pos: dict[int, int] = {}
+            for i in range(6):
+                body = {"prompt": f"metrics {i} " * (i + 1), "max_tokens": 10 + i, "temperature": 0,
+                        "speculative": {"num_tokens": 1 + i % 4}}
+                r = (await client.post(COMP, json=body)).json()
+                spec = r["spec"]
+                sums["drafts"] += spec["num_drafts"]
+                sums["drafted"] += spec["drafted"]
+                sums["accepted"] += spec["accepted"]
+                sums["prompt"] += r["usage"]["prompt_tokens"]
+                sums["completion"] += r["usage"]["completion_tokens"]
+                for pos, n in enumerate(spec["accepted_per_position"]):
+                    per_pos[pos] = per_pos.get(pos, 0) + n
+            after = scrape((await client.get("/metrics")).text)
+            for name in EXPECTED_METRICS:
+                assert any(n == name for n, _ in after), f"missing metric {name}"
+
+            def delta(name, **labels):
+                return total(after, name, **labels) - total(before, name, **labels)
+            m = {"model_name": "fake-model", "method": "ngram"}
+            assert delta("verispec:spec_decode_num_drafts_total", **m) == sums["drafts"] > 0
+            assert delta("verispec:spec_decode_num_draft_tokens_total", **m) == sums["drafted"]
+            assert delta("verispec:spec_decode_num_accepted_tokens_total", **m) == sums["accepted"]
+            for pos, n in per_pos.items():
+                assert delta("verispec:spec_decode_num_accepted_tokens_per_pos_total",
+                             position=str(pos), **m) == n
+            assert delta("verispec:prompt_tokens_total") == sums["prompt"]
+            assert delta("verispec:generation_tokens_total") == sums["completion"]
+            assert delta("verispec:request_success_total") == 6
+            assert delta("verispec:e2e_request_latency_seconds_count") == 6
+            assert total(after, "verispec:request_rejected_total") == 0
+    run(scenario())
+
+
+def test_rejections_are_counted_by_reason():
+    async def scenario():
+        async with serving() as (_, client, _engine):
+            await client.post(COMP, json={"prompt": "x", "n": 2})
+            await client.get("/v1/missing")
+            m = scrape((await client.get("/metrics")).text)
+            assert total(m, "verispec:request_rejected_total", reason="invalid_request") == 1
+            assert total(m, "verispec:request_rejected_total", reason="not_found") == 1
+    run(scenario())
+
+
+# ---------------------------------------------------------------------------- async engine
+@contextlib.asynccontextmanager
+async def async_engine(engine: FakeEngine, **kwargs):
+    ae = AsyncEngine(engine, **kwargs)
+    ae.start()
+    try:
+        yield ae
+    finally:
+        await ae.shutdown()
+
+
+async def engine_state(ae: AsyncEngine, engine: FakeEngine):
+    """(stats, live request ids) read on the engine thread."""
+    return await ae.call(lambda: (engine.stats(), sorted(engine.requests)))
+
+
+def test_cancelling_the_consumer_aborts_the_request_and_frees_its_blocks():
+    async def scenario():
+        engine = FakeEngine(step_delay_s=0.005)
+        async with async_engine(engine) as ae:
+            got = []
+
+            async def consume():
+                async for out in ae.generate("r1", [1, 2, 3] * 20, SamplingParams(max_tokens=400,
+                                                                                  ignore_eos=True)):
+                    got.append(out)
+            task = asyncio.create_task(consume())
+            while len(got) < 3:
+                await asyncio.sleep(0.005)
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+            stats, live = await engine_state(ae, engine)
+            assert live == [] and stats.kv_blocks_used == 0
+            await ae.call(engine.check_integrity)
+    run(scenario())
+
+
+def test_leaving_a_stream_early_aborts_it():
+    async def scenario():
+        engine = FakeEngine(step_delay_s=0.002)
+        async with async_engine(engine) as ae:
+            stream = await ae.add_request("r1", [5] * 30, SamplingParams(max_tokens=300, ignore_eos=True))
+            async with stream:
+                async for out in stream:
+                    if len(out.token_ids) >= 3:
+                        break
+            stats, live = await engine_state(ae, engine)
+            assert live == [] and stats.kv_blocks_used == 0
+    run(scenario())
+
+
+def test_engine_value_error_surfaces_from_add_request():
+    async def scenario():
+        engine = FakeEngine()
+        async with async_engine(engine) as ae:
+            with pytest.raises(ValueError, match="speculative.method"):
+                await ae.add_request("r1", [1, 2], GREEDY, SpecOverride(method="draft"))
+            assert ae.num_in_flight == 0
+    run(scenario())
+
+
+def test_full_waiting_queue_raises_queue_full_and_http_429():
+    async def scenario():
+        engine = FakeEngine(step_delay_s=0.02, max_num_seqs=1)
+        async with async_engine(engine, max_waiting=2) as ae:
+            long = SamplingParams(max_tokens=100, ignore_eos=True)
+            streams = [await ae.add_request(f"r{i}", [1] * 10, long) for i in range(2)]
+            with pytest.raises(QueueFull):
+                for i in range(2, 6):
+                    streams.append(await ae.add_request(f"r{i}", [1] * 10, long))
+            for s in streams:
+                s.abort()
+
+        engine = FakeEngine(step_delay_s=0.02, max_num_seqs=1)
+        async with serving(engine, max_waiting=1) as (_, client, _engine):
+            body = {"prompt": "queue", "max_tokens": 30, "ignore_eos": True}
+            results = await asyncio.gather(*[client.post(COMP, json=body) for _ in range(6)])
+            codes = sorted(r.status_code for r in results)
+            assert 429 in codes and 200 in codes and set(codes) <= {200, 429}, codes
+            limited = next(r for r in results if r.status_code == 429)
+            assert limited.headers["retry-after"] == "1"
+            assert limited.json()["error"]["code"] == "queue_full"
+            await wait_idle(client)
+    run(scenario())
+
+
+def test_step_exception_fails_in_flight_requests_and_the_loop_keeps_serving():
+    async def scenario():
+        engine = FakeEngine(step_delay_s=0.002)
+        async with serving(engine) as (_, client, _engine):
+            bad, other = await asyncio.gather(
+                client.post(COMP, json={"prompt": "FAIL_STEP please", "max_tokens": 20}),
+                client.post(COMP, json={"prompt": "innocent", "max_tokens": 50, "ignore_eos": True}))
+            assert bad.status_code == 500 and bad.json()["error"]["type"] == "server_error"
+            assert other.status_code in (200, 500)  # in flight during the failed step, or not
+            ok = await client.post(COMP, json={"prompt": "after the storm", "max_tokens": 5})
+            assert ok.status_code == 200
+            health = await wait_idle(client)
+            assert health["integrity"] == "ok" and health["kv_blocks_used"] == 0
+            assert "injected step failure" in health["last_step_error"]
+            m = scrape((await client.get("/metrics")).text)
+            assert total(m, "verispec:engine_step_errors_total") == 1
+    run(scenario())
+
+
+def test_failed_request_is_an_error_for_that_client_only():
+    async def scenario():
+        engine = FakeEngine(step_delay_s=0.002)
+        async with serving(engine) as (_, client, _engine):
+            bad, good, bad_stream = await asyncio.gather(
+                client.post(COMP, json={"prompt": "FAIL_REQUEST", "max_tokens": 20}),
+                client.post(COMP, json={"prompt": "fine", "max_tokens": 20, "ignore_eos": True}),
+                client.post(CHAT, json={"messages": [{"role": "user", "content": "FAIL_REQUEST"}],
+                                        "stream": True}))
+            assert bad.status_code == 500 and "injected" in bad.json()["error"]["message"]
+            assert good.status_code == 200 and good.json()["usage"]["completion_tokens"] == 20
+            events = _sse_events(bad_stream.text)
+            assert "injected" in events[-1]["error"]["message"]
+            m = scrape((await client.get("/metrics")).text)
+            assert total(m, "verispec:request_error_total") == 2
+    run(scenario())
+
+
+async def _disconnecting_call(app, body: dict, after_messages: int):
+    """Call the app as a client that disconnects after `after_messages` sends (or at once)."""
+    sent = []
+    disconnect = asyncio.Event()
+    delivered = False
+
+    async def receive():
+        nonlocal delivered
+        if not delivered:
+            delivered = True
+            return {"type": "http.request", "body": json.dumps(body).encode(), "more_body": False}
+        await disconnect.wait()
+        return {"type": "http.disconnect"}
+
+    async def send(message):
+        sent.append(message)
+        if len(sent) >= after_messages:
+            disconnect.set()
+
+    scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST",
+             "path": COMP, "raw_path": COMP.encode(), "query_string": b"",
+             "headers": [(b"content-type", b"application/json")], "scheme": "http",
+             "server": ("test", 80), "client": ("test", 1), "root_path": ""}
+    task = asyncio.create_task(app(scope, receive, send))
+    if after_messages == 0:
+        await asyncio.sleep(0.05)
+        disconnect.set()
+    await asyncio.wait_for(task, 10)
+    return sent
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_client_disconnect_aborts_the_request_at_once(stream):
+    async def scenario():
+        engine = FakeEngine(step_delay_s=0.01)
+        app = create_app(engine, ServerConfig())
+        async with app.router.lifespan_context(app):
+            body = {"prompt": "walk away", "max_tokens": 400, "ignore_eos": True, "stream": stream}
+            await _disconnecting_call(app, body, after_messages=3 if stream else 0)
+            ae = app.state.server.async_engine
+            for _ in range(100):
+                if ae.num_in_flight == 0:
+                    break
+                await asyncio.sleep(0.01)
+            stats, live = await engine_state(ae, engine)
+            assert live == [] and stats.kv_blocks_used == 0
+            assert engine.steps < 100, "the request ran on after the client left"
+            m = scrape(app.state.server.metrics.render()[0].decode())
+            assert total(m, "verispec:request_aborted_total") == 1
+    run(scenario())
+
+
+def test_shutdown_aborts_in_flight_requests_and_refuses_new_ones():
+    async def scenario():
+        engine = FakeEngine(step_delay_s=0.005)
+        ae = AsyncEngine(engine)
+        ae.start()
+        stream = await ae.add_request("long", [1] * 10, SamplingParams(max_tokens=400, ignore_eos=True))
+        short = await ae.add_request("short", [2] * 10, SamplingParams(max_tokens=2, ignore_eos=True))
+        await ae.shutdown(drain_timeout_s=0.2)
+        assert not ae.is_alive
+        assert [o.finish_reason for o in [o async for o in short]][-1] == "length"  # drained
+        with pytest.raises(EngineClosed):
+            async for _ in stream:
+                pass
+        assert engine.requests == {} and engine.stats().kv_blocks_used == 0
+        engine.check_integrity()
+        with pytest.raises(EngineClosed):
+            await ae.add_request("late", [1], GREEDY)
+    run(scenario())
+
+
+def test_health_reports_a_kv_leak_as_degraded():
+    """The idle integrity check catches an engine that leaks blocks on abort (injected bug)."""
+    async def scenario():
+        engine = FakeEngine(step_delay_s=0.002, leak_blocks_on_abort=True)
+        async with serving(engine) as (app, client, _engine):
+            ae = app.state.server.async_engine
+            stream = await ae.add_request("leaky", [1] * 40, SamplingParams(max_tokens=200, ignore_eos=True))
+            await stream.__anext__()
+            stream.abort()
+            for _ in range(100):
+                r = await client.get("/health")
+                if r.json()["in_flight"] == 0:
+                    break
+                await asyncio.sleep(0.01)
+            assert r.status_code == 503 and r.json()["status"] == "degraded"
+            assert r.json()["integrity"].startswith("failed") and r.json()["kv_blocks_used"] > 0
+    run(scenario())
+
+
+def test_request_failed_is_raised_from_the_stream():
+    async def scenario():
+        engine = FakeEngine()
+        async with async_engine(engine) as ae:
+            with pytest.raises(RequestFailed, match="injected"):
+                async for _ in ae.generate("f", list(b"FAIL_REQUEST"), GREEDY):
+                    pass
+    run(scenario())
