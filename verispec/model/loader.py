@@ -138,13 +138,13 @@ def ensure_cached(source: ModelSource) -> Path:
     shutil.rmtree(building, ignore_errors=True)
     try:
         _convert_gguf(source.path, building)
-        if directory.exists():  # stale (older format or interrupted): replace it
-            shutil.rmtree(directory, ignore_errors=True)
-        try:
-            os.replace(building, directory)
-        except OSError:
-            if _complete_cache_dir(source.path) is None:  # not a concurrent winner: a real failure
-                raise
+        if _complete_cache_dir(source.path) is None:  # no concurrent process finished first
+            shutil.rmtree(directory, ignore_errors=True)  # stale: older format or interrupted
+            try:
+                os.replace(building, directory)
+            except OSError:
+                if _complete_cache_dir(source.path) is None:  # not a concurrent winner: a real failure
+                    raise
     finally:
         shutil.rmtree(building, ignore_errors=True)
     return directory

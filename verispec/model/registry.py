@@ -33,6 +33,10 @@ class ModelInfo:
     available: bool
     location: str  # the path when available, else how to get it
 
+    def __str__(self) -> str:
+        status = "available" if self.available else "missing"
+        return f"{self.name:30s} {status:9s} {self.description}\n{'':40s} {self.location}"
+
 
 @dataclass(frozen=True)
 class _Entry:
