@@ -106,8 +106,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--access-log", action=argparse.BooleanOptionalAction, default=d.access_log)
 
 
-def serve(engine_factory: Callable[[], Any], args: argparse.Namespace) -> int:
-    """Build the engine, then serve it until SIGINT/SIGTERM; returns the exit status."""
+def serve(engine_factory: Callable[[], Any], args: argparse.Namespace, engine_config: Any = None) -> int:
+    """Build the engine, then serve it until SIGINT/SIGTERM; returns the exit status.
+
+    `engine_config` (optional, anything with to_dict()) is only logged at startup.
+    """
     import uvicorn
 
     config = ServerConfig.from_args(args)
@@ -117,6 +120,8 @@ def serve(engine_factory: Callable[[], Any], args: argparse.Namespace) -> int:
     if config.api_key is None and not _is_loopback(config.host):
         log.warning("listening on %s without an API key: anyone who can reach it can use it",
                     config.host)
+    if engine_config is not None and hasattr(engine_config, "to_dict"):
+        log.info("engine config: %s", engine_config.to_dict())
     engine = engine_factory()
     app = create_app(engine, config)
     server = uvicorn.Server(uvicorn.Config(

@@ -1,0 +1,413 @@
+"""The server over real HTTP: a subprocess on a free loopback port, driven by the official
+`openai` client.
+
+- chat and completions, streaming and not, with usage exact against the tokenizer;
+- /metrics parsed with prometheus_client: speculation counter deltas over a run equal the
+  sums of the per-response `spec` blocks;
+- a bounded load test (200 requests, 16 at a time, 10% cancelled mid-stream, 10% invalid):
+  every valid request returns exactly what it returns alone (greedy), nothing is a 5xx,
+  and after the drain the KV integrity check holds with no block in use;
+- SIGTERM shuts the server down cleanly with a stream in flight.
+
+The server runs the fake engine (tests/fake_engine.py) by default. BACKEND below is the one
+line to change to run all of this against the real engine (VERISPEC_SERVER_TEST_BACKEND=real
+does the same without editing).
+"""
+from __future__ import annotations
+
+import asyncio
+import os
+import random
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import httpx
+import openai
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+TESTS = Path(__file__).resolve().parent
+REPO = TESTS.parent
+sys.path.insert(0, str(TESTS))
+
+API_KEY = "test-key-not-secret"
+
+
+@dataclass(frozen=True)
+class Backend:
+    """How to start the server under test, and the tokenizer to check its usage against."""
+
+    name: str
+    command: Callable[[int], list[str]]   # port -> argv
+    tokenizer: Callable[[], object]
+    model: str
+    startup_timeout_s: float
+    request_timeout_s: float
+    load_max_tokens: int                  # per valid load-test request (cancelled ones: x4)
+
+
+def _fake_backend() -> Backend:
+    def command(port: int) -> list[str]:
+        return [sys.executable, str(TESTS / "fake_engine.py"), "--port", str(port),
+                "--step-delay", "0.002", "--max-num-seqs", "8", "--no-access-log",
+                "--log-level", "warning", "--shutdown-timeout", "3"]
+
+    def tokenizer():
+        from fake_engine import ByteTokenizer
+        return ByteTokenizer()
+    return Backend("fake", command, tokenizer, "fake-model", 30, 60, 24)
+
+
+def _real_backend(model: str = "smollm2-135m-instruct") -> Backend:
+    def command(port: int) -> list[str]:
+        return [sys.executable, "-c", "import sys; from verispec.cli import main; sys.exit(main())",
+                "serve", "--model", model, "--dtype", "float32", "--port", str(port),
+                "--no-access-log", "--log-level", "warning", "--shutdown-timeout", "3"]
+
+    def tokenizer():
+        from verispec.model.loader import load_config_and_tokenizer, resolve_model
+        return load_config_and_tokenizer(resolve_model(model))[1]
+    return Backend("real", command, tokenizer, model, 300, 600, 8)
+
+
+# The one line to switch the subprocess from the fake engine to the real one:
+BACKEND = _real_backend() if os.environ.get("VERISPEC_SERVER_TEST_BACKEND") == "real" else _fake_backend()
+
+
+# ---------------------------------------------------------------------------- the server process
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class ServerProcess:
+    """The server as a subprocess; its log goes to a temp file (shown when a test fails)."""
+
+    def __init__(self, backend: Backend):
+        self.port = _free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log = tempfile.NamedTemporaryFile("w+", prefix="verispec-server-", suffix=".log")
+        env = {**os.environ, "VERISPEC_API_KEY": API_KEY, "PYTHONUNBUFFERED": "1"}
+        self.proc = subprocess.Popen(backend.command(self.port), cwd=REPO, env=env,
+                                     stdout=self.log, stderr=subprocess.STDOUT)
+        self._wait_ready(backend.startup_timeout_s)
+
+    def _wait_ready(self, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise AssertionError(f"server exited with {self.proc.returncode}:\n{self.log_text()}")
+            try:
+                if httpx.get(f"{self.url}/health", timeout=1).status_code == 200:
+                    return
+            except httpx.TransportError:
+                pass
+            time.sleep(0.1)
+        self.stop()
+        raise AssertionError(f"server not ready after {timeout_s} s:\n{self.log_text()}")
+
+    def health(self) -> dict:
+        return httpx.get(f"{self.url}/health", timeout=30).json()
+
+    def metrics(self) -> dict[tuple, float]:
+        text = httpx.get(f"{self.url}/metrics", timeout=30).text
+        return {(s.name, tuple(sorted(s.labels.items()))): s.value
+                for fam in text_string_to_metric_families(text) for s in fam.samples}
+
+    def wait_idle(self, timeout_s: float = 30) -> dict:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            h = self.health()
+            if h["in_flight"] == 0 and h["num_running"] == 0 and h["num_waiting"] == 0:
+                return h
+            if time.monotonic() > deadline:
+                raise AssertionError(f"server did not drain: {h}")
+            time.sleep(0.05)
+
+    def stop(self, timeout_s: float = 20) -> int:
+        """SIGTERM and wait; returns the exit status."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+                raise AssertionError(f"server ignored SIGTERM for {timeout_s} s:\n{self.log_text()}")
+        return self.proc.returncode
+
+    def log_text(self) -> str:
+        self.log.flush()
+        return Path(self.log.name).read_text()
+
+
+@pytest.fixture(scope="module")
+def server():
+    srv = ServerProcess(BACKEND)
+    try:
+        yield srv
+        rc = srv.stop()
+        assert rc in (0, -signal.SIGTERM), f"exit status {rc}:\n{srv.log_text()}"
+        assert "Traceback" not in srv.log_text(), srv.log_text()
+    finally:
+        srv.stop()
+        srv.log.close()
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return BACKEND.tokenizer()
+
+
+def client(server: ServerProcess, **kw) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key=API_KEY, max_retries=0,
+                         timeout=BACKEND.request_timeout_s, **kw)
+
+
+def aclient(server: ServerProcess) -> openai.AsyncOpenAI:
+    return openai.AsyncOpenAI(base_url=f"{server.url}/v1", api_key=API_KEY, max_retries=0,
+                              timeout=BACKEND.request_timeout_s)
+
+
+def spec_of(obj) -> dict | None:
+    return (obj.model_extra or {}).get("spec")
+
+
+# ---------------------------------------------------------------------------- API behaviour
+def test_completions_and_chat_over_http_with_exact_usage(server, tokenizer):
+    c = client(server)
+    assert [m.id for m in c.models.list().data] == [BACKEND.model]
+    prompt = "The quick brown fox"
+    r = c.completions.create(model=BACKEND.model, prompt=prompt, max_tokens=6, temperature=0,
+                             extra_body={"ignore_eos": True})
+    n_prompt = len(tokenizer.encode(prompt))
+    assert (r.usage.prompt_tokens, r.usage.completion_tokens, r.usage.total_tokens) == (n_prompt, 6, n_prompt + 6)
+    assert r.choices[0].finish_reason == "length"
+    assert spec_of(r)["num_drafts"] >= 0
+
+    chunks = list(c.completions.create(model=BACKEND.model, prompt=prompt, max_tokens=6, temperature=0,
+                                       stream=True, stream_options={"include_usage": True},
+                                       extra_body={"ignore_eos": True}))
+    assert "".join(ch.choices[0].text for ch in chunks if ch.choices) == r.choices[0].text
+    assert chunks[-1].choices == [] and chunks[-1].usage == r.usage
+    assert spec_of(chunks[-1]) == spec_of(r)
+
+    messages = [{"role": "system", "content": "Answer briefly."}, {"role": "user", "content": "Hi there!"}]
+    r = c.chat.completions.create(model=BACKEND.model, messages=messages, max_tokens=5, temperature=0,
+                                  extra_body={"ignore_eos": True})
+    n_chat = len(tokenizer.encode_chat(messages))
+    assert (r.usage.prompt_tokens, r.usage.completion_tokens, r.usage.total_tokens) == (n_chat, 5, n_chat + 5)
+    assert r.choices[0].message.role == "assistant"
+
+    chunks = list(c.chat.completions.create(model=BACKEND.model, messages=messages, max_tokens=5,
+                                            temperature=0, stream=True,
+                                            stream_options={"include_usage": True},
+                                            extra_body={"ignore_eos": True}))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices)
+    assert text == r.choices[0].message.content
+    assert chunks[-1].usage == r.usage and spec_of(chunks[-1]) == spec_of(r)
+
+    ids = tokenizer.encode("token ids in")
+    r = c.completions.create(model=BACKEND.model, prompt=ids, max_tokens=2, temperature=0)
+    assert r.usage.prompt_tokens == len(ids)
+
+
+def test_errors_over_http(server):
+    c = client(server)
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=f"{server.url}/v1", api_key="wrong", max_retries=0).models.list()
+    with pytest.raises(openai.BadRequestError) as e:
+        c.completions.create(model=BACKEND.model, prompt="x", top_p=0)
+    assert e.value.body["param"] == "top_p"
+    with pytest.raises(openai.BadRequestError) as e:
+        c.chat.completions.create(model="no-such-model", messages=[{"role": "user", "content": "x"}])
+    assert e.value.body["param"] == "model"
+    r = httpx.post(f"{server.url}/v1/completions", content=b"{oops",
+                   headers={"Authorization": f"Bearer {API_KEY}"})
+    assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_json"
+    r = httpx.post(f"{server.url}/v1/completions", content=b"x" * (2 << 20),
+                   headers={"Authorization": f"Bearer {API_KEY}"})
+    assert r.status_code == 413
+
+
+def _sum_specs(specs: list[dict]) -> dict:
+    out = {"num_drafts": 0, "drafted": 0, "accepted": 0, "per_pos": {}}
+    for s in specs:
+        for k in ("num_drafts", "drafted", "accepted"):
+            out[k] += s[k]
+        for pos, n in enumerate(s["accepted_per_position"]):
+            out["per_pos"][pos] = out["per_pos"].get(pos, 0) + n
+    return out
+
+
+def _metric(samples: dict, name: str, **labels) -> float:
+    return sum(v for (n, ls), v in samples.items()
+               if n == name and all(dict(ls).get(k) == val for k, val in labels.items()))
+
+
+def test_spec_counter_deltas_equal_the_sum_of_response_stats(server):
+    c = client(server)
+    before = server.metrics()
+    specs, usages = [], []
+    for i in range(6):
+        body = dict(model=BACKEND.model, prompt=f"repeat after me: {i} {i} {i} {i}", max_tokens=8 + i,
+                    temperature=0, extra_body={"speculative": {"num_tokens": 1 + i % 3}})
+        if i % 2:
+            chunks = list(c.completions.create(**body, stream=True, stream_options={"include_usage": True}))
+            specs.append(spec_of(chunks[-1]))
+            usages.append(chunks[-1].usage)
+        else:
+            r = c.completions.create(**body)
+            specs.append(spec_of(r))
+            usages.append(r.usage)
+    server.wait_idle()
+    after = server.metrics()
+    sums = _sum_specs(specs)
+    method = specs[0]["method"]
+    assert all(s["method"] == method for s in specs)
+
+    def delta(name, **labels):
+        return _metric(after, name, **labels) - _metric(before, name, **labels)
+    labels = {"model_name": BACKEND.model, "method": method}
+    assert delta("verispec:spec_decode_num_drafts_total", **labels) == sums["num_drafts"]
+    assert delta("verispec:spec_decode_num_draft_tokens_total", **labels) == sums["drafted"]
+    assert delta("verispec:spec_decode_num_accepted_tokens_total", **labels) == sums["accepted"]
+    for pos, n in sums["per_pos"].items():
+        assert delta("verispec:spec_decode_num_accepted_tokens_per_pos_total", position=str(pos), **labels) == n
+    assert delta("verispec:prompt_tokens_total") == sum(u.prompt_tokens for u in usages)
+    assert delta("verispec:generation_tokens_total") == sum(u.completion_tokens for u in usages)
+    assert delta("verispec:request_success_total") == len(specs)
+
+
+# ---------------------------------------------------------------------------- load
+NUM_REQUESTS = 200
+CONCURRENCY = 16
+
+PROMPTS = ["Once upon a time", "def fibonacci(n):", "The three primary colours are",
+           "Translate to French: good morning", "List: apples, pears,", "In 1969, the first",
+           "Q: What is 2 + 2?\nA:", "import numpy as np\n"]
+INVALID = [dict(temperature=-1.0), dict(top_p=0.0), dict(n=2), dict(max_tokens=0),
+           dict(model="no-such-model"), dict(extra_body={"speculative": {"method": "medusa"}})]
+
+
+def _template(i: int) -> dict:
+    """A valid greedy request: chat or completion, varied speculation (outputs must not care)."""
+    spec = [None, {"method": "none"}, {"num_tokens": 2}, {"num_tokens": 4}][i % 4]
+    extra = {"speculative": spec} if spec else {}
+    prompt = PROMPTS[i % len(PROMPTS)]
+    if i % 2:
+        return dict(kind="chat", messages=[{"role": "user", "content": prompt}],
+                    max_tokens=BACKEND.load_max_tokens, temperature=0, extra_body=extra)
+    return dict(kind="completion", prompt=prompt, max_tokens=BACKEND.load_max_tokens, temperature=0,
+                extra_body=extra)
+
+
+async def _run_one(c: openai.AsyncOpenAI, req: dict, stream: bool, cancel_after: int | None = None):
+    """(text, finish_reason, usage) of one request; cancel_after closes the stream early."""
+    req = dict(req)
+    kind = req.pop("kind")
+    create = c.chat.completions.create if kind == "chat" else c.completions.create
+    req.setdefault("model", BACKEND.model)
+    if not stream:
+        r = await create(**req)
+        text = r.choices[0].message.content if kind == "chat" else r.choices[0].text
+        return text, r.choices[0].finish_reason, r.usage
+    s = await create(**req, stream=True, stream_options={"include_usage": True})
+    parts, finish, usage, n = [], None, None, 0
+    async for ch in s:
+        n += 1
+        if cancel_after is not None and n >= cancel_after:
+            await s.close()  # the client goes away mid-stream
+            return None
+        usage = ch.usage or usage
+        for choice in ch.choices:
+            parts.append((choice.delta.content or "") if kind == "chat" else choice.text)
+            finish = choice.finish_reason or finish
+    return "".join(parts), finish, usage
+
+
+def test_load_cancellations_and_invalid_requests_leave_a_clean_engine(server):
+    async def scenario():
+        c = aclient(server)
+        templates = [_template(i) for i in range(2 * len(PROMPTS))]
+        alone = [await _run_one(c, t, stream=False) for t in templates]  # each request by itself
+
+        before = server.metrics()
+        rng = random.Random(1234)
+        plan = ["cancel"] * (NUM_REQUESTS // 10) + ["invalid"] * (NUM_REQUESTS // 10)
+        plan += ["valid"] * (NUM_REQUESTS - len(plan))
+        rng.shuffle(plan)
+        gate = asyncio.Semaphore(CONCURRENCY)
+        failures: list[str] = []
+        counts = {"valid": 0, "cancel": 0, "invalid": 0}
+
+        async def one(i: int, what: str):
+            t = i % len(templates)
+            async with gate:
+                try:
+                    if what == "invalid":
+                        bad = {**templates[t], **INVALID[i % len(INVALID)]}
+                        try:
+                            await _run_one(c, bad, stream=bool(i % 2))
+                            failures.append(f"#{i} invalid request {INVALID[i % len(INVALID)]} succeeded")
+                        except openai.BadRequestError:
+                            counts["invalid"] += 1
+                    elif what == "cancel":
+                        long = {**templates[t], "max_tokens": 4 * BACKEND.load_max_tokens,
+                                "extra_body": {**templates[t]["extra_body"], "ignore_eos": True}}
+                        await _run_one(c, long, stream=True, cancel_after=2)
+                        counts["cancel"] += 1
+                    else:
+                        got = await _run_one(c, templates[t], stream=bool(i % 3))
+                        if got != alone[t]:
+                            failures.append(f"#{i} template {t}: {got!r} != alone {alone[t]!r}")
+                        counts["valid"] += 1
+                except openai.APIError as exc:
+                    failures.append(f"#{i} {what}: {type(exc).__name__}: {exc}")
+
+        t0 = time.monotonic()
+        await asyncio.gather(*(one(i, what) for i, what in enumerate(plan)))
+        elapsed = time.monotonic() - t0
+        await c.close()
+        return failures, counts, before, elapsed
+
+    failures, counts, before, elapsed = asyncio.run(scenario())
+    assert not failures, "\n".join(failures[:20])
+    assert counts == {"valid": 160, "cancel": 20, "invalid": 20}, counts
+    health = server.wait_idle()
+    assert health["kv_blocks_used"] == 0, health
+    assert health["integrity"] == "ok", health
+    after = server.metrics()
+    aborted = _metric(after, "verispec:request_aborted_total") - _metric(before, "verispec:request_aborted_total")
+    assert 0 < aborted <= 20
+    assert _metric(after, "verispec:request_error_total") == 0
+    print(f"load test: {NUM_REQUESTS} requests in {elapsed:.1f} s")
+
+
+def test_sigterm_with_a_stream_in_flight_shuts_down_cleanly():
+    srv = ServerProcess(BACKEND)
+    try:
+        with httpx.stream("POST", f"{srv.url}/v1/completions", timeout=30,
+                          headers={"Authorization": f"Bearer {API_KEY}"},
+                          json={"prompt": "long story", "max_tokens": 400, "ignore_eos": True,
+                                "stream": True}) as r:
+            lines = r.iter_lines()
+            assert next(lines).startswith("data: ")
+            srv.proc.send_signal(signal.SIGTERM)
+            rest = list(lines)  # the stream ends: finished in the grace period, or cut at its end
+        assert rest == [] or rest[-1] in ("data: [DONE]", "")
+        rc = srv.proc.wait(15)
+        assert rc in (0, -signal.SIGTERM), srv.log_text()
+        assert "Traceback" not in srv.log_text(), srv.log_text()
+    finally:
+        srv.stop()
+        srv.log.close()
