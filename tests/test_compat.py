@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import logging
 
-import pytest
 from tokenizers import AddedToken
 from tokenizers import Tokenizer as Backend
 from tokenizers import decoders, models, pre_tokenizers

@@ -165,16 +165,19 @@ def _read_meta(directory: Path, backend: _BackendTokenizer) -> TokenizerMeta:
                              _read_json(directory / "config.json"))
 
 
-def meta_from_configs(backend: _BackendTokenizer, tok_cfg: dict, gen_cfg: dict, model_cfg: dict) -> TokenizerMeta:
+def meta_from_configs(backend: _BackendTokenizer, tok_cfg: dict, gen_cfg: dict,
+                      model_cfg: dict) -> TokenizerMeta:
     """TokenizerMeta from the dicts of tokenizer_config.json, generation_config.json, config.json."""
-    special = {k: _token_content(tok_cfg.get(k)) for k in ("bos_token", "eos_token", "unk_token", "pad_token")}
+    special = {k: _token_content(tok_cfg.get(k))
+               for k in ("bos_token", "eos_token", "unk_token", "pad_token")}
     bos_id = gen_cfg.get("bos_token_id", model_cfg.get("bos_token_id"))
     if bos_id is None and special["bos_token"]:
         bos_id = backend.token_to_id(special["bos_token"])
     # EOS: generation config first (what HF generate stops on), then the tokenizer's, the model's.
     eos_ids: list[int] = []
     named_eos = backend.token_to_id(special["eos_token"]) if special["eos_token"] else None
-    for idx in _as_ids(gen_cfg.get("eos_token_id")) + _as_ids(named_eos) + _as_ids(model_cfg.get("eos_token_id")):
+    candidates = _as_ids(gen_cfg.get("eos_token_id")) + _as_ids(named_eos) + _as_ids(model_cfg.get("eos_token_id"))
+    for idx in candidates:
         if idx not in eos_ids:
             eos_ids.append(idx)
     if "add_bos_token" in tok_cfg:
