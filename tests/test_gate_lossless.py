@@ -31,7 +31,7 @@ CHECKED = (1, 2, 3)                # generated positions whose distribution is c
 
 @pytest.fixture(scope="module")
 def pair():
-    return tiny_pair(vocab=VOCAB, noise=0.15, seed=1, logit_scale=2.0)
+    return tiny_pair(vocab=VOCAB, noise=0.08, seed=1, logit_scale=2.0)
 
 
 def last_logits(model, seqs: torch.Tensor) -> torch.Tensor:

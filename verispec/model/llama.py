@@ -134,12 +134,11 @@ class LlamaModel(nn.Module):
         self.layers = nn.ModuleList(Block(cfg, i) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.rotary = Rotary(cfg)
-        if not cfg.tie_word_embeddings:
-            self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
-
-    @property
-    def output_weight(self) -> torch.Tensor:
-        return self.embed_tokens.weight if self.cfg.tie_word_embeddings else self.lm_head.weight
+        # The final norm and the LM head run in float32 whatever the body's dtype: bf16
+        # logits are spaced 0.125 apart near 25, which manufactures ties between the top
+        # two tokens and flips greedy choices. The head has its own float32 weight (for
+        # tied embeddings, a float32 copy of the embedding matrix).
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
 
     @torch.inference_mode()
     def forward(self, token_ids: torch.Tensor, meta: AttentionMetadata, kv: KVStore,
@@ -149,10 +148,10 @@ class LlamaModel(nn.Module):
             x = block(x, self.rotary, meta, kv)
         if logits_index is not None:
             x = x[logits_index]           # (N, hidden): only the positions we sample from
-        return F.linear(self.norm(x), self.output_weight).float()  # (N, V)
+        return self.lm_head(self.norm(x.float()))  # (N, V) float32
 
     def new_kv_store(self, num_slots: int) -> KVStore:
-        cfg, w = self.cfg, self.embed_tokens.weight
+        cfg, w = self.cfg, self.layers[0].self_attn.qkv_proj.weight
         return KVStore(cfg.num_layers, num_slots, cfg.num_kv_heads, cfg.head_dim, w.dtype, w.device)
 
     @classmethod
@@ -162,7 +161,9 @@ class LlamaModel(nn.Module):
         with torch.device("meta"):
             model = cls(cfg)
         state = fuse_hf_state_dict(cfg, hf_state)
-        state = {k: v.to(device=device, dtype=dtype) for k, v in state.items()}
+        float32_names = ("lm_head.weight", "norm.weight")
+        state = {k: v.to(device=device, dtype=torch.float32 if k in float32_names else dtype)
+                 for k, v in state.items()}
         missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
         if unexpected or missing:
             raise ValueError(f"weights do not match the {cfg.family} architecture: "
@@ -177,9 +178,9 @@ def fuse_hf_state_dict(cfg: ModelConfig, sd: dict[str, torch.Tensor]) -> dict[st
     for name, t in sd.items():
         if name.startswith("model."):
             name = name[len("model."):]
-        if name == "lm_head.weight" and cfg.tie_word_embeddings:
-            continue
         out[name] = t
+    if cfg.tie_word_embeddings:
+        out["lm_head.weight"] = out["embed_tokens.weight"]
     for i in range(cfg.num_layers):
         p = f"layers.{i}."
         for kind in ("weight", "bias"):
