@@ -27,6 +27,7 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Any, AsyncIterator, Callable
 
+import uvicorn
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
@@ -111,8 +112,6 @@ def serve(engine_factory: Callable[[], Any], args: argparse.Namespace, engine_co
 
     `engine_config` (optional, anything with to_dict()) is only logged at startup.
     """
-    import uvicorn
-
     config = ServerConfig.from_args(args)
     if not logging.getLogger().handlers:
         logging.basicConfig(level=config.log_level.upper(),
@@ -124,10 +123,13 @@ def serve(engine_factory: Callable[[], Any], args: argparse.Namespace, engine_co
         log.info("engine config: %s", engine_config.to_dict())
     engine = engine_factory()
     app = create_app(engine, config)
-    server = uvicorn.Server(uvicorn.Config(
+    # uvicorn's own grace period is only a backstop: the engine drain below ends every stream
+    # (normally or with an error event) first, so no client sees a connection cut mid-body.
+    uv_config = uvicorn.Config(
         app, host=config.host, port=config.port, log_level=config.log_level, lifespan="on",
         access_log=config.access_log, server_header=False,
-        timeout_graceful_shutdown=max(1, round(config.shutdown_timeout_s))))
+        timeout_graceful_shutdown=round(config.shutdown_timeout_s) + 5)
+    server = DrainingServer(uv_config, app.state.server.async_engine, config.shutdown_timeout_s)
     try:
         server.run()
     except KeyboardInterrupt:
@@ -135,6 +137,23 @@ def serve(engine_factory: Callable[[], Any], args: argparse.Namespace, engine_co
     except SystemExit as exc:  # uvicorn exits this way when it cannot bind or start
         return exc.code if isinstance(exc.code, int) else 1
     return 0 if server.started else 1
+
+
+class DrainingServer(uvicorn.Server):
+    """uvicorn.Server that drains the engine while uvicorn waits for connections to close."""
+
+    def __init__(self, config: uvicorn.Config, async_engine: AsyncEngine, drain_timeout_s: float):
+        super().__init__(config)
+        self.async_engine = async_engine
+        self.drain_timeout_s = drain_timeout_s
+
+    async def shutdown(self, sockets=None) -> None:
+        drain = asyncio.ensure_future(self.async_engine.drain(self.drain_timeout_s))
+        try:
+            await super().shutdown(sockets)
+        finally:
+            drain.cancel()
+            await asyncio.gather(drain, return_exceptions=True)
 
 
 def create_app(engine, config: ServerConfig = ServerConfig()) -> Starlette:

@@ -177,15 +177,24 @@ class AsyncEngine:
         self._thread = threading.Thread(target=self._run, name="verispec-engine", daemon=True)
         self._thread.start()
 
-    async def shutdown(self, drain_timeout_s: float = 0.0, join_timeout_s: float = 60.0) -> None:
-        """Stop accepting, let in-flight requests finish for up to drain_timeout_s, abort the
-        rest (their streams raise EngineClosed), and join the engine thread."""
+    async def drain(self, timeout_s: float) -> None:
+        """Stop accepting; give in-flight requests up to timeout_s to finish, then abort the
+        rest (their streams raise EngineClosed, so clients get a clean error, not a cut)."""
         with self._cond:
             self._accepting = False
         loop = asyncio.get_running_loop()
-        deadline = loop.time() + drain_timeout_s
+        deadline = loop.time() + timeout_s
         while self.num_in_flight and loop.time() < deadline and self.is_alive:
             await asyncio.sleep(0.01)
+        if self.num_in_flight and self.is_alive:
+            log.warning("aborting %d request(s) still in flight at shutdown", self.num_in_flight)
+            with self._cond:
+                self._commands.append((self._abort_all, (EngineClosed("the server is shutting down"),)))
+                self._cond.notify()
+
+    async def shutdown(self, drain_timeout_s: float = 0.0, join_timeout_s: float = 60.0) -> None:
+        """drain(), then stop the engine thread and join it."""
+        await self.drain(drain_timeout_s)
         with self._cond:
             self._stopping = True
             self._cond.notify()
