@@ -61,6 +61,11 @@ BAD_REQUESTS = [
     # (path, body, status, param)
     (COMP, b"{not json", 400, None),
     (COMP, b"[1, 2]", 400, None),
+    (COMP, b'{"prompt": "x", "temperature": NaN}', 400, None),
+    (COMP, b'{"prompt": "x", "top_k": 99999999999999999999999}', 400, "top_k"),
+    (COMP, b'{"prompt": "x", "max_tokens": 99999999999999999999999}', 400, "max_tokens"),
+    (COMP, b'{"prompt": "x", "seed": 99999999999999999999999}', 400, "seed"),
+    (COMP, "\u00ff".encode("latin-1"), 400, None),
     (COMP, {"prompt": "x", "temperature": "0.5"}, 400, "temperature"),
     (COMP, {"prompt": "x", "temperature": -0.1}, 400, "temperature"),
     (COMP, {"prompt": "x", "top_p": 0}, 400, "top_p"),
@@ -444,6 +449,7 @@ def test_failed_request_is_an_error_for_that_client_only():
             assert "injected" in events[-1]["error"]["message"]
             m = scrape((await client.get("/metrics")).text)
             assert total(m, "verispec:request_error_total") == 2
+            assert total(m, "verispec:request_rejected_total") == 0  # failed, not refused
     run(scenario())
 
 

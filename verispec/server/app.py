@@ -190,7 +190,8 @@ def _api(handler):
         try:
             return await handler(self, request)
         except P.APIError as exc:
-            self.metrics.on_rejected(exc.status)
+            if exc.rejected:
+                self.metrics.on_rejected(exc.status)
             return JSONResponse(exc.body(), exc.status, headers=exc.headers)
         except Exception:
             log.exception("unhandled error in %s", request.url.path)
@@ -291,7 +292,7 @@ class OpenAIServer:
         try:
             out = await _collect(stream, request)
         except (RequestFailed, EngineClosed) as exc:
-            raise _failure(exc) from None
+            raise _failure(exc, rejected=False) from None
         if out is None:  # the client went away; its request is already aborted
             return Response(status_code=499)
         build = P.completion_response if kind == "completion" else P.chat_response
@@ -330,7 +331,7 @@ class OpenAIServer:
                         obj = "text_completion" if kind == "completion" else "chat.completion.chunk"
                         yield P.sse({**P.usage_chunk(rid, created, model, obj, _usage(out)), "spec": spec})
         except (RequestFailed, EngineClosed) as exc:
-            yield P.sse(_failure(exc).body())
+            yield P.sse(_failure(exc, rejected=False).body())
         yield P.sse("[DONE]")
 
     # ------------------------------------------------------------------ helpers
@@ -390,7 +391,7 @@ class OpenAIServer:
             raise P.APIError(400, str(exc), param=P.engine_error_param(str(exc)),
                              code="invalid_value") from None
         except (RequestFailed, EngineClosed) as exc:
-            raise _failure(exc) from None
+            raise _failure(exc, rejected=True) from None
 
 
 class SSEResponse:
@@ -485,10 +486,10 @@ def _raise_if_engine_aborted(out: RequestOutput) -> None:
         raise RequestFailed(f"the engine ended the request ({out.finish_reason})")
 
 
-def _failure(exc: Exception) -> P.APIError:
+def _failure(exc: Exception, rejected: bool) -> P.APIError:
     if isinstance(exc, EngineClosed):
-        return P.APIError(503, str(exc), type="server_error", code="unavailable")
-    return P.APIError(500, str(exc), type="server_error", code="engine_error")
+        return P.APIError(503, str(exc), type="server_error", code="unavailable", rejected=rejected)
+    return P.APIError(500, str(exc), type="server_error", code="engine_error", rejected=rejected)
 
 
 def _usage(out: RequestOutput) -> dict:

@@ -23,6 +23,7 @@ from verispec.sampling import SamplingParams
 
 MAX_STOP_STRINGS = 16
 MAX_SEED = 2**63 - 1
+MAX_INT32 = 2**31 - 1
 
 
 class APIError(Exception):
@@ -30,8 +31,9 @@ class APIError(Exception):
 
     def __init__(self, status: int, message: str, *, param: str | None = None,
                  type: str = "invalid_request_error", code: str | None = None,
-                 headers: dict[str, str] | None = None):
+                 headers: dict[str, str] | None = None, rejected: bool = True):
         super().__init__(message)
+        self.rejected = rejected  # False: the engine had the request (counted as error/abort)
         self.status = status
         self.message = message
         self.param = param
@@ -51,7 +53,7 @@ def error_body(message: str, *, type: str = "invalid_request_error", param: str 
 
 # ---------------------------------------------------------------------------- requests
 class _Strict(BaseModel):
-    model_config = ConfigDict(strict=True, extra="ignore")
+    model_config = ConfigDict(strict=True, extra="ignore", allow_inf_nan=False)
 
     @model_validator(mode="before")
     @classmethod
@@ -64,7 +66,7 @@ class _Strict(BaseModel):
 
 class SpeculativeOptions(_Strict):
     method: Literal["ngram", "draft", "none"] | None = None
-    num_tokens: int | None = Field(None, ge=0)  # the engine enforces its own upper bound
+    num_tokens: int | None = Field(None, ge=0, le=MAX_INT32)  # the engine has its own bound
     adaptive: bool | None = None
 
 
@@ -79,7 +81,7 @@ class _GenerationRequest(_Strict):
     max_tokens: int | None = Field(None, gt=0)
     temperature: float = Field(1.0, ge=0)
     top_p: float = Field(1.0, gt=0, le=1)
-    top_k: int = Field(0, ge=0)          # extension; 0 disables
+    top_k: int = Field(0, ge=0, le=MAX_INT32)  # extension; 0 disables
     min_p: float = Field(0.0, ge=0, le=1)  # extension
     seed: int | None = Field(None, ge=-MAX_SEED, le=MAX_SEED)
     stop: Any = ()
@@ -249,8 +251,8 @@ class ChatCompletionRequest(_GenerationRequest):
 def parse_request(model: type[_Strict], body: bytes) -> Any:
     """Decode and validate a JSON body; raises APIError(400) naming the offending field."""
     try:
-        data = json.loads(body)
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        data = json.loads(body, parse_constant=_reject_constant)
+    except (UnicodeDecodeError, ValueError) as exc:  # JSONDecodeError is a ValueError
         raise APIError(400, f"request body is not valid JSON: {exc}", code="invalid_json") from None
     if not isinstance(data, dict):
         raise APIError(400, "request body must be a JSON object", code="invalid_json")
@@ -260,6 +262,10 @@ def parse_request(model: type[_Strict], body: bytes) -> Any:
         raise _validation_error(exc) from None
     request.check_stream_options()
     return request
+
+
+def _reject_constant(name: str):
+    raise ValueError(f"{name} is not valid JSON")
 
 
 def _validation_error(exc: ValidationError) -> APIError:
