@@ -4,10 +4,12 @@ from __future__ import annotations
 import torch
 
 import verispec.engine.engine as engine_mod
+import verispec.spec.draft_model as draft_model_mod
 from verispec.spec.draft_model import DraftModelProposer
 from verispec.spec.rejection import RejectionResult
 
 _real_rejection_sample = engine_mod.rejection_sample
+_real_draft_sample = draft_model_mod.sample
 
 
 def _from_p(probs: torch.Tensor) -> torch.Tensor:
@@ -53,10 +55,24 @@ def double_bonus(target_probs, draft_tokens, draft_probs, num_draft, *args, **kw
     return RejectionResult(out, torch.where(all_accepted, res.num_output + 1, res.num_output), res.accepted_len)
 
 
-def top_p_on_target_only(self, st, logits):
-    """The draft's q skips top-p while the target's p applies it."""
-    return st.__class__(st.temperature, st.top_k, torch.ones_like(st.top_p), st.min_p,
-                        st.use_sort, st.use_min_p).to_probs(logits)
+def top_p_on_target_only(monkeypatch, top_p: float) -> None:
+    """Drafts are drawn from the top-p-filtered q, but the verifier is handed q without top-p.
+
+    (Handing the verifier the very q the drafts were drawn from is exact for ANY q, top-p or
+    not; the bug is the mismatch between the two.)
+    """
+    def unfiltered(self, st, logits):
+        return st.__class__(st.temperature, st.top_k, torch.ones_like(st.top_p), st.min_p,
+                            st.use_sort, st.use_min_p).to_probs(logits)
+
+    def sample_top_p(probs, generators, **kw):
+        sorted_p, order = probs.sort(dim=-1, descending=True)
+        keep = (sorted_p.cumsum(-1) - sorted_p) < top_p
+        filtered = torch.zeros_like(probs).scatter(-1, order, sorted_p * keep)
+        return _real_draft_sample(filtered / filtered.sum(-1, keepdim=True), generators, **kw)
+
+    monkeypatch.setattr(DraftModelProposer, "to_probs", unfiltered)
+    monkeypatch.setattr(draft_model_mod, "sample", sample_top_p)
 
 
 def keep_stale_draft_kv(self, req, base: int, accepted: int, k: int) -> None:
@@ -74,11 +90,11 @@ SAMPLER_BUGS = {
 }
 
 
-def inject(monkeypatch, bug: str) -> None:
+def inject(monkeypatch, bug: str, top_p: float = 1.0) -> None:
     if bug in SAMPLER_BUGS:
         monkeypatch.setattr(engine_mod, "rejection_sample", SAMPLER_BUGS[bug])
     elif bug == "top_p_on_target_only":
-        monkeypatch.setattr(DraftModelProposer, "to_probs", top_p_on_target_only)
+        top_p_on_target_only(monkeypatch, top_p)
     elif bug == "stale_draft_kv":
         monkeypatch.setattr(engine_mod.LLMEngine, "_rollback", keep_stale_draft_kv)
     else:

@@ -25,13 +25,23 @@ from verispec.sampling import SamplingParams, SamplingTensors
 
 VOCAB = 16
 NUM_SAMPLES = 20_000
-PROMPT = [3, 7, 1, 3, 7, 1, 3, 7, 1]  # repeats, so prompt lookup proposes
+SEED_PROMPT = [3, 7, 1]
 CHECKED = (1, 2, 3)                # generated positions whose distribution is checked (x2, x3, x4)
+
+
+PAIR = tiny_pair(vocab=VOCAB, noise=0.08, seed=1, logit_scale=1.0)
+
+
+def _greedy_continuation(model, prompt: list[int], n: int) -> list[int]:
+    out = list(prompt)
+    for _ in range(n):
+        out.append(int(last_logits(model, torch.tensor([out]))[0].argmax()))
+    return out
 
 
 @pytest.fixture(scope="module")
 def pair():
-    return tiny_pair(vocab=VOCAB, noise=0.08, seed=1, logit_scale=2.0)
+    return PAIR
 
 
 def last_logits(model, seqs: torch.Tensor) -> torch.Tensor:
@@ -42,6 +52,12 @@ def last_logits(model, seqs: torch.Tensor) -> torch.Tensor:
     meta = AttentionMetadata.build([length] * n, [length] * n, [list(range(length))] * n, slots, slots)
     index = torch.arange(length - 1, n * length, length)
     return model(seqs.reshape(-1), meta, kv, index)  # (N, V)
+
+
+# The prompt is the target's own greedy continuation of a seed: its recurring n-grams are
+# ones the target finds likely, so prompt lookup proposes plausible tokens (acceptance
+# well between 0 and 1) instead of tokens the target never samples.
+PROMPT = _greedy_continuation(PAIR[0], SEED_PROMPT, 6)
 
 
 def exact_joint(model, params: SamplingParams, depth: int) -> torch.Tensor:
@@ -150,7 +166,7 @@ BUGS = [  # each with a setting where the bug can act
 
 @pytest.mark.parametrize("bug,method,k,temperature,top_k,top_p", BUGS, ids=[f"{b[0]}-{b[1]}" for b in BUGS])
 def test_the_gate_flags_each_injected_bug(pair, exact, monkeypatch, bug, method, k, temperature, top_k, top_p):
-    inject(monkeypatch, bug)
+    inject(monkeypatch, bug, top_p=top_p)
     params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p)
     try:
         samples = sample_engine(pair, method, k, params, max_tokens=max(k + 2, max(CHECKED) + 1))

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import sys
 import time
@@ -58,6 +59,8 @@ def main(argv: list[str] | None = None) -> int:
     bench.set_defaults(func=cmd_bench)
 
     args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO if args.command in ("models", "serve") else logging.WARNING,
+                        format="verispec: %(message)s")
     try:
         return args.func(args)
     except KeyboardInterrupt:

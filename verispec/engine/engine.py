@@ -325,13 +325,15 @@ class LLMEngine:
             new_text += req.detokenizer.push([t])
             if req.params.stop:
                 hit = _find_stop(req.text + new_text, req.params.stop, len(req.text))
-                if hit is not None:
+                if hit is not None:  # the stop string and anything after it are not returned
                     new_text = (req.text + new_text)[:hit][len(req.text):]
-                    reason = "stop"
-                    break
+                    req.text += new_text
+                    return [self._finish(req, "stop", cache=True, new_ids=new_ids, new_text=new_text)]
             if len(req.output_ids) >= req.params.max_tokens:
                 reason = "length"
                 break
+        if reason:
+            new_text += req.detokenizer.flush()  # text held back for an unfinished character
         req.text += new_text
         if reason:
             return [self._finish(req, reason, cache=True, new_ids=new_ids, new_text=new_text)]
