@@ -57,7 +57,7 @@ def _fake_backend() -> Backend:
     def command(port: int, extra: list[str]) -> list[str]:
         return [sys.executable, str(TESTS / "fake_engine.py"), "--port", str(port),
                 "--step-delay", "0.002", "--max-num-seqs", "8", "--no-access-log",
-                "--log-level", "warning", "--shutdown-timeout", "3", *extra]
+                "--log-level", "warning", "--shutdown-timeout", "3", "--max-body-bytes", "65536", *extra]
 
     def tokenizer():
         from fake_engine import ByteTokenizer
@@ -69,7 +69,8 @@ def _real_backend(model: str = "smollm2-135m-instruct") -> Backend:
     def command(port: int, extra: list[str]) -> list[str]:
         return [sys.executable, "-c", "import sys; from verispec.cli import main; sys.exit(main())",
                 "serve", "--model", model, "--dtype", "float32", "--port", str(port),
-                "--no-access-log", "--log-level", "warning", "--shutdown-timeout", "3", *extra]
+                "--no-access-log", "--log-level", "warning", "--shutdown-timeout", "3",
+                "--max-body-bytes", "65536", *extra]
 
     def tokenizer():
         from verispec.model.loader import load_config_and_tokenizer, resolve_model
@@ -189,7 +190,8 @@ def test_completions_and_chat_over_http_with_exact_usage(server, tokenizer):
     r = c.completions.create(model=BACKEND.model, prompt=prompt, max_tokens=6, temperature=0,
                              extra_body={"ignore_eos": True})
     n_prompt = len(tokenizer.encode(prompt))
-    assert (r.usage.prompt_tokens, r.usage.completion_tokens, r.usage.total_tokens) == (n_prompt, 6, n_prompt + 6)
+    usage = (r.usage.prompt_tokens, r.usage.completion_tokens, r.usage.total_tokens)
+    assert usage == (n_prompt, 6, n_prompt + 6)
     assert r.choices[0].finish_reason == "length"
     assert spec_of(r)["num_drafts"] >= 0
 
@@ -234,7 +236,7 @@ def test_errors_over_http(server):
     r = httpx.post(f"{server.url}/v1/completions", content=b"{oops",
                    headers={"Authorization": f"Bearer {API_KEY}"})
     assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_json"
-    r = httpx.post(f"{server.url}/v1/completions", content=b"x" * (2 << 20),
+    r = httpx.post(f"{server.url}/v1/completions", content=b"x" * (96 << 10),
                    headers={"Authorization": f"Bearer {API_KEY}"})
     assert r.status_code == 413
 
@@ -282,7 +284,8 @@ def test_spec_counter_deltas_equal_the_sum_of_response_stats(server):
     assert delta("verispec:spec_decode_num_draft_tokens_total", **labels) == sums["drafted"]
     assert delta("verispec:spec_decode_num_accepted_tokens_total", **labels) == sums["accepted"]
     for pos, n in sums["per_pos"].items():
-        assert delta("verispec:spec_decode_num_accepted_tokens_per_pos_total", position=str(pos), **labels) == n
+        assert delta("verispec:spec_decode_num_accepted_tokens_per_pos_total",
+                     position=str(pos), **labels) == n
     assert delta("verispec:prompt_tokens_total") == sum(u.prompt_tokens for u in usages)
     assert delta("verispec:generation_tokens_total") == sum(u.completion_tokens for u in usages)
     assert delta("verispec:request_success_total") == len(specs)
@@ -387,7 +390,8 @@ def test_load_cancellations_and_invalid_requests_leave_a_clean_engine(server):
     assert health["kv_blocks_used"] == 0, health
     assert health["integrity"] == "ok", health
     after = server.metrics()
-    aborted = _metric(after, "verispec:request_aborted_total") - _metric(before, "verispec:request_aborted_total")
+    name = "verispec:request_aborted_total"
+    aborted = _metric(after, name) - _metric(before, name)
     assert 0 < aborted <= 20
     assert _metric(after, "verispec:request_error_total") == 0
     print(f"load test: {NUM_REQUESTS} requests in {elapsed:.1f} s")

@@ -307,7 +307,8 @@ class OpenAIServer:
             if kind == "completion":
                 c = P.completion_chunk(rid, created, model, text or "", finish_reason)
             else:
-                c = P.chat_chunk(rid, created, model, {} if text is None else {"content": text}, finish_reason)
+                delta = {} if text is None else {"content": text}
+                c = P.chat_chunk(rid, created, model, delta, finish_reason)
             if include_usage:
                 c["usage"] = None
             return c
