@@ -79,7 +79,7 @@ class ServerMetrics:
         for reason in ("stop", "length"):
             self.request_success.labels(m, reason)
         for c in (self.request_aborted, self.request_error, self.engine_step_errors,
-                  self.prompt_tokens, self.generation_tokens):
+                  self.prompt_tokens, self.generation_tokens, self.ttft, self.tpot, self.e2e):
             c.labels(m)
         for method in SPEC_METHODS:
             for c in (self.spec_drafts, self.spec_draft_tokens, self.spec_accepted):
