@@ -9,9 +9,9 @@
   and after the drain the KV integrity check holds with no block in use;
 - SIGTERM shuts the server down cleanly with a stream in flight.
 
-The server runs the fake engine (tests/fake_engine.py) by default. BACKEND below is the one
-line to change to run all of this against the real engine (VERISPEC_SERVER_TEST_BACKEND=real
-does the same without editing).
+The server runs the real engine on the embedded default model (float32, greedy) by default;
+VERISPEC_SERVER_TEST_BACKEND=fake runs the same tests against tests/fake_engine.py, which
+is quicker when working on the HTTP layer alone.
 """
 from __future__ import annotations
 
@@ -78,8 +78,7 @@ def _real_backend(model: str = "smollm2-135m-instruct") -> Backend:
     return Backend("real", command, tokenizer, model, 300, 600, 8)
 
 
-# The one line to switch the subprocess from the fake engine to the real one:
-BACKEND = _real_backend() if os.environ.get("VERISPEC_SERVER_TEST_BACKEND") == "real" else _fake_backend()
+BACKEND = _fake_backend() if os.environ.get("VERISPEC_SERVER_TEST_BACKEND") == "fake" else _real_backend()
 
 
 # ---------------------------------------------------------------------------- the server process
