@@ -175,11 +175,11 @@ class LLMEngine:
         batch = self.scheduler.schedule()
         if batch.empty:
             return []
-        rows = [r for r in batch.decode]
+        rows = batch.decode
         ks = self._choose_k(rows)
         try:
             drafts = self._propose(rows, ks)
-            outputs = self._verify_and_commit(batch, rows, ks, drafts)
+            outputs = self._verify_and_commit(batch, rows, drafts)
         except Exception as exc:  # one failed pass fails its rows only, never the others
             log.exception("engine step failed")
             outputs = []
@@ -212,7 +212,7 @@ class LLMEngine:
                                          time.perf_counter() - t0)
         return drafts
 
-    def _verify_and_commit(self, batch: ScheduledBatch, rows: list[Request], ks, drafts) -> list[RequestOutput]:
+    def _verify_and_commit(self, batch: ScheduledBatch, rows: list[Request], drafts) -> list[RequestOutput]:
         inputs = []
         for chunk in batch.prefill:
             req = chunk.request
