@@ -70,12 +70,23 @@ def run_rows(model: LlamaModel, rows: list[list[int]], chunk: list[int] | None =
     return [torch.cat(o) for o in out]
 
 
+def save_as_hf_dir(hf, directory) -> None:
+    """The model as a Hugging Face-format directory: config.json, safetensors, tokenizer.json."""
+    from tokenizers import Tokenizer
+    from tokenizers.models import WordLevel
+    hf.save_pretrained(directory, safe_serialization=True)
+    vocab = {f"t{i}": i for i in range(hf.config.vocab_size)}
+    Tokenizer(WordLevel(vocab, unk_token="t0")).save(str(directory / "tokenizer.json"))
+
+
 @pytest.mark.parametrize("family", list(FAMILIES))
 @pytest.mark.parametrize("tie", [False, True])
-def test_logits_match_transformers_float32(family, tie):
+def test_logits_match_transformers_float32(family, tie, tmp_path):
+    from verispec.model.loader import load_model_files, resolve_model
     hf = tiny_hf_model(family, tie)
-    cfg = ModelConfig.from_hf(hf.config.to_dict())
-    ours = LlamaModel.from_state_dict(cfg, hf.state_dict(), dtype=torch.float32)
+    save_as_hf_dir(hf, tmp_path)
+    cfg, state, _ = load_model_files(resolve_model(str(tmp_path)))
+    ours = LlamaModel.from_state_dict(cfg, state, dtype=torch.float32)
     g = torch.Generator().manual_seed(1)
     rows = [torch.randint(0, 97, (n,), generator=g).tolist() for n in (13, 5, 21)]
     for chunk in (None, [1], [1, 2, 3, 7]):  # whole prefill, token by token, ragged chunks
