@@ -34,28 +34,11 @@ if __name__ == "__main__":  # running as a script: make `verispec` importable fr
 from verispec.outputs import RequestOutput, SpecStats  # noqa: E402
 from verispec.sampling import SamplingParams  # noqa: E402
 
-try:  # the real dataclass once the engine module exists; the same fields until then
-    from verispec.engine.engine import SpecOverride  # noqa: F401
-except ImportError:
-    @dataclass(frozen=True)
-    class SpecOverride:  # type: ignore[no-redef]
-        method: str | None = None
-        num_tokens: int | None = None
-        adaptive: bool | None = None
+from verispec.engine.engine import EngineStats, SpecOverride  # noqa: E402,F401
 
 EOS = 256
 BOS = 257
 LETTERS = b"abcdefghijklmnopqrstuvwxyz     "  # spaces weighted so text looks like words
-
-
-@dataclass
-class EngineStats:
-    num_running: int
-    num_waiting: int
-    kv_blocks_used: int
-    kv_blocks_total: int
-    prefix_hit_tokens: int
-    prefix_query_tokens: int
 
 
 class ByteTokenizer:
