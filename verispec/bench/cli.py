@@ -24,6 +24,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Register the bench flags on `parser` (verispec's CLI wires `verispec bench` to this)."""
     names = ", ".join(sorted(BUILTIN_DATASETS) + sorted(SUITES))
     parser.add_argument("--base-url", help="OpenAI-compatible API root, e.g. http://127.0.0.1:8000/v1")
+    parser.add_argument("--launch", metavar="ENGINE_ARGS",
+                        help="instead of --base-url: start `verispec serve ENGINE_ARGS` on a free "
+                             "loopback port for this run, e.g. --launch \"--spec ngram --dtype float32\"")
     parser.add_argument("--dataset", help=f"built-in name(s), comma-separated ({names}), or a "
                         ".jsonl file of {id, prompt} / {id, messages} records")
     parser.add_argument("--model", help="model id to request (default: first of /v1/models)")
@@ -70,7 +73,8 @@ def _config(args, temperature: float, out_dir: Path) -> BenchConfig:
         concurrency=args.concurrency, request_timeout_s=args.request_timeout,
         metrics_url=args.metrics_url, scrape_metrics=not args.no_metrics,
         continuous_usage=not args.no_continuous_usage, request_seeds=args.request_seeds,
-        extra_body_json=args.extra_body, progress=not args.no_progress)
+        extra_body_json=args.extra_body, progress=not args.no_progress,
+        launched_engine_args=getattr(args, "launch", None))
 
 
 def _err(message: str) -> None:
@@ -124,8 +128,19 @@ def _report_only(args) -> int:
 
 
 def _run_all(args) -> int:
+    if args.launch is not None:
+        if args.base_url:
+            raise ProtocolError("give --base-url or --launch, not both")
+        from verispec.bench.launch import launched_server
+        with launched_server(args.launch) as base_url:
+            args.base_url = base_url
+            return _run_all_at(args)
+    return _run_all_at(args)
+
+
+def _run_all_at(args) -> int:
     if not args.base_url or not args.dataset:
-        raise ProtocolError("--base-url and --dataset are required (or use --report-only)")
+        raise ProtocolError("--base-url (or --launch) and --dataset are required (or use --report-only)")
     out = Path(args.out or f"bench_results/{args.config_name}-{time.strftime('%Y%m%dT%H%M%S')}")
     sweep = len(args.temperature) > 1
     if sweep and len(set(args.temperature)) != len(args.temperature):
@@ -152,7 +167,7 @@ def main(args: argparse.Namespace) -> int:
     except SchemaError as e:
         _err(f"schema violation, run failed: {e}")
         return 1
-    except (DatasetError, ProtocolError, ValueError) as e:
+    except (DatasetError, ProtocolError, ValueError, RuntimeError) as e:
         _err(str(e))
         return 2
 

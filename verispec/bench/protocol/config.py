@@ -28,6 +28,7 @@ class BenchConfig:
     request_seeds: bool = False         # send a per-(prompt, turn) seed with each request
     extra_body_json: str = "{}"         # merged into every request body
     progress: bool = True
+    launched_engine_args: str | None = None  # `verispec serve` flags when --launch started it
 
     def __post_init__(self):
         _check(self.base_url.startswith(("http://", "https://")),
