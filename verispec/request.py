@@ -39,6 +39,7 @@ class Request:
     # Text emitted so far (stop strings applied) and the engine's per-request objects
     # (detokenizer, generator) live here so preemption and recompute keep them.
     text: str = ""
+    held_text: str = ""              # decoded but not yet emitted: may start a stop string
     detokenizer: object = None
     generator: object = None
 

@@ -314,27 +314,35 @@ class LLMEngine:
 
     # ------------------------------------------------------------------ tokens, stops, finish
     def _append_tokens(self, req: Request, tokens: list[int]) -> list[RequestOutput]:
-        """Append accepted tokens one by one, stopping at EOS, max_tokens or a stop string."""
-        new_ids, new_text, reason = [], "", None
+        """Append accepted tokens one by one, stopping at EOS, max_tokens or a stop string.
+
+        Text that could still turn out to be the start of a stop string is held back
+        (req.held_text) rather than emitted: streamed text cannot be taken back.
+        """
+        stops = req.params.stop
+        full = req.text + req.held_text  # all text decoded so far, emitted or held
+        new_ids, reason, stop_hit = [], None, False
         for t in tokens:
             req.output_ids.append(t)
             new_ids.append(t)
             if t in self.eos_ids and not req.params.ignore_eos:
                 reason = "stop"
                 break
-            new_text += req.detokenizer.push([t])
-            if req.params.stop:
-                hit = _find_stop(req.text + new_text, req.params.stop, len(req.text))
-                if hit is not None:  # the stop string and anything after it are not returned
-                    new_text = (req.text + new_text)[:hit][len(req.text):]
-                    req.text += new_text
-                    return [self._finish(req, "stop", cache=True, new_ids=new_ids, new_text=new_text)]
+            searched = len(full)
+            full += req.detokenizer.push([t])
+            hit = _find_stop(full, stops, searched) if stops else None
+            if hit is not None:  # the stop string and anything after it are not returned
+                full, reason, stop_hit = full[:hit], "stop", True
+                break
             if len(req.output_ids) >= req.params.max_tokens:
                 reason = "length"
                 break
-        if reason:
-            new_text += req.detokenizer.flush()  # text held back for an unfinished character
-        req.text += new_text
+        if reason and not stop_hit:
+            full += req.detokenizer.flush()  # text held back for an unfinished character
+        hold = 0 if reason else max((len(s) for s in stops), default=1) - 1
+        emit_upto = max(len(req.text), len(full) - hold)
+        new_text = full[len(req.text): emit_upto]
+        req.text, req.held_text = full[:emit_upto], full[emit_upto:]
         if reason:
             return [self._finish(req, reason, cache=True, new_ids=new_ids, new_text=new_text)]
         return [self._output(req, new_ids, new_text)]
