@@ -65,11 +65,29 @@ def main(argv: list[str] | None = None) -> int:
         return args.func(args)
     except KeyboardInterrupt:
         return 130
-    except (ValueError, FileNotFoundError, OSError) as exc:
+    except Exception as exc:
         if os.environ.get("VERISPEC_DEBUG"):
             raise
-        print(f"verispec: error: {exc}", file=sys.stderr)
-        return 2
+        message, code = _describe_error(exc)
+        print(f"verispec: {message}", file=sys.stderr)
+        return code
+
+
+def _describe_error(exc: Exception) -> tuple[str, int]:
+    """One line for stderr and the exit code: 2 for bad input, 1 for anything unexpected."""
+    import struct
+
+    import yaml
+
+    text = " ".join(str(exc).split())  # YAML and other errors span several lines
+    if isinstance(exc, struct.error):  # a header field runs past the end of the file
+        return f"error: model file is truncated or corrupt ({text})", 2
+    if isinstance(exc, yaml.YAMLError):
+        return f"error: config file is not valid YAML ({text})", 2
+    if isinstance(exc, (ValueError, OSError)):  # OSError covers FileNotFoundError
+        return f"error: {text}", 2
+    return (f"internal error: {type(exc).__name__}: {text} "
+            "(set VERISPEC_DEBUG=1 to see the traceback)"), 1
 
 
 def cmd_generate(args) -> int:
