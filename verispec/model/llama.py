@@ -6,6 +6,7 @@ one matrix each (one GEMM instead of three / two per layer on the decode path).
 """
 from __future__ import annotations
 
+import contextlib
 import math
 
 import torch
@@ -35,7 +36,10 @@ class Rotary(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.head_dim = cfg.head_dim
-        inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, cfg.head_dim, 2, dtype=torch.float64) / cfg.head_dim))
+        # Explicitly on the CPU: under the meta-device context used to build the model,
+        # arange would go through torch._refs and import torch._dynamo (seconds of start-up).
+        steps = torch.arange(0, cfg.head_dim, 2, dtype=torch.float64, device="cpu")
+        inv_freq = 1.0 / (cfg.rope_theta ** (steps / cfg.head_dim))
         scaling = cfg.rope_scaling or {}
         if scaling.get("rope_type", scaling.get("type")) == "llama3":
             inv_freq = _llama3_scale(inv_freq, scaling)
@@ -158,18 +162,36 @@ class LlamaModel(nn.Module):
     def from_state_dict(cls, cfg: ModelConfig, hf_state: dict[str, torch.Tensor],
                         dtype: torch.dtype = torch.bfloat16, device="cpu") -> "LlamaModel":
         """Build on the meta device, then fill with fused weights (no double allocation)."""
-        with torch.device("meta"):
+        with torch.device("meta"), _skip_init():
             model = cls(cfg)
+        # Convert before fusing: the concatenation then moves bf16, not float32, bytes.
+        head_names = ("lm_head.weight", "model.norm.weight", "norm.weight")
+        if cfg.tie_word_embeddings and "lm_head.weight" not in hf_state:
+            hf_state = {**hf_state, "lm_head.weight": hf_state["model.embed_tokens.weight"]}
+        hf_state = {k: v.to(device=device, dtype=torch.float32 if k in head_names else dtype)
+                    for k, v in hf_state.items()}
         state = fuse_hf_state_dict(cfg, hf_state)
-        float32_names = ("lm_head.weight", "norm.weight")
-        state = {k: v.to(device=device, dtype=torch.float32 if k in float32_names else dtype)
-                 for k, v in state.items()}
         missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
         if unexpected or missing:
             raise ValueError(f"weights do not match the {cfg.family} architecture: "
                              f"missing {sorted(missing)[:5]}, unexpected {sorted(unexpected)[:5]}")
         model.rotary = Rotary(cfg).to(device)  # buffers computed on the real device, not meta
         return model.eval()
+
+
+@contextlib.contextmanager
+def _skip_init():
+    """Skip the modules' random initialisers: every weight is replaced by load_state_dict,
+    and on the meta device the initialisers import torch._dynamo (seconds of start-up)."""
+    names = ("normal_", "uniform_", "kaiming_uniform_", "zeros_", "ones_")
+    saved = {n: getattr(nn.init, n) for n in names}
+    for n in names:
+        setattr(nn.init, n, lambda tensor, *args, **kwargs: tensor)
+    try:
+        yield
+    finally:
+        for n, fn in saved.items():
+            setattr(nn.init, n, fn)
 
 
 def fuse_hf_state_dict(cfg: ModelConfig, sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -179,7 +201,7 @@ def fuse_hf_state_dict(cfg: ModelConfig, sd: dict[str, torch.Tensor]) -> dict[st
         if name.startswith("model."):
             name = name[len("model."):]
         out[name] = t
-    if cfg.tie_word_embeddings:
+    if cfg.tie_word_embeddings and "lm_head.weight" not in out:
         out["lm_head.weight"] = out["embed_tokens.weight"]
     for i in range(cfg.num_layers):
         p = f"layers.{i}."
