@@ -27,8 +27,13 @@ class KVStore:
     def __init__(self, num_layers: int, num_slots: int, num_kv_heads: int, head_dim: int,
                  dtype: torch.dtype, device: torch.device | str = "cpu"):
         shape = (num_layers, num_slots, num_kv_heads, head_dim)
-        self.k = torch.zeros(shape, dtype=dtype, device=device)  # (L, S, Hkv, D)
-        self.v = torch.zeros(shape, dtype=dtype, device=device)  # (L, S, Hkv, D)
+        # Not zeroed (a memset of the whole pool costs seconds at start-up): every slot a
+        # row reads was written first, except slot 0, which padded context entries point
+        # at. Those are masked, but 0 * NaN is NaN, so slot 0 must hold finite values.
+        self.k = torch.empty(shape, dtype=dtype, device=device)  # (L, S, Hkv, D)
+        self.v = torch.empty(shape, dtype=dtype, device=device)  # (L, S, Hkv, D)
+        self.k[:, 0].zero_()
+        self.v[:, 0].zero_()
 
     @property
     def num_slots(self) -> int:
