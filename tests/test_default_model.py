@@ -280,4 +280,7 @@ def test_bf16_audit_catches_an_engine_that_accepts_wrong_drafts(model_f32, model
     params = SamplingParams(temperature=0, max_tokens=24)
     outs = run_all(engine_for(model_bf16, tokenizer, "ngram", 4), prompts, params, check=False)
     divergences = audit(prompts, [p[:24] for p in plain], [o.token_ids for o in outs], model_f32, model_bf16)
+    for d in divergences:
+        print(f"\n  injected bug, prompt {d.prompt_index}: token {d.position}, f32 gap {d.gap_f32:+.3f}, "
+              f"bound {d.bound:.3f}, near-tie {d.near_tie}", end="")
     assert any(not d.near_tie for d in divergences), divergences
