@@ -15,7 +15,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from verispec.model.loader import ModelNotFound, resolve_model
 
 MODEL = "smollm2-135m-instruct"
 REWRITE = ("Rewrite the following paragraph, replacing every 'cat' with 'dog':\n\nThe cat sat on "
@@ -33,14 +32,6 @@ def verispec(*args: str, env: dict | None = None, timeout: float = 180) -> subpr
     full_env.update({"OMP_NUM_THREADS": "1", **(env or {})})
     return subprocess.run([sys.executable, "-m", "verispec.cli", *args], capture_output=True,
                           text=True, env=full_env, timeout=timeout)
-
-
-@pytest.fixture(scope="module", autouse=True)
-def default_model_installed():
-    try:
-        resolve_model(MODEL)
-    except ModelNotFound as exc:
-        pytest.skip(f"default model not installed: {exc}")
 
 
 @pytest.fixture(scope="module")

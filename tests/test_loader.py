@@ -42,8 +42,8 @@ def smollm(cache):
 @pytest.fixture(scope="module")
 def hf_reference(smollm):
     """transformers' own dequantized state dict of the same GGUF (test-only dependency)."""
-    transformers = pytest.importorskip("transformers")
-    pytest.importorskip("accelerate")  # transformers needs it to load a GGUF
+    import transformers
+    import accelerate  # noqa: F401  transformers needs it to load a GGUF
     source = smollm[0]
     model = transformers.AutoModelForCausalLM.from_pretrained(
         str(source.path.parent), gguf_file=source.path.name, dtype=torch.float32)

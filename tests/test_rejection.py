@@ -227,12 +227,14 @@ BUGS = {
 }
 
 
-@pytest.mark.parametrize("q_mode", ["q", "one_hot"])
-@pytest.mark.parametrize("bug", list(BUGS))
+# A one-hot q (n-gram) has no top-p to forget, so that bug only has a "q" case.
+BUG_CASES = [(bug, q_mode) for bug in BUGS for q_mode in ("q", "one_hot")
+             if not (bug == "top_p_on_p_but_not_q" and q_mode == "one_hot")]
+
+
+@pytest.mark.parametrize("bug,q_mode", BUG_CASES)
 def test_gate_flags_injected_bug(bug, q_mode, monkeypatch):
     spec = BUGS[bug]
-    if bug == "top_p_on_p_but_not_q" and q_mode == "one_hot":
-        pytest.skip("a one-hot q has no top-p to forget")
     if "patch" in spec:
         spec["patch"](monkeypatch)
     stats = run_gate("t1.3_topp0.7", 2, q_mode, sampler=spec.get("sampler", rejection_sample),
