@@ -12,6 +12,8 @@ import yaml
 
 SPEC_METHODS = ("none", "ngram", "draft")
 DTYPES = ("bfloat16", "float32")
+# verispec.model.quant.WEIGHT_FORMATS (repeated here: config must not import torch)
+WEIGHT_FORMATS = ("auto", "dense", "int8", "int4")
 
 
 @dataclass(frozen=True)
@@ -65,6 +67,7 @@ class EngineConfig:
     model: str = "smollm2-135m-instruct"
     draft_model: str | None = None
     dtype: str = "bfloat16"
+    weight_format: str = "dense"     # "dense" (weights in dtype) | "int8" | "int4" | "auto"
     seed: int = 0
     spec: SpecConfig = field(default_factory=SpecConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
@@ -73,6 +76,10 @@ class EngineConfig:
     def __post_init__(self):
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        if self.weight_format not in WEIGHT_FORMATS:
+            raise ValueError(f"weight_format must be one of {WEIGHT_FORMATS}, got {self.weight_format!r}")
+        if self.weight_format in ("int8", "int4") and self.dtype != "bfloat16":
+            raise ValueError(f"weight_format {self.weight_format!r} needs dtype bfloat16, got {self.dtype!r}")
         if self.spec.method == "draft" and not self.draft_model:
             raise ValueError("spec method 'draft' needs a draft model (--draft-model)")
 
@@ -113,6 +120,9 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                                    "(default smollm2-135m-instruct)")
     g.add_argument("--draft-model", help="draft model for --spec draft")
     g.add_argument("--dtype", choices=DTYPES)
+    g.add_argument("--weight-format", choices=WEIGHT_FORMATS,
+                   help="linear-layer weights: dense (in --dtype, default), int8 / int4 weight-only, "
+                        "or auto (int4 for a Q4_0/Q4_1 GGUF, else dense)")
     g.add_argument("--spec", choices=SPEC_METHODS, help="speculation method (default ngram)")
     g.add_argument("--num-spec-tokens", type=int, help="k (k_max when adaptive)")
     g.add_argument("--spec-adaptive", action=argparse.BooleanOptionalAction, default=None,
@@ -133,6 +143,7 @@ def config_from_args(args: argparse.Namespace) -> EngineConfig:
     _set(top, "model", args.model)
     _set(top, "draft_model", args.draft_model)
     _set(top, "dtype", args.dtype)
+    _set(top, "weight_format", getattr(args, "weight_format", None))
     _set(top, "seed", args.seed)
     _set(spec, "method", args.spec)
     if args.spec is None and args.draft_model and not getattr(args, "config", None):

@@ -88,17 +88,21 @@ class LLMEngine:
     def from_config(cls, config: EngineConfig) -> "LLMEngine":
         from verispec.model.loader import load_model_files, resolve_model
         dtype = getattr(torch, config.dtype)
-        tcfg, tstate, tokenizer = load_model_files(resolve_model(config.model))
-        target = LlamaModel.from_state_dict(tcfg, tstate, dtype=dtype)
+        source = resolve_model(config.model)
+        tcfg, tstate, tokenizer = load_model_files(source)
+        target = LlamaModel.from_state_dict(tcfg, tstate, dtype=dtype, weight_format=config.weight_format,
+                                            gguf_path=source.path if source.kind == "gguf" else None)
         draft, vocab_limit = None, None
         if config.draft_model:
             from verispec.spec.compat import check_pair
-            dcfg, dstate, dtok = load_model_files(resolve_model(config.draft_model))
+            dsource = resolve_model(config.draft_model)
+            dcfg, dstate, dtok = load_model_files(dsource)
             verdict = check_pair(tokenizer, dtok, tcfg, dcfg)
             if not verdict.ok:
                 raise ValueError(f"draft model {config.draft_model!r} cannot draft for "
                                  f"{config.model!r}: {verdict.reason}")
-            draft = LlamaModel.from_state_dict(dcfg, dstate, dtype=dtype)
+            draft = LlamaModel.from_state_dict(dcfg, dstate, dtype=dtype, weight_format=config.weight_format,
+                                               gguf_path=dsource.path if dsource.kind == "gguf" else None)
             vocab_limit = verdict.shared_vocab_size
         return cls(config, target, tokenizer, draft, vocab_limit)
 

@@ -50,11 +50,16 @@ class AttentionMetadata:
     positions:     (T,)  position of each new token in its row
     slot_mapping:  (T,)  KV slot each new token writes
     context_slots: (B, C) slots of each row's context, in position order, padded with 0
+    context_start: first slot of the context when there is one row and its slots are
+                   consecutive (a fresh pool hands out consecutive blocks): attention then
+                   reads a view of the pool instead of gathering a copy per layer; else None
     query_index:   (B, Q) index into the flat T dimension of each row's queries (padded
                    entries point at a real token and are discarded), or None when every
                    row has exactly Q queries laid out row-major (the common decode case)
     gather_index:  (T,)  flat position in the padded (B*Q) layout of each real token
-    attn_mask:     (B, 1, Q, C) bool, True where query may attend to key
+    attn_mask:     (B, 1, Q, C) bool, True where query may attend to key; None when one
+                   row decodes one token (it sees its whole context)
+    max_position:  max(positions), known on the host (sizing the rotary table needs no sync)
     """
 
     positions: torch.Tensor
@@ -62,9 +67,11 @@ class AttentionMetadata:
     context_slots: torch.Tensor
     query_index: torch.Tensor | None
     gather_index: torch.Tensor | None
-    attn_mask: torch.Tensor
+    attn_mask: torch.Tensor | None
     num_rows: int
     max_query_len: int
+    max_position: int = None
+    context_start: int | None = None
 
     @classmethod
     def build(cls, query_lens: list[int], context_lens: list[int], positions: list[list[int]],
@@ -82,7 +89,11 @@ class AttentionMetadata:
         flat_slots = [s for row in slots for s in row]
         ctx = torch.zeros(num_rows, c_max, dtype=torch.long)
         for b, row in enumerate(context_slots):
-            ctx[b, : len(row)] = torch.tensor(row, dtype=torch.long)
+            ctx[b, : len(row)] = torch.as_tensor(row, dtype=torch.long)
+        context_start = None
+        if num_rows == 1 and int(ctx[0, -1]) - int(ctx[0, 0]) == c_max - 1 and \
+                (c_max == 1 or bool((ctx[0, 1:] - ctx[0, :-1] == 1).all())):
+            context_start = int(ctx[0, 0])
         pos_t = torch.tensor(flat_pos, dtype=torch.long)
         if all(q == q_max for q in query_lens):
             query_index = gather_index = None
@@ -97,16 +108,19 @@ class AttentionMetadata:
             gather_index = torch.tensor([b * q_max + j for b, q in enumerate(query_lens)
                                          for j in range(q)], dtype=torch.long)  # (T,)
             q_pos = pos_t[qi]  # (B, Q) padded queries repeat the row's last position
-        key_pos = torch.arange(c_max)  # (C,)
-        ctx_len = torch.tensor(context_lens, dtype=torch.long)
-        mask = (key_pos[None, None, :] <= q_pos[:, :, None]) & \
-               (key_pos[None, None, :] < ctx_len[:, None, None])  # (B, Q, C)
+        mask = None
+        if not (num_rows == 1 and q_max == 1 and flat_pos[0] == c_max - 1):
+            key_pos = torch.arange(c_max)  # (C,)
+            ctx_len = torch.tensor(context_lens, dtype=torch.long)
+            mask = ((key_pos[None, None, :] <= q_pos[:, :, None]) &
+                    (key_pos[None, None, :] < ctx_len[:, None, None])).unsqueeze(1).to(device)  # (B, 1, Q, C)
         return cls(
             positions=pos_t.to(device), slot_mapping=torch.tensor(flat_slots, dtype=torch.long).to(device),
             context_slots=ctx.to(device),
             query_index=None if query_index is None else query_index.to(device),
             gather_index=None if gather_index is None else gather_index.to(device),
-            attn_mask=mask.unsqueeze(1).to(device), num_rows=num_rows, max_query_len=q_max)
+            attn_mask=mask, num_rows=num_rows, max_query_len=q_max,
+            max_position=max(flat_pos), context_start=context_start)
 
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int,
@@ -115,11 +129,17 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: in
 
     q: (T, H, D); k, v: (T, Hkv, D) for the new tokens. Returns (T, H, D).
     """
-    kv.k[layer].index_copy_(0, meta.slot_mapping, k)
-    kv.v[layer].index_copy_(0, meta.slot_mapping, v)
-    keys = kv.k[layer][meta.context_slots]    # (B, C, Hkv, D)
-    values = kv.v[layer][meta.context_slots]  # (B, C, Hkv, D)
+    k_pool, v_pool = kv.k[layer], kv.v[layer]  # (S, Hkv, D) each
+    k_pool.index_copy_(0, meta.slot_mapping, k)
+    v_pool.index_copy_(0, meta.slot_mapping, v)
     num_rows, q_len = meta.num_rows, meta.max_query_len
+    if meta.context_start is not None:  # one row, consecutive slots: a view, no copy
+        c = meta.context_slots.shape[1]
+        keys = k_pool[meta.context_start: meta.context_start + c].unsqueeze(0)    # (1, C, Hkv, D)
+        values = v_pool[meta.context_start: meta.context_start + c].unsqueeze(0)  # (1, C, Hkv, D)
+    else:
+        keys = k_pool[meta.context_slots]    # (B, C, Hkv, D)
+        values = v_pool[meta.context_slots]  # (B, C, Hkv, D)
     if meta.query_index is None:
         qp = q.view(num_rows, q_len, *q.shape[1:])  # (B, Q, H, D)
     else:

@@ -7,7 +7,9 @@ one matrix each (one GEMM instead of three / two per layer on the decode path).
 from __future__ import annotations
 
 import contextlib
+import logging
 import math
+from pathlib import Path
 
 import torch
 import torch.nn as nn
@@ -15,6 +17,10 @@ import torch.nn.functional as F
 
 from verispec.model.attention import AttentionMetadata, KVStore, paged_attention
 from verispec.model.config import ModelConfig
+from verispec.model.quant import (RefinedHead, fuse_int4_groups, gguf_int4_groups, gguf_q8_0_head,
+                                  quantize_model, resolve_weight_format)
+
+log = logging.getLogger("verispec")
 
 
 class RMSNorm(nn.Module):
@@ -25,21 +31,22 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # Normalise in float32 like the reference implementation, then cast back.
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * xf.to(x.dtype)
+        normed = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps)
+        return self.weight * normed.to(x.dtype)
 
 
 class Rotary(nn.Module):
-    """Rotary embeddings (half-rotation layout), with Llama 3 frequency scaling."""
+    """Rotary embeddings (half-rotation layout), with Llama 3 frequency scaling.
+
+    `cos_sin(positions)` is computed once per pass and shared by every layer. The sine is
+    stored with the sign of the rotation folded in, so rotating x is
+    x * cos + swap_halves(x) * sin (see `apply_rotary`).
+    """
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.head_dim = cfg.head_dim
-        # Explicitly on the CPU: under the meta-device context used to build the model,
-        # arange would go through torch._refs and import torch._dynamo (seconds of start-up).
-        steps = torch.arange(0, cfg.head_dim, 2, dtype=torch.float64, device="cpu")
-        inv_freq = 1.0 / (cfg.rope_theta ** (steps / cfg.head_dim))
+        inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, cfg.head_dim, 2, dtype=torch.float64) / cfg.head_dim))
         scaling = cfg.rope_scaling or {}
         if scaling.get("rope_type", scaling.get("type")) == "llama3":
             inv_freq = _llama3_scale(inv_freq, scaling)
@@ -50,23 +57,24 @@ class Rotary(nn.Module):
         if self._cos is None or self._cos.shape[0] < n or self._cos.device != device:
             n = max(n, 2 * (0 if self._cos is None else self._cos.shape[0]), 1024)
             freqs = torch.outer(torch.arange(n, dtype=torch.float32, device=device), self.inv_freq.to(device))
-            emb = torch.cat([freqs, freqs], dim=-1)  # (n, D)
-            self._cos, self._sin = emb.cos(), emb.sin()
+            self._cos = torch.cat([freqs, freqs], dim=-1).cos()             # (n, D)
+            self._sin = torch.cat([-freqs, freqs], dim=-1).sin()            # (n, D) signed
         return self._cos, self._sin
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor):
-        """q: (T, H, D), k: (T, Hkv, D), positions: (T,)."""
-        cos_t, sin_t = self._table(int(positions.max()) + 1, q.device)
-        cos = cos_t[positions].unsqueeze(1)  # (T, 1, D)
-        sin = sin_t[positions].unsqueeze(1)  # (T, 1, D)
-        return _rotate(q, cos, sin), _rotate(k, cos, sin)
+    def cos_sin(self, positions: torch.Tensor, max_position: int | None = None):
+        """positions (T,) -> cos, signed sin, each (T, 1, D) float32."""
+        if max_position is None:
+            max_position = int(positions.max())
+        cos_t, sin_t = self._table(max_position + 1, positions.device)
+        return cos_t[positions].unsqueeze(1), sin_t[positions].unsqueeze(1)
 
 
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x (T, heads, D) -> rotated, same dtype: [x1, x2] -> [x1 cos - x2 sin, x2 cos + x1 sin]."""
     xf = x.float()
-    x1, x2 = xf.chunk(2, dim=-1)
-    rotated = torch.cat([-x2, x1], dim=-1)
-    return (xf * cos + rotated * sin).to(x.dtype)
+    t, heads, d = xf.shape
+    swapped = xf.view(t, heads, 2, d // 2).flip(2).view(t, heads, d)  # [x2, x1]
+    return torch.addcmul(xf * cos, swapped, sin).to(x.dtype)
 
 
 def _llama3_scale(inv_freq: torch.Tensor, s: dict) -> torch.Tensor:
@@ -91,17 +99,21 @@ class Attention(nn.Module):
             self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
 
-    def forward(self, x: torch.Tensor, rotary: Rotary, meta: AttentionMetadata, kv: KVStore):
-        cfg = self.cfg
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(-1, cfg.num_heads, cfg.head_dim)     # (T, H, D)
-        k = k.view(-1, cfg.num_kv_heads, cfg.head_dim)  # (T, Hkv, D)
-        v = v.view(-1, cfg.num_kv_heads, cfg.head_dim)  # (T, Hkv, D)
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttentionMetadata,
+                kv: KVStore) -> torch.Tensor:
+        cfg, heads, kv_heads, d = self.cfg, self.cfg.num_heads, self.cfg.num_kv_heads, self.cfg.head_dim
+        qkv = self.qkv_proj.forward(x)                                      # (T, (H + 2 Hkv) D)
+        t = qkv.shape[0]
         if cfg.qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = rotary(q, k, meta.positions)
-        out = paged_attention(q, k, v, self.layer, kv, meta)  # (T, H, D)
-        return self.o_proj(out.reshape(-1, self.q_size))
+            q = self.q_norm.forward(qkv[:, : self.q_size].view(t, heads, d))
+            k = self.k_norm.forward(qkv[:, self.q_size: self.q_size + self.kv_size].view(t, kv_heads, d))
+            qk = torch.cat([q, k], dim=1)                                   # (T, H + Hkv, D)
+        else:  # q and k are adjacent in the fused output: rotate them in one go
+            qk = qkv[:, : self.q_size + self.kv_size].view(t, heads + kv_heads, d)
+        qk = apply_rotary(qk, cos, sin)                                     # (T, H + Hkv, D)
+        v = qkv[:, self.q_size + self.kv_size:].view(t, kv_heads, d)      # (T, Hkv, D)
+        out = paged_attention(qk[:, :heads], qk[:, heads:], v, self.layer, kv, meta)  # (T, H, D)
+        return self.o_proj.forward(out.reshape(t, self.q_size))
 
 
 class MLP(nn.Module):
@@ -111,11 +123,14 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        gate, up = self.gate_up_proj.forward(x).chunk(2, dim=-1)
+        return self.down_proj.forward(F.silu(gate) * up)
 
 
 class Block(nn.Module):
+    """One decoder layer. Sub-modules are called through `.forward` on this hot path:
+    nn.Module.__call__'s hook dispatch costs ~2 us a call, ~300 calls per decode step."""
+
     def __init__(self, cfg: ModelConfig, layer: int):
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
@@ -123,9 +138,9 @@ class Block(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
 
-    def forward(self, x, rotary, meta, kv):
-        x = x + self.self_attn(self.input_layernorm(x), rotary, meta, kv)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, x, cos, sin, meta, kv):
+        x = x + self.self_attn.forward(self.input_layernorm.forward(x), cos, sin, meta, kv)
+        return x + self.mlp.forward(self.post_attention_layernorm.forward(x))
 
 
 class LlamaModel(nn.Module):
@@ -143,40 +158,81 @@ class LlamaModel(nn.Module):
         # two tokens and flips greedy choices. The head has its own float32 weight (for
         # tied embeddings, a float32 copy of the embedding matrix).
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.weight_format = "dense"  # see verispec.model.quant; set by from_state_dict
 
     @torch.inference_mode()
     def forward(self, token_ids: torch.Tensor, meta: AttentionMetadata, kv: KVStore,
                 logits_index: torch.Tensor | None = None) -> torch.Tensor:
         x = self.embed_tokens(token_ids)  # (T, hidden)
+        cos, sin = self.rotary.cos_sin(meta.positions, meta.max_position)  # (T, 1, D) each, all layers
         for block in self.layers:
-            x = block(x, self.rotary, meta, kv)
+            x = block.forward(x, cos, sin, meta, kv)
         if logits_index is not None:
             x = x[logits_index]           # (N, hidden): only the positions we sample from
         return self.lm_head(self.norm(x.float()))  # (N, V) float32
 
     def new_kv_store(self, num_slots: int) -> KVStore:
-        cfg, w = self.cfg, self.layers[0].self_attn.qkv_proj.weight
+        cfg, w = self.cfg, self.embed_tokens.weight  # the body's dtype, whatever the weight format
         return KVStore(cfg.num_layers, num_slots, cfg.num_kv_heads, cfg.head_dim, w.dtype, w.device)
 
     @classmethod
     def from_state_dict(cls, cfg: ModelConfig, hf_state: dict[str, torch.Tensor],
-                        dtype: torch.dtype = torch.bfloat16, device="cpu") -> "LlamaModel":
-        """Build on the meta device, then fill with fused weights (no double allocation)."""
+                        dtype: torch.dtype = torch.bfloat16, device="cpu", weight_format: str = "dense",
+                        gguf_path: Path | None = None) -> "LlamaModel":
+        """Build on the meta device, then fill with fused weights (no double allocation).
+
+        `weight_format` (see `verispec.model.quant`): "dense" keeps every weight in `dtype`;
+        "int8" / "int4" quantize the linear layers (int4 from `gguf_path`'s Q4 blocks when
+        it has them) and give the head a `RefinedHead`; "auto" picks from `gguf_path`. The
+        resolved format is `model.weight_format`.
+        """
+        fmt = resolve_weight_format(weight_format, dtype, gguf_path)
+        if fmt != "dense" and torch.device(device).type != "cpu":
+            raise ValueError(f"weight_format {fmt!r} uses PyTorch's CPU kernels; device must be cpu, got {device}")
         with torch.device("meta"), _skip_init():
             model = cls(cfg)
         # Convert before fusing: the concatenation then moves bf16, not float32, bytes.
+        # The head (and, when quantizing, the linear layers' source weights) stay float32.
         head_names = ("lm_head.weight", "model.norm.weight", "norm.weight")
         if cfg.tie_word_embeddings and "lm_head.weight" not in hf_state:
             hf_state = {**hf_state, "lm_head.weight": hf_state["model.embed_tokens.weight"]}
-        hf_state = {k: v.to(device=device, dtype=torch.float32 if k in head_names else dtype)
+
+        def wants_f32(name: str) -> bool:
+            return name in head_names or (fmt != "dense" and name.endswith("_proj.weight"))
+
+        hf_state = {k: v.to(device=device, dtype=torch.float32 if wants_f32(k) else dtype)
                     for k, v in hf_state.items()}
         state = fuse_hf_state_dict(cfg, hf_state)
+        quantized = {}
+        if fmt != "dense":
+            quantized = {name: state.pop(name) for name in list(state)
+                         if name == "lm_head.weight" or (name.endswith(".weight") and
+                                                         name.rsplit(".", 2)[-2] in _QUANTIZED_LINEARS)}
         missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
+        missing = [m for m in missing if m not in quantized]
         if unexpected or missing:
             raise ValueError(f"weights do not match the {cfg.family} architecture: "
                              f"missing {sorted(missing)[:5]}, unexpected {sorted(unexpected)[:5]}")
+        if fmt != "dense":
+            int4_groups = _gguf_int4_groups(cfg, gguf_path) if fmt == "int4" and gguf_path else {}
+            q8_0 = gguf_q8_0_head(gguf_path) if gguf_path else None
+            head = RefinedHead.q8_0(*q8_0, dtype) if q8_0 is not None else None
+            quantize_model(model, quantized, fmt, dtype, int4_groups, head)
         model.rotary = Rotary(cfg).to(device)  # buffers computed on the real device, not meta
+        model.weight_format = fmt
         return model.eval()
+
+
+# Linear layers a quantized weight format replaces (the last name component).
+_QUANTIZED_LINEARS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
+
+
+def _gguf_int4_groups(cfg: ModelConfig, gguf_path: Path) -> dict:
+    groups, others = gguf_int4_groups(gguf_path)
+    if others:
+        log.info("int4: %d linear weights of %s are not Q4_0/Q4_1; they are re-quantized "
+                 "(round to nearest), e.g. %s", len(others), gguf_path.name, others[0])
+    return fuse_int4_groups(cfg.num_layers, groups)
 
 
 @contextlib.contextmanager

@@ -1,0 +1,217 @@
+"""Weight formats: GGUF Q4 blocks -> int4 groups exactly, the packed kernels compute what the
+groups say, the refined LM head keeps float32 greedy choices, int8/int4 models stay close to
+the float32 model."""
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from test_model import run_rows, tiny_hf_model
+from verispec.config import EngineConfig
+from verispec.model.config import ModelConfig
+from verispec.model.llama import LlamaModel
+from verispec.model.quant import (INT4_GROUP, Int4Groups, RefinedHead, gguf_q4_tensor, make_int4_linear,
+                                  make_int8_linear, quantize_int4, resolve_weight_format)
+
+gguf = pytest.importorskip("gguf")
+Q = gguf.GGMLQuantizationType
+
+
+def _gguf_blocks(w: np.ndarray, qtype) -> np.ndarray:
+    return gguf.quants.quantize(w.astype(np.float32), qtype)
+
+
+@pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_1])
+def test_gguf_q4_blocks_map_onto_int4_groups_exactly(qtype):
+    """With float32 scales, our (q - 8) * scale + zero reproduces gguf's dequantization bit for bit."""
+    rng = np.random.default_rng(0)
+    w = rng.normal(size=(48, 128)).astype(np.float32) * rng.uniform(0.01, 3, size=(48, 1)).astype(np.float32)
+    raw = _gguf_blocks(w, qtype)
+    groups = gguf_q4_tensor(raw, int(qtype), w.shape)
+    assert groups.q.dtype == torch.uint8 and int(groups.q.max()) <= 15
+    want = gguf.quants.dequantize(raw, qtype).reshape(w.shape)
+    assert np.array_equal(groups.dequantize().numpy(), want)
+
+
+def test_a_swapped_nibble_order_is_caught():
+    """The exactness check above is sensitive: reading weight j+16 from the low nibble fails it."""
+    rng = np.random.default_rng(1)
+    w = rng.normal(size=(16, 64)).astype(np.float32)
+    raw = _gguf_blocks(w, Q.Q4_1)
+    groups = gguf_q4_tensor(raw, int(Q.Q4_1), w.shape)
+    q = groups.q.view(16, 2, 2, 16).flip(2).reshape(16, 64)  # low/high nibbles swapped per block
+    broken = Int4Groups(q, groups.scale, groups.zero)
+    want = gguf.quants.dequantize(raw, Q.Q4_1).reshape(w.shape)
+    assert np.abs(broken.dequantize().numpy() - want).max() > 1e-2
+
+
+def test_int4_kernel_computes_the_groups():
+    """Int4Linear(x) == x @ dequantize(groups with bf16 scales).T (bf16 kernel noise only)."""
+    torch.manual_seed(0)
+    w = torch.randn(40, 96)  # 40 rows: padded to 48 inside, sliced back
+    groups = quantize_int4(w)
+    layer = make_int4_linear(groups, torch.randn(40), torch.bfloat16)
+    x = torch.randn(5, 96)
+    want = x @ groups.dequantize().t() + layer.bias.float()
+    got = layer(x.bfloat16()).float()
+    assert got.shape == (5, 40)
+    torch.testing.assert_close(got, want, atol=0.05 * want.abs().max().item(), rtol=0.02)
+
+
+def test_int8_kernel_computes_per_row_scales():
+    torch.manual_seed(0)
+    w = torch.randn(97, 64)
+    layer = make_int8_linear(w, None, torch.bfloat16)
+    x = torch.randn(3, 64)
+    want = x @ (layer.qweight.float() * layer.scales.float()[:, None]).t()
+    torch.testing.assert_close(layer(x.bfloat16()).float(), want, atol=0.05 * want.abs().max().item(), rtol=0.02)
+    assert (layer.qweight.float() * layer.scales.float()[:, None] - w).abs().max() < 0.02 * w.abs().max()
+
+
+def test_q8_0_head_splits_into_two_int4_parts_exactly():
+    """16 d (hi - 8) + 8 d + d (lo - 8) == d q for every int8 code q (float32 scales, up to
+    float32 rounding of the three terms)."""
+    torch.manual_seed(0)
+    codes = torch.randint(-128, 128, (32, 64), dtype=torch.int8)
+    scale = torch.rand(32, 2) * 0.01
+    u = codes.to(torch.int32) + 128
+    high = Int4Groups((u >> 4).to(torch.uint8), 16 * scale, 8 * scale)
+    low = Int4Groups((u & 15).to(torch.uint8), scale, torch.zeros_like(scale))
+    want = (codes.float().view(32, 2, INT4_GROUP) * scale[..., None]).view(32, 64)
+    got = high.dequantize() + low.dequantize()
+    assert (got - want).abs().max() <= 4 * torch.finfo(torch.float32).eps * want.abs().max()
+    # a wrong split (nibbles swapped) is off by whole quantization steps:
+    wrong = Int4Groups((u & 15).to(torch.uint8), 16 * scale, 8 * scale).dequantize() + \
+        Int4Groups((u >> 4).to(torch.uint8), scale, torch.zeros_like(scale)).dequantize()
+    assert (wrong - want).abs().max() > 100 * scale.min()
+
+
+def _near_tie_head(vocab: int = 2048, hidden: int = 64, seed: int = 0):
+    """A head whose rows come in pairs that differ below int8 / bf16 resolution: near-ties."""
+    g = torch.Generator().manual_seed(seed)
+    base = torch.randn(vocab // 2, hidden, generator=g)
+    twin = base + 1e-3 * torch.randn(vocab // 2, hidden, generator=g)
+    return torch.cat([base, twin])
+
+
+def _refined_argmax_mismatches(head: RefinedHead, weight: torch.Tensor, n: int = 400, seed: int = 1) -> int:
+    g = torch.Generator().manual_seed(seed)
+    x = 3 * torch.randn(n, weight.shape[1], generator=g)
+    return int((head(x).argmax(-1) != F.linear(x, weight).argmax(-1)).sum())
+
+
+def test_refined_head_greedy_equals_float32_head():
+    weight = _near_tie_head()
+    head = RefinedHead.int8(weight)
+    assert _refined_argmax_mismatches(head, weight) == 0
+    assert 0 < head.last_num_refined < 400 * weight.shape[0] // 8  # refined some, not everything
+
+
+def test_refined_head_error_bound_holds():
+    """The proven bound covers the real approximation error (the argmax guarantee rests on it)."""
+    weight = _near_tie_head(seed=2)
+    head = RefinedHead.int8(weight)
+    x = 3 * torch.randn(200, weight.shape[1])
+    approx = head.parts[0](x.bfloat16()).float()
+    exact = F.linear(x, weight)
+    bound = head.norm_coef * x.norm(dim=-1) + 2.0 ** -9 * approx.abs().amax(-1)
+    assert ((approx - exact).abs().amax(-1) <= bound).all()
+
+
+def test_a_refined_head_without_its_bound_is_caught():
+    """Refining only the approximate argmax (bound 0) changes greedy choices: the test above bites."""
+    weight = _near_tie_head()
+    head = RefinedHead.int8(weight)
+    head.norm_coef = 0.0
+    forward = head.forward
+
+    def no_output_bound(x):
+        # also drop the output-rounding term: refine exactly the approximate maximum
+        xb = x.to(head.dtype)
+        a = head.parts[0](xb).float()
+        keep = a >= a.amax(-1, keepdim=True)
+        out = a.clone()
+        rows, cols = keep.nonzero(as_tuple=True)
+        out[rows, cols] = (weight[cols] * x[rows]).sum(-1)
+        return out
+
+    head.forward = no_output_bound
+    assert _refined_argmax_mismatches(head, weight) > 0
+    head.forward = forward
+
+
+@pytest.mark.parametrize("fmt", ["int8", "int4"])
+def test_quantized_tiny_model_logits_close_to_float32(fmt):
+    hf = tiny_hf_model("qwen2")  # q/k/v bias: biases go through the quantized layers too
+    cfg = ModelConfig.from_hf(hf.config.to_dict())
+    ref = LlamaModel.from_state_dict(cfg, hf.state_dict(), dtype=torch.float32)
+    ours = LlamaModel.from_state_dict(cfg, hf.state_dict(), dtype=torch.bfloat16, weight_format=fmt)
+    assert ours.weight_format == fmt and type(ours.lm_head) is RefinedHead
+    rows = [list(range(3, 40)), list(range(50, 61))]
+    for chunk in (None, [1, 3]):
+        for got, want in zip(run_rows(ours, rows, chunk), run_rows(ref, rows, chunk)):
+            scale = want.abs().max().item()
+            tol = 0.05 if fmt == "int8" else 0.25  # int4 round-to-nearest of random weights
+            assert (got - want).abs().max().item() < tol * scale
+
+
+def test_weight_format_is_validated():
+    with pytest.raises(ValueError, match="weight_format"):
+        EngineConfig(weight_format="int3")
+    with pytest.raises(ValueError, match="weight_format 'int4' needs dtype bfloat16"):
+        EngineConfig(weight_format="int4", dtype="float32")
+    with pytest.raises(ValueError, match="weight_format"):
+        resolve_weight_format("fp8", torch.bfloat16, None)
+    assert resolve_weight_format("auto", torch.bfloat16, None) == "dense"
+    assert resolve_weight_format("auto", torch.float32, None) == "dense"
+
+
+# --- the default model (GGUF Q4_1 body, Q8_0 head) ---------------------------------------------
+
+@pytest.fixture(scope="module")
+def default_model():
+    from verispec.model.loader import ModelNotFound, load_model_files, resolve_model
+    try:
+        source = resolve_model("smollm2-135m-instruct")
+    except ModelNotFound as exc:
+        pytest.skip(f"default model not installed: {exc}")
+    cfg, state, tokenizer = load_model_files(source)
+    return source, cfg, state, tokenizer
+
+
+def test_default_gguf_int4_groups_equal_its_float32_weights(default_model):
+    """Every Q4_1 tensor of the default GGUF, decoded as int4 groups (float32 scales), equals the
+    float32 conversion the dense path loads (Q/K un-permuted alike)."""
+    from verispec.model.quant import gguf_int4_groups, gguf_q8_0_head
+    source, cfg, state, _ = default_model
+    groups, others = gguf_int4_groups(source.path)
+    assert not others and len(groups) == 7 * cfg.num_layers
+    for name, grp in groups.items():
+        assert torch.equal(grp.dequantize(), state[name]), name
+    scale, codes = gguf_q8_0_head(source.path)
+    head = (codes.float().view(*scale.shape, 32) * scale[..., None]).view(codes.shape)
+    assert torch.equal(head, state["model.embed_tokens.weight"])
+    assert resolve_weight_format("auto", torch.bfloat16, source.path) == "int4"
+
+
+def test_default_model_int4_logits_near_float32(default_model):
+    """int4 (the file's own Q4_1 codes) is at least as close to the float32 model as bf16 is."""
+    from verispec.engine.runner import ModelRunner, RowInput
+    source, cfg, state, tokenizer = default_model
+    ids = tokenizer.encode_chat([{"role": "user", "content": "Explain in a few sentences why the sky is blue."}])
+
+    def logits(model):
+        blocks = -(-len(ids) // 16)
+        return ModelRunner(model, blocks * 16, 16).forward([RowInput(ids, 0, list(range(blocks)), 0)])[0]
+
+    ref = logits(LlamaModel.from_state_dict(cfg, state, dtype=torch.float32))
+
+    def kl(model):
+        lp, lr = torch.log_softmax(logits(model), -1), torch.log_softmax(ref, -1)
+        return float((lr.exp() * (lr - lp)).sum(-1).mean()), lp.argmax(-1)
+
+    kl_bf16, _ = kl(LlamaModel.from_state_dict(cfg, state, dtype=torch.bfloat16))
+    kl_int4, greedy = kl(LlamaModel.from_state_dict(cfg, state, dtype=torch.bfloat16, weight_format="int4",
+                                                    gguf_path=source.path))
+    assert kl_int4 < max(1.5 * kl_bf16, 1e-3)
+    assert (greedy == ref.argmax(-1)).float().mean() >= 0.95

@@ -1,0 +1,360 @@
+"""Weight formats of the linear layers: dense, int8 and int4 weight-only (PyTorch's CPU kernels).
+
+A model's format is chosen ONCE, at load time, and every pass of that model uses it: the
+target's distribution is a property of its weights, so plain and verify passes of one
+request must read the same ones (choosing a kernel per pass width would change the output).
+
+    dense  weights in the model dtype (bf16 or float32); the LM head in float32
+    int8   w[n, k] = s[n] * q[n, k], q in [-127, 127]        torch._weight_int8pack_mm
+    int4   groups of 32 along k, w = (q - 8) * scale + zero, q in [0, 15]
+                                                            torch._weight_int4pack_mm_for_cpu
+    auto   int4 for a GGUF whose linear weights are all Q4_0 / Q4_1 (the mapping below is
+           exact up to bf16 scales, so it is closer to the file than a bf16 copy is), else dense
+
+GGUF Q4 blocks (32 weights, an fp16 scale d and, for Q4_1, an fp16 minimum m) ARE int4
+groups of 32; only the kernel's (scale, zero) convention differs:
+
+    Q4_1: w = d * q + m        ->  scale = d, zero = m + 8 d
+    Q4_0: w = d * (q - 8)      ->  scale = d, zero = 0
+
+The kernels take bf16 activations (their float32 / fp16 paths are 10-30x slower here), so
+scale and zero are rounded to bf16 (relative error <= 2^-9, below the 4-bit step itself).
+
+The LM head of a quantized model (`RefinedHead`) computes approximate logits with the int8
+kernel, then recomputes in float32 every token that could be the argmax given a proven
+bound on the approximation error: greedy decoding is exactly the float32 head's, and the
+other logits differ from it by about the int8 rounding of the head (measured in
+docs/benchmarks.md).
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+log = logging.getLogger("verispec")
+
+WEIGHT_FORMATS = ("auto", "dense", "int8", "int4")
+INT4_GROUP = 32
+_INT4_N_MULTIPLE = 16   # the int4 CPU packing wants the output dimension divisible by 16
+# ggml block types whose blocks are int4 groups of 32 (gguf.GGMLQuantizationType values)
+_GGML_Q4_0, _GGML_Q4_1, _GGML_Q8_0 = 2, 3, 8
+
+
+# --- linear layers ---------------------------------------------------------------------------
+
+class Int8Linear(nn.Module):
+    """y = x @ (s[:, None] * q).T + b with int8 q (N, K) and per-row scales s (N,)."""
+
+    def __init__(self, qweight: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None):
+        super().__init__()
+        self.register_buffer("qweight", qweight)  # (N, K) int8
+        self.register_buffer("scales", scales)    # (N,) activation dtype
+        self.register_buffer("bias", bias)        # (N,) or None
+        self.out_features, self.in_features = qweight.shape
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = torch._weight_int8pack_mm(x, self.qweight, self.scales)  # (T, N)
+        return y if self.bias is None else y + self.bias
+
+
+class Int4Linear(nn.Module):
+    """y = x @ W.T + b with W in int4 groups of 32 along K, packed for the CPU kernel."""
+
+    def __init__(self, packed: torch.Tensor, scales_zeros: torch.Tensor, out_features: int,
+                 bias: torch.Tensor | None):
+        super().__init__()
+        self.register_buffer("packed", packed)              # (N_pad, K / 2) uint8
+        self.register_buffer("scales_zeros", scales_zeros)  # (K / 32, N_pad, 2) activation dtype
+        self.register_buffer("bias", bias)                  # (N,) or None
+        self.out_features, self.in_features = out_features, 2 * packed.shape[1]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = torch._weight_int4pack_mm_for_cpu(x, self.packed, INT4_GROUP, self.scales_zeros)  # (T, N_pad)
+        if y.shape[-1] != self.out_features:
+            y = y[:, : self.out_features]
+        return y if self.bias is None else y + self.bias
+
+
+@dataclass
+class Int4Groups:
+    """Int4 weights before packing: w = (q - 8) * scale + zero per group of 32 along K."""
+
+    q: torch.Tensor      # (N, K) uint8 in [0, 15]
+    scale: torch.Tensor  # (N, K / 32) float32
+    zero: torch.Tensor   # (N, K / 32) float32
+
+    def dequantize(self) -> torch.Tensor:
+        """(N, K) float32, the weights these groups stand for."""
+        n, k = self.q.shape
+        w = (self.q.float() - 8).view(n, k // INT4_GROUP, INT4_GROUP)
+        return (w * self.scale[..., None] + self.zero[..., None]).view(n, k)
+
+    @staticmethod
+    def cat(parts: list["Int4Groups"]) -> "Int4Groups":
+        """Stack along N (fusing q/k/v or gate/up keeps every group intact)."""
+        return Int4Groups(*(torch.cat([getattr(p, f) for p in parts]) for f in ("q", "scale", "zero")))
+
+
+def quantize_int8(w: torch.Tensor, dtype: torch.dtype = torch.bfloat16) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric per-row int8 of w (N, K): (q int8 (N, K), scales (N,) in `dtype`)."""
+    w = w.float()
+    amax = w.abs().amax(dim=1).clamp_min(1e-30)                          # (N,)
+    scales = (amax / 127).to(dtype)
+    # A scale rounded down to bf16 may clip the row's largest weight by a fraction of a step.
+    q = torch.round(w / scales.float()[:, None]).clamp_(-127, 127).to(torch.int8)
+    return q, scales
+
+
+def quantize_int4(w: torch.Tensor, dtype: torch.dtype = torch.bfloat16) -> Int4Groups:
+    """Round-to-nearest asymmetric int4 in groups of 32 along K (the fallback for non-GGUF weights)."""
+    n, k = w.shape
+    g = w.float().view(n, k // INT4_GROUP, INT4_GROUP)
+    lo, hi = g.amin(dim=-1), g.amax(dim=-1)                              # (N, G)
+    scale = ((hi - lo) / 15).clamp_min(1e-30).to(dtype).float()
+    zero = (lo + 8 * scale).to(dtype).float()
+    q = torch.round((g - zero[..., None]) / scale[..., None] + 8).clamp_(0, 15)
+    return Int4Groups(q.to(torch.uint8).view(n, k), scale, zero)
+
+
+def make_int8_linear(weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype) -> Int8Linear:
+    q, scales = quantize_int8(weight, dtype)
+    return Int8Linear(q, scales, None if bias is None else bias.to(dtype))
+
+
+def make_int4_linear(groups: Int4Groups, bias: torch.Tensor | None, dtype: torch.dtype) -> Int4Linear:
+    """Pack int4 groups for the CPU kernel; rows are padded to a multiple of 16 if needed."""
+    n, k = groups.q.shape
+    if k % INT4_GROUP:
+        raise ValueError(f"int4 needs in_features divisible by {INT4_GROUP}, got {k}")
+    pad = -n % _INT4_N_MULTIPLE
+    q, scale, zero = groups.q, groups.scale, groups.zero
+    if pad:
+        q = torch.cat([q, torch.full((pad, k), 8, dtype=q.dtype)])
+        scale = torch.cat([scale, torch.zeros(pad, scale.shape[1])])
+        zero = torch.cat([zero, torch.zeros(pad, zero.shape[1])])
+    packed = torch._convert_weight_to_int4pack_for_cpu(q.to(torch.int32).contiguous(), 1)
+    scales_zeros = torch.stack([scale.t(), zero.t()], dim=-1).to(dtype).contiguous()  # (G, N_pad, 2)
+    return Int4Linear(packed, scales_zeros, n, None if bias is None else bias.to(dtype))
+
+
+def quantize_model(model: nn.Module, weights: dict[str, torch.Tensor], fmt: str, dtype: torch.dtype,
+                   int4_groups: dict[str, Int4Groups] | None = None, head: RefinedHead | None = None) -> None:
+    """Replace the linear layers named in `weights` (fused names, float32) by `fmt` modules.
+
+    `lm_head.weight` becomes `head`, or else an int8 `RefinedHead`. For int4, `int4_groups`
+    (from a GGUF's Q4 blocks) are used as they are; other weights are quantized
+    round-to-nearest.
+    """
+    if fmt not in ("int8", "int4"):
+        raise ValueError(f"quantize_model: fmt must be 'int8' or 'int4', got {fmt!r}")
+    int4_groups = int4_groups or {}
+    for name, w in weights.items():
+        if name == "lm_head.weight":
+            model.lm_head = head if head is not None else RefinedHead.int8(w, dtype)
+            continue
+        parent_name, attr = name.rsplit(".", 1)[0].rsplit(".", 1)
+        parent = model.get_submodule(parent_name)
+        bias = getattr(parent, attr).bias
+        if fmt == "int8":
+            layer = make_int8_linear(w, bias, dtype)
+        else:
+            groups = int4_groups.get(name)
+            if groups is not None and tuple(groups.q.shape) != tuple(w.shape):
+                raise ValueError(f"{name}: GGUF int4 groups are {tuple(groups.q.shape)}, weight is {tuple(w.shape)}")
+            layer = make_int4_linear(groups if groups is not None else quantize_int4(w, dtype), bias, dtype)
+        setattr(parent, attr, layer)
+
+
+# --- the LM head of a quantized model ---------------------------------------------------------
+
+class RefinedHead(nn.Module):
+    """Approximate logits from packed int kernels, recomputed in float32 where the argmax could be.
+
+    Let a = approximate logits (the sum of `parts`, bf16 in, bf16 out), y = x @ W.T the
+    float32 head, and B a bound with |a - y| <= B for every token of a row. The exact
+    argmax t* satisfies a[t*] >= y[t*] - B >= y[argmax a] - B >= max(a) - 2B, so every
+    token with a >= max(a) - 2B is recomputed in float32: greedy decoding is the float32
+    head's. Other logits keep the approximation (their error is measured in
+    docs/benchmarks.md). B adds worst cases, not estimates (W_a: the parts' weights):
+
+      x, and W_a inside the kernel, rounded to bf16:   2 * 2^-9 * ||x|| * max_v ||W_a[v]||
+      float32 accumulation over K terms:               K * 2^-24 * ||x|| * max_v ||W_a[v]||
+      W_a != W (int8 re-quantization, bf16 scales):    ||x|| * max_v ||W[v] - W_a[v]||   (Cauchy-Schwarz)
+      each part's output rounded to bf16:              2^-9 * max_v |a_part[v]|, per part
+    """
+
+    max_refined_fraction = 0.125  # with more candidates than this, the whole row is recomputed
+
+    def __init__(self, weight: torch.Tensor, parts: list[nn.Module], approx_weight: torch.Tensor,
+                 dtype: torch.dtype = torch.bfloat16):
+        super().__init__()
+        self.register_buffer("weight", weight.float())   # (V, K) float32
+        self.parts = nn.ModuleList(parts)
+        k = weight.shape[1]
+        w_norm = float(approx_weight.norm(dim=1).max())
+        self.norm_coef = (2 * 2.0 ** -9 + k * 2.0 ** -24) * w_norm + \
+            float((self.weight - approx_weight).norm(dim=1).max())
+        self.dtype = dtype
+        self.out_features, self.in_features = weight.shape
+        self.last_num_refined = 0  # logits recomputed by the latest call (for benchmarks)
+
+    @classmethod
+    def int8(cls, weight: torch.Tensor, dtype: torch.dtype = torch.bfloat16) -> "RefinedHead":
+        """Approximation: per-row int8 (any head)."""
+        q, scales = quantize_int8(weight, dtype)
+        return cls(weight, [Int8Linear(q, scales, None)], q.float() * scales.float()[:, None], dtype)
+
+    @classmethod
+    def q8_0(cls, scale: torch.Tensor, codes: torch.Tensor, dtype: torch.dtype = torch.bfloat16) -> "RefinedHead":
+        """A GGUF Q8_0 head (w = d * q per block of 32) as the sum of two int4 layers, exactly.
+
+        u = q + 128 = 16 hi + lo with hi, lo in [0, 15], so w = 16 d hi + d lo - 128 d:
+            high part: (hi - 8) * 16 d + 8 d     (scale 16 d, zero 8 d)
+            low part:  (lo - 8) * d              (scale d, zero 0)
+        Only the bf16 rounding of the scales separates the parts' weights from the file's.
+        scale: (V, K / 32) float32 block scales; codes: (V, K) int8.
+        """
+        u = codes.to(torch.int32) + 128                                      # (V, K) in [0, 255]
+        high = Int4Groups((u >> 4).to(torch.uint8), 16 * scale, 8 * scale)
+        low = Int4Groups((u & 15).to(torch.uint8), scale, torch.zeros_like(scale))
+        rounded = [Int4Groups(g.q, g.scale.to(dtype).float(), g.zero.to(dtype).float()) for g in (high, low)]
+        weight = (codes.float().view(*scale.shape, INT4_GROUP) * scale[..., None]).view(codes.shape)
+        approx = rounded[0].dequantize() + rounded[1].dequantize()
+        return cls(weight, [make_int4_linear(g, None, dtype) for g in (high, low)], approx, dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x (N, K) float32 -> logits (N, V) float32."""
+        xb = x.to(self.dtype)
+        logits, out_bound = None, 0.0
+        for part in self.parts:
+            a = part.forward(xb).float()                                        # (N, V)
+            out_bound = out_bound + a.abs().amax(dim=-1)                        # (N,)
+            logits = a if logits is None else logits.add_(a)
+        bound = self.norm_coef * x.norm(dim=-1) + 2.0 ** -9 * out_bound        # (N,)
+        candidates = logits >= (logits.amax(dim=-1) - 2 * bound)[:, None]       # (N, V)
+        rows, cols = candidates.nonzero(as_tuple=True)                          # (C,), (C,)
+        self.last_num_refined = int(rows.numel())
+        if rows.numel() > self.max_refined_fraction * logits.numel():
+            return F.linear(x, self.weight)  # a flat distribution: the whole float32 head is cheaper
+        exact = torch.bmm(self.weight[cols].unsqueeze(1), x[rows].unsqueeze(2)).view(-1)  # (C,)
+        logits[rows, cols] = exact
+        return logits
+
+
+# --- GGUF Q4 blocks -> int4 groups ------------------------------------------------------------
+
+def gguf_q4_tensor(data: np.ndarray, qtype: int, shape: tuple[int, int]) -> Int4Groups:
+    """Decode Q4_0 / Q4_1 blocks of a (N, K) tensor into int4 groups (codes kept exactly).
+
+    A block is [d fp16][m fp16, Q4_1 only][16 bytes]: byte j holds weight j in its low
+    nibble and weight j + 16 in its high nibble.
+    """
+    n, k = shape
+    head = 2 if qtype == _GGML_Q4_0 else 4
+    blocks = data.reshape(n, k // INT4_GROUP, head + 16)
+    d = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)      # (N, G)
+    if qtype == _GGML_Q4_1:
+        m = blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32)  # (N, G)
+        zero = m + 8 * d
+    else:
+        zero = np.zeros_like(d)
+    packed = blocks[..., head:]                                                  # (N, G, 16)
+    q = np.concatenate([packed & 0x0F, packed >> 4], axis=-1).reshape(n, k)      # (N, K)
+    return Int4Groups(torch.from_numpy(q.copy()), torch.from_numpy(d), torch.from_numpy(zero))
+
+
+def gguf_int4_groups(path: Path) -> tuple[dict[str, Int4Groups], list[str]]:
+    """Int4 groups of every Q4_0 / Q4_1 linear weight of a GGUF, under Hugging Face names.
+
+    Q/K rows are un-permuted like the float32 conversion does (a row permutation keeps each
+    row's groups intact). Returns (groups, names of 2-D weights stored in other types).
+    """
+    from verispec.model import gguf_loader as g
+
+    meta = g.open_gguf(path)
+    heads, kv_heads = meta.arch_key("attention.head_count"), meta.arch_key("attention.head_count_kv")
+    data = np.memmap(meta.path, dtype=np.uint8, mode="r")
+    groups, others = {}, []
+    for t in meta.tensors:
+        name = g.hf_tensor_name(t.name)
+        if len(t.shape) != 2 or "embed_tokens" in name or "lm_head" in name:
+            continue
+        if t.qtype not in (_GGML_Q4_0, _GGML_Q4_1):
+            others.append(name)
+            continue
+        n, k = t.shape
+        nbytes = n * (k // INT4_GROUP) * (18 if t.qtype == _GGML_Q4_0 else 20)
+        grp = gguf_q4_tensor(np.asarray(data[t.offset: t.offset + nbytes]), t.qtype, (n, k))
+        if meta.arch == "llama" and (".q_proj." in name or ".k_proj." in name):
+            n_head = heads if ".q_proj." in name else (kv_heads or heads)
+            grp = Int4Groups(*(torch.from_numpy(np.ascontiguousarray(g.unpermute_from_gguf(f.numpy(), n_head)))
+                               for f in (grp.q, grp.scale, grp.zero)))
+        groups[name] = grp
+    return groups, others
+
+
+def gguf_q8_0_head(path: Path) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(block scales (V, K / 32) float32, codes (V, K) int8) of a GGUF's LM head if it is
+    Q8_0 (`output.weight`, else the tied `token_embd.weight`); None otherwise.
+
+    A Q8_0 block is [d fp16][32 x int8], w = d * q.
+    """
+    from verispec.model import gguf_loader as g
+
+    meta = g.read_gguf(path)
+    by_name = {t.name: t for t in meta.tensors}
+    t = by_name.get("output.weight") or by_name.get("token_embd.weight")
+    if t is None or t.qtype != _GGML_Q8_0:
+        return None
+    v, k = t.shape
+    data = np.memmap(meta.path, dtype=np.uint8, mode="r")
+    blocks = np.asarray(data[t.offset: t.offset + v * (k // 32) * 34]).reshape(v, k // 32, 34)
+    scale = blocks[..., :2].copy().view(np.float16)[..., 0].astype(np.float32)   # (V, G)
+    codes = blocks[..., 2:].copy().view(np.int8).reshape(v, k)                    # (V, K)
+    return torch.from_numpy(scale), torch.from_numpy(codes)
+
+
+def fuse_int4_groups(num_layers: int, groups: dict[str, Int4Groups]) -> dict[str, Int4Groups]:
+    """HF names -> our fused names (qkv_proj, gate_up_proj), like `fuse_hf_state_dict`."""
+    out = {}
+    for i in range(num_layers):
+        hf, ours = f"model.layers.{i}.", f"layers.{i}."
+        parts = {
+            "self_attn.qkv_proj": [f"self_attn.{n}_proj" for n in "qkv"],
+            "self_attn.o_proj": ["self_attn.o_proj"],
+            "mlp.gate_up_proj": ["mlp.gate_proj", "mlp.up_proj"],
+            "mlp.down_proj": ["mlp.down_proj"],
+        }
+        for fused, names in parts.items():
+            found = [groups.get(f"{hf}{n}.weight") for n in names]
+            if all(f is not None for f in found):
+                out[f"{ours}{fused}.weight"] = Int4Groups.cat(found)
+    return out
+
+
+def resolve_weight_format(requested: str, dtype: torch.dtype, gguf_path: Path | None) -> str:
+    """'auto' -> a concrete format; checks the combination is one the kernels run."""
+    if requested not in WEIGHT_FORMATS:
+        raise ValueError(f"weight_format must be one of {WEIGHT_FORMATS}, got {requested!r}")
+    if requested == "auto":
+        if dtype != torch.bfloat16 or gguf_path is None:
+            return "dense"
+        return "int4" if _all_linear_q4(gguf_path) else "dense"
+    if requested in ("int8", "int4") and dtype != torch.bfloat16:
+        raise ValueError(f"weight_format {requested!r} needs dtype bfloat16 (the packed CPU kernels "
+                         f"are 10-30x slower with {dtype} activations), got {dtype}")
+    return requested
+
+
+def _all_linear_q4(path: Path) -> bool:
+    from verispec.model import gguf_loader as g
+
+    meta = g.read_gguf(path)
+    linear = [t for t in meta.tensors if len(t.shape) == 2 and not t.name.startswith(("token_embd", "output."))]
+    return bool(linear) and all(t.qtype in (_GGML_Q4_0, _GGML_Q4_1) for t in linear)
