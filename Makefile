@@ -18,7 +18,7 @@ demo: setup
 	$(VENV)/bin/verispec generate --chat --max-tokens 96 --spec ngram --prompt "$(DEMO_PROMPT)"
 
 test: setup
-	$(PY) -m pytest -q
+	$(PY) -m pytest
 
 # Benchmark-only datasets (MT-bench, HumanEval, GSM8K/MBPP/MATH-500/CNN, essays): never needed by tests.
 bench-setup: setup
