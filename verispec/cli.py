@@ -1,4 +1,4 @@
-"""verispec generate | serve | bench | check-pair | models.
+"""verispec generate | serve | bench | check-pair | models | train-draft.
 
 Bad input ends with a one-line error naming the problem and a non-zero exit, never a
 traceback (set VERISPEC_DEBUG=1 to see one).
@@ -57,6 +57,12 @@ def main(argv: list[str] | None = None) -> int:
         from verispec.bench.cli import add_arguments as add_bench_arguments
         add_bench_arguments(bench)
     bench.set_defaults(func=cmd_bench)
+
+    train = sub.add_parser("train-draft", help="distil a draft model from the target's own outputs")
+    if wanted in ("train-draft", "-h", "--help"):
+        from verispec.train.cli import add_arguments as add_train_arguments
+        add_train_arguments(train)
+    train.set_defaults(func=cmd_train_draft)
 
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.command in ("models", "serve") else logging.WARNING,
@@ -169,6 +175,11 @@ def cmd_models(args) -> int:
     from verispec.model.fetch import fetch_pair
     fetch_pair(args.name)
     return 0
+
+
+def cmd_train_draft(args) -> int:
+    from verispec.train.cli import main as train_main
+    return train_main(args)
 
 
 def cmd_bench(args) -> int:
