@@ -12,8 +12,9 @@ import subprocess
 import sys
 from pathlib import Path
 
-import numpy as np
 import pytest
+
+from gguf_files import write_header_only_gguf
 
 
 MODEL = "smollm2-135m-instruct"
@@ -90,25 +91,13 @@ def test_streaming_writes_the_text_to_stdout_and_a_summary_to_stderr(json_runs):
 
 # --- bad input ---------------------------------------------------------------------------------
 
-def write_gguf(path: Path, arch: str) -> Path:
-    """A header-only GGUF with one tensor: enough for the loader to read its architecture."""
-    import gguf
-
-    w = gguf.GGUFWriter(str(path), arch)
-    w.add_block_count(1)
-    w.add_tensor("token_embd.weight", np.zeros((4, 4), np.float32))
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    return path
 
 
 def bad_model_file(kind: str, tmp_path: Path) -> str:
     if kind == "missing":
         return str(tmp_path / "no-such-dir" / "model.gguf")
     if kind == "gpt2":
-        return str(write_gguf(tmp_path / "gpt2.gguf", "gpt2"))
+        return str(write_header_only_gguf(tmp_path / "gpt2.gguf", "gpt2"))
     path = tmp_path / "truncated.gguf"  # the magic and a version, then nothing
     path.write_bytes(b"GGUF\x03\x00\x00\x00")
     return str(path)

@@ -8,6 +8,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+
+from gguf_files import write_header_only_gguf
 import torch
 
 from verispec.model import fetch, loader
@@ -190,16 +192,7 @@ def test_tiny_gguf_round_trips_to_the_original_hf_weights(arch, cache, tmp_path)
 
 
 def test_unsupported_architecture_names_the_supported_ones(cache, tmp_path):
-    import gguf
-
-    path = tmp_path / "gpt2.gguf"
-    w = gguf.GGUFWriter(str(path), "gpt2")
-    w.add_block_count(1)
-    w.add_tensor("token_embd.weight", np.zeros((4, 4), np.float32))
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    path = write_header_only_gguf(tmp_path / "gpt2.gguf", "gpt2")
     with pytest.raises(UnsupportedArchitecture, match="gpt2.*supported: llama, qwen2, qwen3"):
         load_model_files(resolve_model(str(path)))
 
