@@ -264,3 +264,26 @@ def test_registered_draft_is_found_only_once_exported(tmp_path, monkeypatch):
     assert registered_draft("smollm2-135m-instruct") == str(folder)
     with pytest.raises(ModelNotFound, match="no registered draft"):
         registered_draft("some-other-model")
+
+
+# ----------------------------------------------------------------------------- gate
+
+def test_gate_runs_every_method_losslessly_and_judges_by_the_rules():
+    from verispec.train.gate import GateConfig, gate_verdict, markdown_table, run_gate
+
+    target, draft = tiny_pair(vocab=VOCAB, noise=0.1, seed=2)
+    engine = tiny_engine(target, draft, method="draft", k=3, adaptive=True)
+    prompts = {"chat-heldout": [[1, 2, 3, 1, 2], [4, 5, 6]], "code": [[7, 8, 9, 7, 8, 9]]}
+    results = run_gate(engine, GateConfig(max_tokens=12), prompts, progress=lambda line: None)
+    assert [r.task for r in results] == ["chat-heldout", "code"]
+    assert all(r.mismatches == 0 for r in results)  # greedy speculation is lossless
+    assert all(r.methods["draft"].drafted > 0 and r.methods["none"].drafted == 0 for r in results)
+    assert "all tasks" in markdown_table(results)
+    # The rule itself, on made-up speeds: faster than plain everywhere, than n-gram on chat.
+    for r in results:
+        for m, speed in (("none", 10.0), ("ngram", 11.0), ("draft", 12.0)):
+            r.methods[m].tokens, r.methods[m].decode_s = int(speed * 10), 10.0
+    assert gate_verdict(results) == (True, "PASS")
+    results[1].methods["draft"].tokens = 90  # slower than plain on one task
+    ok, why = gate_verdict(results)
+    assert not ok and "plain on code" in why

@@ -7,7 +7,6 @@ interrupted work resumes, and changed settings are refused rather than mixed in.
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 from pathlib import Path
 
@@ -93,6 +92,9 @@ def _add_gate(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-tokens", type=int, default=d.max_tokens)
     p.add_argument("--max-load", type=float, default=d.max_load,
                    help="refuse to time while the 1-minute load average is above this")
+    p.add_argument("--wait-quiet", type=float, default=0.0,
+                   help="seconds to wait for the load average to fall below --max-load")
+    p.add_argument("--fixed-k", type=int, help="fixed k instead of adaptive (acceptance at a known k)")
     p.add_argument("--out", help="JSON results file (default <work-dir>/gate.json)")
 
 

@@ -17,11 +17,11 @@ class TracesConfig:
     dtype: str = "bfloat16"
     num_prompts: int = 1024          # training prompts taken from the source (before filtering);
                                      # may change between runs: shards are prefixes of one order
-    max_prompt_tokens: int = 384     # longer prompts are skipped (chat template included)
-    max_tokens: int = 192            # generated tokens per prompt
+    max_prompt_tokens: int = 256     # longer prompts are skipped (chat template included)
+    max_tokens: int = 128            # generated tokens per prompt
     temperature: float = 0.0         # the engine's default serving setting (greedy)
     top_k_logprobs: int = 8          # target log-probabilities kept per generated position
-    shard_size: int = 64             # prompts per shard file (the unit of resumption)
+    shard_size: int = 32             # prompts per shard file (the unit of resumption)
     batch_size: int = 32             # requests in flight in the engine
     seed: int = 0                    # prompt order and sampling
 
@@ -52,7 +52,7 @@ class FilterConfig:
     ngram: int = 13                  # word n-grams shared with a benchmark prompt => contaminated
     min_output_tokens: int = 1       # fewer generated tokens (EOS excluded) => degenerate
     loop_min_tokens: int = 32        # outputs shorter than this are never called loops
-    loop_distinct_ratio: float = 0.3  # distinct 4-grams / 4-grams below this => repetition loop
+    loop_distinct_ratio: float = 0.35  # distinct 4-grams / 4-grams below this => repetition loop
     heldout_fraction: float = 0.05   # share of kept examples set aside for validation
 
     def __post_init__(self):
@@ -73,11 +73,11 @@ class FilterConfig:
 class TrainConfig:
     """Stage 3: the draft's shape (which target layers it starts from) and the optimisation."""
 
-    layers: tuple[int, ...] = (0, 29)  # target layers copied into the draft, in order
+    layers: tuple[int, ...] = (0, 1, 29)  # target layers copied into the draft, in order
     train_embeddings: bool = False   # the tied embedding / LM head stays the target's
     steps: int = 600
     tokens_per_step: int = 2048      # supervised (generated) tokens per optimiser step, about
-    max_seq_len: int = 576           # prompt + output tokens per example (longer: prompt cut)
+    max_seq_len: int = 384           # prompt + output tokens per example (longer: prompt cut)
     lr: float = 5e-4
     warmup_steps: int = 20
     weight_decay: float = 0.0

@@ -31,6 +31,7 @@ class GateConfig:
     max_tokens: int = 128
     max_load: float = 1.3            # 1-minute load average allowed when timing starts
     max_prompt_tokens: int = 1536
+    fixed_k: int | None = None       # None: adaptive k (the engine default); else k, not adaptive
     seed: int = 0
 
     def __post_init__(self):
@@ -92,10 +93,12 @@ def gate_prompts(cfg: GateConfig, tokenizer) -> dict[str, list[list[int]]]:
     return out
 
 
-def _run_one(engine, rid: str, prompt_ids: list[int], params, method: str):
+def _run_one(engine, rid: str, prompt_ids: list[int], params, method: str, fixed_k: int | None = None):
     from verispec.engine.engine import SpecOverride
 
-    engine.add_request(rid, prompt_ids, params, SpecOverride(method=method))
+    spec = SpecOverride(method=method) if fixed_k is None or method == "none" else \
+        SpecOverride(method=method, num_tokens=fixed_k, adaptive=False)
+    engine.add_request(rid, prompt_ids, params, spec)
     t_first = final = None
     while engine.has_unfinished_requests():
         for out in engine.step():
@@ -115,7 +118,7 @@ def run_gate(engine, cfg: GateConfig, prompts: dict[str, list[list[int]]], progr
     params = SamplingParams(temperature=0.0, max_tokens=cfg.max_tokens)
     warm = next(iter(prompts.values()))[0]
     for m in METHODS:  # warm-up: first-call allocations, controller cost cells
-        _run_one(engine, f"warm-{m}", warm, params, m)
+        _run_one(engine, f"warm-{m}", warm, params, m, cfg.fixed_k)
     results, n = [], 0
     for task, task_prompts in prompts.items():
         res = TaskResult(task, len(task_prompts), {m: MethodTotals() for m in METHODS})
@@ -125,7 +128,7 @@ def run_gate(engine, cfg: GateConfig, prompts: dict[str, list[list[int]]], progr
             order = METHODS[n % 3:] + METHODS[: n % 3]
             n += 1
             for m in order:
-                out, decode_s = _run_one(engine, f"{task}-{i}-{m}", ids, params, m)
+                out, decode_s = _run_one(engine, f"{task}-{i}-{m}", ids, params, m, cfg.fixed_k)
                 res.methods[m].add(out, decode_s)
                 outputs[m] = out.token_ids
             res.mismatches += sum(outputs[m] != outputs["none"] for m in METHODS)
@@ -195,8 +198,10 @@ def run_gate_cli(args, work: Path) -> int:
     from verispec.train.registry import registered_draft
 
     cfg = GateConfig(tasks=tuple(t.strip() for t in args.tasks.split(",")), prompts_per_task=args.prompts_per_task,
-                     max_tokens=args.max_tokens, max_load=args.max_load)
-    load = os.getloadavg()[0]
+                     max_tokens=args.max_tokens, max_load=args.max_load, fixed_k=args.fixed_k)
+    deadline = time.time() + args.wait_quiet
+    while (load := os.getloadavg()[0]) >= cfg.max_load and time.time() < deadline:
+        time.sleep(15)
     if load >= cfg.max_load:
         raise ValueError(f"1-minute load average is {load:.2f} (>= --max-load {cfg.max_load}): "
                          "timings on a busy machine are not evidence; retry when it is quiet")
