@@ -1,0 +1,207 @@
+"""Adaptive draft length vs fixed k in {1, 2, 4, 8} vs plain decoding (issue 6).
+
+One cell = one task at one concurrency. In every cell each contender gets a fresh engine
+over the shared weights (own KV pool, prefix cache and controller), runs unmeasured warm-up
+prompts of the same task (disjoint from the measured ones), then the measured prompts
+closed-loop (exactly C in flight, refilled as they finish), greedy. Contenders run one
+after the other in an order rotated from cell to cell.
+
+Contenders: plain (spec "none"), fixed k = 1, 2, 4, 8, and adaptive with k_max = 8 (the
+same range as the fixed grid; the engine default is k_max = 4). Drafting is n-gram, or
+the draft model when --draft-model is given.
+
+Tasks: chat (MT-bench turn 1), code (HumanEval), rewrite (rewrite-code + rewrite-essay,
+interleaved), summarisation (CNN stories), math (GSM8K).
+
+Target (issue 6): adaptive >= 0.97 x the best fixed k and >= 0.97 x plain in every cell.
+
+    .venv/bin/python bench/adaptive.py --quick
+    .venv/bin/python bench/adaptive.py                                   # n-gram, default model
+    .venv/bin/python bench/adaptive.py --model qwen2.5-coder-1.5b-instruct \\
+        --draft-model qwen2.5-coder-0.5b-instruct --num-prompts 4 --max-tokens 64
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from dataclasses import replace
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import common  # noqa: E402
+from verispec.config import EngineConfig, SpecConfig  # noqa: E402
+from verispec.sampling import SamplingParams  # noqa: E402
+
+TASKS = {
+    "chat": ["mtbench"],
+    "code": ["humaneval"],
+    "rewrite": ["rewrite-code", "rewrite-essay"],
+    "summarisation": ["cnn"],
+    "math": ["gsm8k"],
+}
+FIXED_KS = (1, 2, 4, 8)
+TARGET = 0.97
+
+
+def contenders(method: str, adaptive_k_max: int) -> dict[str, SpecConfig]:
+    out = {"plain": SpecConfig(method="none")}
+    out.update({f"k={k}": SpecConfig(method=method, num_spec_tokens=k, adaptive=False) for k in FIXED_KS})
+    out["adaptive"] = SpecConfig(method=method, num_spec_tokens=adaptive_k_max, adaptive=True)
+    return out
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="smollm2-135m-instruct")
+    p.add_argument("--draft-model", default=None, help="draft with this model instead of n-gram")
+    p.add_argument("--tasks", default=",".join(TASKS), help=f"comma-separated, from {list(TASKS)}")
+    p.add_argument("--num-prompts", type=int, default=4,
+                   help="measured prompts per cell (raised to --prompts-per-slot x C)")
+    p.add_argument("--prompts-per-slot", type=int, default=2,
+                   help="at least this many measured prompts per in-flight slot")
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--num-warmup", type=int, default=4, help="warm-up prompts per engine (<= C of them at once)")
+    p.add_argument("--warmup-tokens", type=int, default=16)
+    p.add_argument("--adaptive-k-max", type=int, default=8)
+    p.add_argument("--contenders", default=None,
+                   help="comma-separated subset of plain,k=1,k=2,k=4,k=8,adaptive (default all; "
+                        "ratios need plain, adaptive and at least one fixed k)")
+    common.add_common_args(p, "1,4,16")
+    args = p.parse_args(argv)
+    args.tasks = args.tasks.split(",")
+    bad = [t for t in args.tasks if t not in TASKS]
+    if bad:
+        p.error(f"--tasks: unknown {bad}; choose from {list(TASKS)}")
+    if args.quick:
+        args.concurrency = [1, 4] if args.concurrency == [1, 4, 16] else args.concurrency
+        args.num_prompts, args.prompts_per_slot = min(args.num_prompts, 2), 1
+        args.max_tokens, args.num_warmup, args.warmup_tokens = min(args.max_tokens, 16), 1, 4
+    return args
+
+
+def run_cell(models, configs: dict[str, EngineConfig], task: str, c: int, cell_index: int, args) -> dict:
+    """Every contender on one task at one concurrency, each on a fresh engine."""
+    n = max(args.num_prompts, args.prompts_per_slot * c)
+    measured, warm, sources = common.pick_prompts(TASKS[task], n, args.num_warmup, seed=args.seed)
+    items = common.encode(models.tokenizer, measured, task)
+    warm_items = common.encode(models.tokenizer, warm, task)
+    params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens)
+    names = list(configs)
+    order = names[cell_index % len(names):] + names[: cell_index % len(names)]
+    runs = {}
+    for name in order:
+        engine = common.make_engine(models, configs[name])
+        common.warm_up(engine, warm_items, min(c, len(warm_items)), args.warmup_tokens, f"{name}-{task}-c{c}")
+        runs[name] = common.run_closed_loop(engine, items, c, params, f"{name}-{task}-c{c}")
+        del engine
+        r = runs[name]
+        print(f"[adaptive] {task:13s} C={c:2d} {name:8s} {r.tokens:5d} tok {r.seconds:7.1f} s "
+              f"{r.tokens_per_s:7.2f} tok/s acc={_fmt(r.acceptance)} load={common.load_average():.2f}",
+              file=sys.stderr, flush=True)
+    return _cell_result(runs, task, c, measured, warm, sources, order)
+
+
+def _cell_result(runs, task, c, measured, warm, sources, order) -> dict:
+    rate = {name: r.tokens_per_s for name, r in runs.items()}
+    if not {"plain", "adaptive"} <= set(rate) or not any(f"k={k}" in rate for k in FIXED_KS):
+        return {"task": task, "concurrency": c, "order": order, "tokens_per_s": rate, "incomplete": True,
+                "contenders": {name: r.summary() for name, r in runs.items()}}
+    best_fixed = max((f"k={k}" for k in FIXED_KS if f"k={k}" in rate), key=rate.get)
+    vs_best, vs_plain = rate["adaptive"] / rate[best_fixed], rate["adaptive"] / rate["plain"]
+    hist = runs["adaptive"].chosen_k
+    return {
+        "task": task, "concurrency": c, "order": order,
+        "prompt_ids": [it for it in (f"{p.dataset}:{p.prompt_id}" for p in measured)],
+        "warmup_prompt_ids": [f"{p.dataset}:{p.prompt_id}" for p in warm], "datasets": sources,
+        "tokens_per_s": rate, "best_fixed": best_fixed,
+        "adaptive_vs_best_fixed": vs_best, "adaptive_vs_plain": vs_plain,
+        "meets_target": vs_best >= TARGET and vs_plain >= TARGET,
+        "adaptive_mean_k": sum(k * n for k, n in enumerate(hist)) / sum(hist) if sum(hist) else None,
+        "contenders": {name: {**r.summary(), "identical_to_plain": common.same_outputs(r, runs["plain"])}
+                       for name, r in runs.items()},
+    }
+
+
+def overall(cells: list[dict]) -> list[dict]:
+    """Per concurrency, all tasks pooled: total tokens / total seconds per contender."""
+    rows = []
+    for c in sorted({cell["concurrency"] for cell in cells}):
+        group = [cell for cell in cells if cell["concurrency"] == c]
+        names = list(group[0]["contenders"])
+        rate = {n: sum(g["contenders"][n]["tokens"] for g in group) /
+                sum(g["contenders"][n]["seconds"] for g in group) for n in names}
+        best = max((f"k={k}" for k in FIXED_KS if f"k={k}" in rate), key=rate.get)
+        rows.append({"task": "all", "concurrency": c, "tokens_per_s": rate, "best_fixed": best,
+                     "adaptive_vs_best_fixed": rate["adaptive"] / rate[best],
+                     "adaptive_vs_plain": rate["adaptive"] / rate["plain"]})
+    return rows
+
+
+def table(cells: list[dict], pooled: list[dict]) -> str:
+    names = list(cells[0]["tokens_per_s"])
+    rows = []
+    for cell in cells + pooled:
+        acc = cell.get("contenders", {}).get("adaptive", {}).get("acceptance")
+        miss = [] if cell["adaptive_vs_best_fixed"] >= TARGET else ["best-k"]
+        miss += [] if cell["adaptive_vs_plain"] >= TARGET else ["plain"]
+        rows.append([cell["task"], cell["concurrency"], *[cell["tokens_per_s"][n] for n in names],
+                     cell["best_fixed"], cell["adaptive_vs_best_fixed"], cell["adaptive_vs_plain"],
+                     acc, cell.get("adaptive_mean_k"), "MISS " + ", ".join(miss) if miss else "ok"])
+    headers = ["task", "C", *[f"{n} tok/s" for n in names], "best fixed", "adaptive / best fixed",
+               "adaptive / plain", "adaptive acceptance", "adaptive mean k", "target 0.97"]
+    return common.markdown_table(headers, rows)
+
+
+def _fmt(x):
+    return "n/a" if x is None else f"{x:.2f}"
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    t0 = time.perf_counter()
+    header = common.start_run(args)
+    method = "draft" if args.draft_model else "ngram"
+    models = common.load_models(replace(common.base_config(args, args.draft_model),
+                                        spec=SpecConfig(method=method)))
+    base = common.base_config(args)
+    configs = {}
+    chosen = contenders(method, args.adaptive_k_max)
+    if args.contenders:
+        chosen = {n: chosen[n] for n in args.contenders.split(",")}
+    for name, spec in chosen.items():
+        draft = args.draft_model if spec.method == "draft" else None  # plain runs no draft model
+        configs[name] = replace(base, draft_model=draft, spec=spec)
+    cells, i = [], 0
+    for task in args.tasks:
+        for c in args.concurrency:
+            cells.append(run_cell(models, configs, task, c, i, args))
+            i += 1
+    if any(c.get("incomplete") for c in cells):
+        for c in cells:
+            print(c["task"], c["concurrency"], {n: round(r, 2) for n, r in c["tokens_per_s"].items()},
+                  {n: v["chosen_k_histogram"] for n, v in c["contenders"].items()})
+        return 0
+    pooled = overall(cells)
+    text = table(cells, pooled)
+    print(text)
+    misses = [f"{c['task']}/C={c['concurrency']}" for c in cells if not c["meets_target"]]
+    print(f"cells missing the target: {misses or 'none'}")
+    header = common.finish_run(header, t0)
+    payload = {"benchmark": "adaptive", "schema": "verispec.bench.engine-adaptive/v1", **header,
+               "settings": {"model": args.model, "draft_model": args.draft_model, "method": method,
+                            "dtype": args.dtype, "temperature": 0.0, "tasks": {t: TASKS[t] for t in args.tasks},
+                            "concurrency": args.concurrency, "num_prompts": args.num_prompts,
+                            "prompts_per_slot": args.prompts_per_slot, "max_tokens": args.max_tokens,
+                            "num_warmup": args.num_warmup, "warmup_tokens": args.warmup_tokens,
+                            "adaptive_k_max": args.adaptive_k_max, "target": TARGET, "quick": args.quick,
+                            "model_load_s": models.load_seconds},
+               "engine_configs": {name: cfg.to_dict() for name, cfg in configs.items()},
+               "cells": cells, "pooled": pooled, "cells_missing_target": misses, "table_markdown": text}
+    stem = f"adaptive_{'draft' if args.draft_model else 'ngram'}_{args.model}"
+    common.write_json(args.out or common.RESULTS_DIR / f"{stem}{'_quick' if args.quick else ''}.json", payload)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,388 @@
+"""Shared pieces of the in-process engine benchmarks (throughput, prefix cache, adaptive k).
+
+These scripts drive `LLMEngine` directly (add_request + step), not the HTTP server, so the
+numbers are the engine's own: no client, network or JSON in the loop.
+
+What every script here does the same way:
+  * models are loaded once and shared by every engine built from them (an engine owns its
+    KV pool, scheduler, prefix cache and controller, so a fresh engine is cheap);
+  * a workload runs closed-loop: exactly C requests are in flight, and a finished one is
+    replaced at once by the next prompt until none is left (`run_closed_loop`);
+  * timing runs start only on a quiet machine (1-minute load average under a threshold),
+    and the load average at start and end is stored with the numbers;
+  * every result file records the resolved EngineConfig.to_dict() of each contender, the
+    software versions, the machine, and the git commit the imported verispec sources match.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import gc
+import hashlib
+import json
+import os
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:  # run as `python bench/<script>.py` from a checkout
+    sys.path.insert(0, str(REPO))
+
+import torch  # noqa: E402
+
+import verispec  # noqa: E402
+from verispec.bench.datasets import BenchPrompt, load_datasets, select_prompts  # noqa: E402
+from verispec.bench.provenance import machine_info, software_versions  # noqa: E402
+from verispec.config import EngineConfig  # noqa: E402
+from verispec.engine.engine import LLMEngine  # noqa: E402
+from verispec.model.llama import LlamaModel  # noqa: E402
+from verispec.model.tokenizer import Tokenizer  # noqa: E402
+from verispec.sampling import SamplingParams  # noqa: E402
+
+RESULTS_DIR = REPO / "bench" / "results"
+
+
+# ---------------------------------------------------------------- models and engines
+
+@dataclass
+class Models:
+    """Weights loaded once; every engine of a run shares them (read-only in forward)."""
+
+    config: EngineConfig             # the config they were loaded with (model, draft, dtype, format)
+    target: LlamaModel
+    tokenizer: Tokenizer
+    draft: LlamaModel | None = None
+    vocab_limit: int | None = None   # ids both models share (draft pairs only)
+    load_seconds: float = 0.0
+
+
+_LOAD_FIELDS = ("model", "dtype", "weight_format")
+
+
+def load_models(config: EngineConfig) -> Models:
+    """Load through LLMEngine.from_config (its formats and pair check), keep only the weights."""
+    t0 = time.perf_counter()
+    engine = LLMEngine.from_config(config)
+    draft = engine.drafter.runner.model if engine.drafter is not None else None
+    models = Models(config, engine.target.model, engine.tokenizer, draft, engine.target.vocab_limit,
+                    time.perf_counter() - t0)
+    del engine  # its KV pools; the next engines allocate their own
+    return models
+
+
+def make_engine(models: Models, config: EngineConfig) -> LLMEngine:
+    """A fresh engine (own KV pool, prefix cache, controller) over the shared weights.
+
+    `config` may differ from the loading config in anything but the weights: a config
+    without a draft model gets an engine without one (plain decoding runs no draft passes).
+    """
+    for name in _LOAD_FIELDS:
+        if getattr(config, name, None) != getattr(models.config, name, None):
+            raise ValueError(f"config.{name} {getattr(config, name, None)!r} differs from the loaded "
+                             f"{getattr(models.config, name, None)!r}")
+    uses_draft = config.draft_model is not None
+    if uses_draft and config.draft_model != models.config.draft_model:
+        raise ValueError(f"config.draft_model {config.draft_model!r} is not the loaded "
+                         f"{models.config.draft_model!r}")
+    gc.collect()  # the previous engine's KV pool goes before the next one is allocated
+    return LLMEngine(config, models.target, models.tokenizer,
+                     models.draft if uses_draft else None,
+                     models.vocab_limit if uses_draft else None)
+
+
+# ---------------------------------------------------------------- prompts
+
+@dataclass(frozen=True)
+class WorkItem:
+    """One prompt, encoded with the target's chat template."""
+
+    prompt_id: str          # "<dataset>:<id in the dataset>"
+    task: str
+    token_ids: tuple[int, ...]
+
+
+def pick_prompts(datasets: list[str], num_prompts: int, num_warmup: int,
+                 seed: int) -> tuple[list[BenchPrompt], list[BenchPrompt], list[dict]]:
+    """Seeded pick of measured and (disjoint) warm-up prompts, interleaved across datasets.
+
+    `num_prompts` and `num_warmup` are totals over all datasets; datasets take turns so a
+    prefix of either list mixes them evenly.
+    """
+    by_name, sources = load_datasets(",".join(datasets))
+    per_dataset = -(-(num_prompts + num_warmup) // len(datasets))
+    sel = select_prompts(by_name, per_dataset, 0, seed)
+    columns = [[p for p in sel.measured if p.dataset == name] for name in by_name]
+    mixed = [col[i] for i in range(per_dataset) for col in columns if i < len(col)]
+    measured, warmup = mixed[:num_prompts], mixed[num_prompts: num_prompts + num_warmup]
+    return measured, warmup, [_source_dict(s) for s in sources]
+
+
+def _source_dict(source) -> dict:
+    return {"name": source.name, "package": source.package, "version": source.package_version,
+            "sha256": source.sha256, "num_available": source.num_available}
+
+
+def encode(tokenizer: Tokenizer, prompts: list[BenchPrompt], task: str | None = None) -> list[WorkItem]:
+    """Chat-template every prompt's first turn; the task defaults to the dataset name."""
+    return [WorkItem(f"{p.dataset}:{p.prompt_id}", task or p.dataset,
+                     tuple(tokenizer.encode_chat(list(p.messages)))) for p in prompts]
+
+
+# ---------------------------------------------------------------- the closed loop
+
+@dataclass
+class RequestResult:
+    prompt_id: str
+    prompt_tokens: int
+    token_ids: list[int]
+    finish_reason: str
+    ttft_s: float           # add_request -> the step that returned its first token
+    latency_s: float        # add_request -> finished
+    drafted: int
+    accepted: int
+    draft_rounds: int
+    target_forwards: int
+
+
+@dataclass
+class RunResult:
+    """One workload on one engine at one concurrency."""
+
+    concurrency: int
+    seconds: float
+    requests: list[RequestResult]
+    steps: int
+    mean_in_flight: float   # time-weighted; below C while the last requests drain
+    chosen_k: list[int] = field(default_factory=list)  # controller's k histogram (adaptive rows)
+
+    @property
+    def tokens(self) -> int:
+        return sum(len(r.token_ids) for r in self.requests)
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens / self.seconds
+
+    @property
+    def drafted(self) -> int:
+        return sum(r.drafted for r in self.requests)
+
+    @property
+    def accepted(self) -> int:
+        return sum(r.accepted for r in self.requests)
+
+    @property
+    def acceptance(self) -> float | None:
+        """Accepted / drafted draft tokens (None when nothing was drafted)."""
+        return self.accepted / self.drafted if self.drafted else None
+
+    def summary(self) -> dict:
+        ttfts = sorted(r.ttft_s for r in self.requests)
+        return {"concurrency": self.concurrency, "requests": len(self.requests),
+                "tokens": self.tokens, "seconds": self.seconds, "tokens_per_s": self.tokens_per_s,
+                "drafted": self.drafted, "accepted": self.accepted, "acceptance": self.acceptance,
+                "mean_accepted_per_round": (self.accepted / n if (n := sum(r.draft_rounds for r in self.requests))
+                                            else None),
+                "steps": self.steps, "mean_in_flight": self.mean_in_flight,
+                "median_ttft_s": ttfts[len(ttfts) // 2] if ttfts else None,
+                "chosen_k_histogram": self.chosen_k}
+
+
+def run_closed_loop(engine: LLMEngine, items: list[WorkItem], concurrency: int,
+                    params: SamplingParams, tag: str) -> RunResult:
+    """Run `items` keeping exactly `concurrency` requests in flight; refill as they finish.
+
+    Failed requests raise: a benchmark never averages over errors.
+    """
+    if concurrency < 1:
+        raise ValueError(f"concurrency must be >= 1, got {concurrency}")
+    k_before = list(engine.controller.snapshot()["k_counts"])
+    queue = list(items)
+    added: dict[str, tuple[WorkItem, float]] = {}
+    first_token: dict[str, float] = {}
+    done: list[RequestResult] = []
+    steps, in_flight_time = 0, 0.0
+    t_start = time.perf_counter()
+    while queue or len(done) < len(items):
+        while queue and len(added) - len(done) < concurrency:
+            item = queue.pop(0)
+            rid = f"{tag}/{item.prompt_id}"
+            engine.add_request(rid, list(item.token_ids), params)
+            added[rid] = (item, time.perf_counter())
+        in_flight = len(added) - len(done)
+        t0 = time.perf_counter()
+        outputs = engine.step()
+        now = time.perf_counter()
+        steps += 1
+        in_flight_time += in_flight * (now - t0)
+        for out in outputs:
+            if out.new_token_ids and out.request_id not in first_token:
+                first_token[out.request_id] = now
+            if out.finished:
+                if out.error or out.finish_reason == "abort":
+                    raise RuntimeError(f"request {out.request_id} failed: {out.error}")
+                item, t_add = added[out.request_id]
+                s = out.spec
+                done.append(RequestResult(item.prompt_id, len(item.token_ids), list(out.token_ids),
+                                          out.finish_reason, first_token[out.request_id] - t_add,
+                                          now - t_add, s.num_draft_tokens, s.num_accepted_tokens,
+                                          s.num_drafts, s.target_forwards))
+    seconds = time.perf_counter() - t_start
+    k_after = engine.controller.snapshot()["k_counts"]
+    order = {it.prompt_id: i for i, it in enumerate(items)}
+    done.sort(key=lambda r: order[r.prompt_id])
+    return RunResult(concurrency, seconds, done, steps, in_flight_time / seconds,
+                     [a - b for a, b in zip(k_after, k_before)])
+
+
+def warm_up(engine: LLMEngine, items: list[WorkItem], concurrency: int, max_tokens: int, tag: str) -> float:
+    """Unmeasured run: first-call overheads, and a first look at costs for the controller."""
+    if not items:
+        return 0.0
+    t0 = time.perf_counter()
+    run_closed_loop(engine, items, concurrency, SamplingParams(temperature=0.0, max_tokens=max_tokens),
+                    f"warmup-{tag}")
+    return time.perf_counter() - t0
+
+
+def same_outputs(a: RunResult, b: RunResult) -> dict:
+    """How many completions are token-for-token equal (greedy: lossless up to bf16 numerics)."""
+    pairs = list(zip(a.requests, b.requests))
+    equal = sum(x.token_ids == y.token_ids for x, y in pairs)
+    return {"identical": equal, "compared": len(pairs)}
+
+
+# ---------------------------------------------------------------- the machine
+
+def load_average() -> float:
+    return os.getloadavg()[0]
+
+
+def wait_for_quiet(max_load: float, max_wait_s: float, poll_s: float = 20.0) -> dict:
+    """Sleep until the 1-minute load average is under `max_load` (at most `max_wait_s`)."""
+    t0 = time.monotonic()
+    history = [round(load_average(), 2)]
+    while history[-1] >= max_load and time.monotonic() - t0 < max_wait_s:
+        print(f"[bench] load average {history[-1]:.2f} >= {max_load}: waiting", file=sys.stderr, flush=True)
+        time.sleep(poll_s)
+        history.append(round(load_average(), 2))
+    return {"quiet": history[-1] < max_load, "max_load": max_load, "load_at_start": history[-1],
+            "waited_s": round(time.monotonic() - t0, 1), "load_history": history}
+
+
+def code_provenance() -> dict:
+    """The git commit and whether the imported verispec sources are exactly that commit's.
+
+    The shared working tree may hold someone's uncommitted engine edits; a snapshot run
+    (`git archive HEAD | tar -x`) is then the way to measure one commit, and this check
+    says which case a result came from.
+    """
+    src = Path(verispec.__file__).resolve().parent
+
+    def git(*args: str) -> str | None:
+        try:
+            out = subprocess.run(["git", "-C", str(REPO), *args], capture_output=True, text=True, timeout=20)
+        except (OSError, subprocess.TimeoutExpired):
+            return None
+        return out.stdout if out.returncode == 0 else None
+
+    head = (git("rev-parse", "HEAD") or "").strip() or None
+    committed = {}
+    for line in (git("ls-tree", "-r", "HEAD", "verispec") or "").splitlines():
+        meta, path = line.split("\t", 1)
+        committed[path[len("verispec/"):]] = meta.split()[2]
+    differing = []
+    for f in sorted(src.rglob("*.py")):
+        rel = f.relative_to(src).as_posix()
+        data = f.read_bytes()
+        blob = hashlib.sha1(b"blob %d\0" % len(data) + data).hexdigest()  # git's blob id
+        if committed.get(rel) != blob:
+            differing.append(rel)
+    return {"commit": head, "verispec_source": str(src),
+            "sources_match_commit": head is not None and not differing,
+            "files_differing_from_commit": differing}
+
+
+def provenance() -> dict:
+    return {"software": software_versions(), "machine": machine_info(), "code": code_provenance(),
+            "torch_threads": torch.get_num_threads()}
+
+
+# ---------------------------------------------------------------- flags, files, tables
+
+def parse_int_list(text: str) -> list[int]:
+    try:
+        values = [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+    if not values or any(v < 1 for v in values):
+        raise argparse.ArgumentTypeError(f"expected integers >= 1, got {text!r}")
+    return values
+
+
+def add_common_args(parser: argparse.ArgumentParser, concurrency: str) -> None:
+    g = parser.add_argument_group("common")
+    g.add_argument("--concurrency", type=parse_int_list, default=parse_int_list(concurrency),
+                   help=f"requests in flight, comma-separated (default {concurrency})")
+    g.add_argument("--quick", action="store_true", help="tiny settings: checks the script in minutes")
+    g.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
+    g.add_argument("--weight-format", default=None,
+                   help="EngineConfig.weight_format (default: the engine's default)")
+    g.add_argument("--seed", type=int, default=0, help="prompt selection seed")
+    g.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
+    g.add_argument("--max-load", type=float, default=1.3, help="start only below this 1-min load average")
+    g.add_argument("--wait-quiet-s", type=float, default=300.0, help="how long to wait for a quiet machine")
+    g.add_argument("--allow-noisy", action="store_true",
+                   help="run even if the machine never got quiet (recorded in the result)")
+    g.add_argument("--out", type=Path, default=None, help="result JSON (default bench/results/<name>.json)")
+
+
+def base_config(args: argparse.Namespace, draft_model: str | None = None) -> EngineConfig:
+    """The engine's default config with the run's model, draft model, dtype and weight format."""
+    extra = {"weight_format": args.weight_format} if args.weight_format else {}
+    return EngineConfig(model=args.model, draft_model=draft_model, dtype=args.dtype, **extra)
+
+
+def start_run(args: argparse.Namespace) -> dict:
+    """Set threads, wait for a quiet machine; returns the run header stored with the results."""
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    quiet = wait_for_quiet(args.max_load, args.wait_quiet_s)
+    if not quiet["quiet"] and not args.allow_noisy:
+        raise SystemExit(f"machine not quiet: load average {quiet['load_at_start']} >= {args.max_load} "
+                         f"after {quiet['waited_s']} s (use --allow-noisy to record anyway)")
+    return {"argv": sys.argv, "started": now_iso(), "machine_load": quiet, **provenance()}
+
+
+def finish_run(header: dict, t0: float) -> dict:
+    header = dict(header)
+    header["finished"] = now_iso()
+    header["runtime_s"] = round(time.perf_counter() - t0, 1)
+    header["machine_load"] = {**header["machine_load"], "load_at_end": round(load_average(), 2)}
+    return header
+
+
+def now_iso() -> str:
+    return dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")
+
+
+def write_json(path: Path, payload: dict) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(payload, indent=1, sort_keys=False) + "\n")
+    tmp.replace(path)
+    print(f"[bench] wrote {path}", file=sys.stderr)
+
+
+def markdown_table(headers: list[str], rows: list[list]) -> str:
+    """A GitHub-flavoured table; floats get 2 decimals, None prints as n/a."""
+    def cell(v):
+        if v is None:
+            return "n/a"
+        return f"{v:.2f}" if isinstance(v, float) else str(v)
+    lines = ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
+    lines += ["| " + " | ".join(cell(v) for v in row) + " |" for row in rows]
+    return "\n".join(lines)
