@@ -270,14 +270,17 @@ class LLMEngine:
         counts = torch.tensor(counts_list)
         st = SamplingTensors.from_params([r.params for r in rows], logits[0].device).expand(counts_list)
         probs_flat = st.to_probs(torch.cat(logits))  # (sum(k_i + 1), V)
-        target_probs = torch.zeros(len(rows), k_max + 1, vocab)  # (B, K+1, V)
+        same_width = all(c == k_max + 1 for c in counts_list)  # e.g. batch 1: a view, no copy
+        target_probs = (probs_flat.view(len(rows), k_max + 1, vocab) if same_width
+                        else torch.zeros(len(rows), k_max + 1, vocab))  # (B, K+1, V)
         draft_tokens = torch.zeros(len(rows), k_max, dtype=torch.long)  # (B, K)
         has_q = any(drafts.get(r.request_id, (None, None))[1] is not None for r in rows)
         draft_probs = torch.zeros(len(rows), k_max, vocab) if has_q else None  # (B, K, V)
         off = 0
         for i, r in enumerate(rows):
-            n = int(counts[i])
-            target_probs[i, :n] = probs_flat[off: off + n]
+            n = counts_list[i]
+            if not same_width:
+                target_probs[i, :n] = probs_flat[off: off + n]
             off += n
             toks, q = drafts.get(r.request_id, ([], None))
             if toks:

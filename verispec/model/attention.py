@@ -34,6 +34,16 @@ class KVStore:
         self.v = torch.empty(shape, dtype=dtype, device=device)  # (L, S, Hkv, D)
         self.k[:, 0].zero_()
         self.v[:, 0].zero_()
+        # Per-layer views, indexed in Python: no tensor op per layer to select one.
+        self.k_layers, self.v_layers = list(self.k.unbind(0)), list(self.v.unbind(0))
+
+    def context_views(self, meta: "AttentionMetadata") -> tuple[torch.Tensor, torch.Tensor] | None:
+        """For a one-row pass over consecutive slots: every layer's context keys and values
+        as views (L, 1, Hkv, C, D), built once per pass; None when attention must gather."""
+        if meta.context_start is None:
+            return None
+        window = slice(meta.context_start, meta.context_start + meta.context_slots.shape[1])
+        return self.k[:, window].unsqueeze(1).transpose(2, 3), self.v[:, window].unsqueeze(1).transpose(2, 3)
 
     @property
     def num_slots(self) -> int:
@@ -124,27 +134,26 @@ class AttentionMetadata:
 
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int,
-                    kv: KVStore, meta: AttentionMetadata) -> torch.Tensor:
+                    kv: KVStore, meta: AttentionMetadata,
+                    context: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """Write the new K/V into the pool, then attend each row over its own context.
 
-    q: (T, H, D); k, v: (T, Hkv, D) for the new tokens. Returns (T, H, D).
+    q: (T, H, D); k, v: (T, Hkv, D) for the new tokens; `context`: `kv.context_views(meta)`
+    (None: gather through meta.context_slots). Returns (T, H * D).
     """
-    k_pool, v_pool = kv.k[layer], kv.v[layer]  # (S, Hkv, D) each
+    k_pool, v_pool = kv.k_layers[layer], kv.v_layers[layer]  # (S, Hkv, D) each
     k_pool.index_copy_(0, meta.slot_mapping, k)
     v_pool.index_copy_(0, meta.slot_mapping, v)
-    num_rows, q_len = meta.num_rows, meta.max_query_len
-    if meta.context_start is not None:  # one row, consecutive slots: a view, no copy
-        c = meta.context_slots.shape[1]
-        keys = k_pool[meta.context_start: meta.context_start + c].unsqueeze(0)    # (1, C, Hkv, D)
-        values = v_pool[meta.context_start: meta.context_start + c].unsqueeze(0)  # (1, C, Hkv, D)
+    num_rows, q_len, heads = meta.num_rows, meta.max_query_len, q.shape[1]
+    if context is not None:  # one row, consecutive slots: views of the pool, no copy
+        keys, values = context[0][layer], context[1][layer]                 # (1, Hkv, C, D) each
     else:
-        keys = k_pool[meta.context_slots]    # (B, C, Hkv, D)
-        values = v_pool[meta.context_slots]  # (B, C, Hkv, D)
+        keys = k_pool[meta.context_slots].transpose(1, 2)    # (B, Hkv, C, D)
+        values = v_pool[meta.context_slots].transpose(1, 2)  # (B, Hkv, C, D)
     if meta.query_index is None:
-        qp = q.view(num_rows, q_len, *q.shape[1:])  # (B, Q, H, D)
+        qp = q.view(num_rows, q_len, heads, -1).transpose(1, 2)  # (B, H, Q, D)
     else:
-        qp = q[meta.query_index]                     # (B, Q, H, D)
-    qp, keys, values = qp.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2)
+        qp = q[meta.query_index].transpose(1, 2)                 # (B, H, Q, D)
     if _SDPA_HAS_GQA:
         out = F.scaled_dot_product_attention(qp, keys, values, attn_mask=meta.attn_mask,
                                              enable_gqa=True)  # (B, H, Q, D)
@@ -153,5 +162,5 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: in
         out = F.scaled_dot_product_attention(
             qp, keys.repeat_interleave(groups, 1), values.repeat_interleave(groups, 1),
             attn_mask=meta.attn_mask)  # (B, H, Q, D)
-    out = out.transpose(1, 2).reshape(num_rows * q_len, *q.shape[1:])  # (B*Q, H, D)
+    out = out.transpose(1, 2).reshape(num_rows * q_len, -1)  # (B*Q, H*D)
     return out if meta.gather_index is None else out[meta.gather_index]

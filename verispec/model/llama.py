@@ -30,9 +30,9 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Normalise in float32 like the reference implementation, then cast back.
-        normed = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps)
-        return self.weight * normed.to(x.dtype)
+        # One call: the kernel accumulates in float32 and rounds once (the reference rounds
+        # the normalised x, then the product by the weight: one more bf16 rounding).
+        return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
 
 
 class Rotary(nn.Module):
@@ -61,20 +61,21 @@ class Rotary(nn.Module):
             self._sin = torch.cat([-freqs, freqs], dim=-1).sin()            # (n, D) signed
         return self._cos, self._sin
 
-    def cos_sin(self, positions: torch.Tensor, max_position: int | None = None):
-        """positions (T,) -> cos, signed sin, each (T, 1, D) float32."""
+    def cos_sin(self, positions: torch.Tensor, max_position: int | None = None,
+                dtype: torch.dtype = torch.float32):
+        """positions (T,) -> cos, signed sin, each (T, 1, D) in `dtype` (the activations')."""
         if max_position is None:
             max_position = int(positions.max())
         cos_t, sin_t = self._table(max_position + 1, positions.device)
-        return cos_t[positions].unsqueeze(1), sin_t[positions].unsqueeze(1)
+        return cos_t[positions].unsqueeze(1).to(dtype), sin_t[positions].unsqueeze(1).to(dtype)
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x (T, heads, D) -> rotated, same dtype: [x1, x2] -> [x1 cos - x2 sin, x2 cos + x1 sin]."""
-    xf = x.float()
-    t, heads, d = xf.shape
-    swapped = xf.view(t, heads, 2, d // 2).flip(2).view(t, heads, d)  # [x2, x1]
-    return torch.addcmul(xf * cos, swapped, sin).to(x.dtype)
+    """x (T, heads, D) -> [x1, x2] -> [x1 cos - x2 sin, x2 cos + x1 sin], in x's dtype (as the
+    reference does: cos and sin are rounded to it, addcmul accumulates in float32)."""
+    t, heads, d = x.shape
+    swapped = x.reshape(t, heads, 2, d // 2).flip(2).view(t, heads, d)  # [x2, x1]
+    return torch.addcmul(x * cos, swapped, sin)
 
 
 def _llama3_scale(inv_freq: torch.Tensor, s: dict) -> torch.Tensor:
@@ -100,7 +101,7 @@ class Attention(nn.Module):
             self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttentionMetadata,
-                kv: KVStore) -> torch.Tensor:
+                kv: KVStore, context: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         cfg, heads, kv_heads, d = self.cfg, self.cfg.num_heads, self.cfg.num_kv_heads, self.cfg.head_dim
         qkv = self.qkv_proj.forward(x)                                      # (T, (H + 2 Hkv) D)
         t = qkv.shape[0]
@@ -112,8 +113,8 @@ class Attention(nn.Module):
             qk = qkv[:, : self.q_size + self.kv_size].view(t, heads + kv_heads, d)
         qk = apply_rotary(qk, cos, sin)                                     # (T, H + Hkv, D)
         v = qkv[:, self.q_size + self.kv_size:].view(t, kv_heads, d)      # (T, Hkv, D)
-        out = paged_attention(qk[:, :heads], qk[:, heads:], v, self.layer, kv, meta)  # (T, H, D)
-        return self.o_proj.forward(out.reshape(t, self.q_size))
+        out = paged_attention(qk[:, :heads], qk[:, heads:], v, self.layer, kv, meta, context)  # (T, H*D)
+        return self.o_proj.forward(out)
 
 
 class MLP(nn.Module):
@@ -138,8 +139,8 @@ class Block(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
 
-    def forward(self, x, cos, sin, meta, kv):
-        x = x + self.self_attn.forward(self.input_layernorm.forward(x), cos, sin, meta, kv)
+    def forward(self, x, cos, sin, meta, kv, context=None):
+        x = x + self.self_attn.forward(self.input_layernorm.forward(x), cos, sin, meta, kv, context)
         return x + self.mlp.forward(self.post_attention_layernorm.forward(x))
 
 
@@ -164,9 +165,10 @@ class LlamaModel(nn.Module):
     def forward(self, token_ids: torch.Tensor, meta: AttentionMetadata, kv: KVStore,
                 logits_index: torch.Tensor | None = None) -> torch.Tensor:
         x = self.embed_tokens(token_ids)  # (T, hidden)
-        cos, sin = self.rotary.cos_sin(meta.positions, meta.max_position)  # (T, 1, D) each, all layers
+        cos, sin = self.rotary.cos_sin(meta.positions, meta.max_position, x.dtype)  # (T, 1, D), all layers
+        context = kv.context_views(meta)  # every layer's K/V context as views, or None (gather)
         for block in self.layers:
-            x = block.forward(x, cos, sin, meta, kv)
+            x = block.forward(x, cos, sin, meta, kv, context)
         if logits_index is not None:
             x = x[logits_index]           # (N, hidden): only the positions we sample from
         return self.lm_head(self.norm(x.float()))  # (N, V) float32

@@ -231,19 +231,19 @@ class RefinedHead(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x (N, K) float32 -> logits (N, V) float32."""
         xb = x.to(self.dtype)
-        logits, out_bound = None, 0.0
-        for part in self.parts:
-            a = part.forward(xb).float()                                        # (N, V)
-            out_bound = out_bound + a.abs().amax(dim=-1)                        # (N,)
-            logits = a if logits is None else logits.add_(a)
+        parts = [part.forward(xb) for part in self.parts]                      # (N, V) bf16 each
+        # max |a_part| per row in one pass each (the infinity norm), on the bf16 outputs
+        out_bound = sum(torch.linalg.vector_norm(a, float("inf"), dim=-1).float() for a in parts)  # (N,)
+        logits = parts[0].float()
+        for a in parts[1:]:
+            logits.add_(a)                                                      # (N, V) float32
         bound = self.norm_coef * x.norm(dim=-1) + 2.0 ** -9 * out_bound        # (N,)
         candidates = logits >= (logits.amax(dim=-1) - 2 * bound)[:, None]       # (N, V)
         rows, cols = candidates.nonzero(as_tuple=True)                          # (C,), (C,)
         self.last_num_refined = int(rows.numel())
         if rows.numel() > self.max_refined_fraction * logits.numel():
             return F.linear(x, self.weight)  # a flat distribution: the whole float32 head is cheaper
-        exact = torch.bmm(self.weight[cols].unsqueeze(1), x[rows].unsqueeze(2)).view(-1)  # (C,)
-        logits[rows, cols] = exact
+        logits[rows, cols] = torch.linalg.vecdot(self.weight[cols], x[rows])  # (C,) float32 dot products
         return logits
 
 
