@@ -157,6 +157,7 @@ class RunResult:
     steps: int
     mean_in_flight: float   # time-weighted; below C while the last requests drain
     chosen_k: list[int] = field(default_factory=list)  # controller's k histogram (adaptive rows)
+    load_after: float = 0.0  # 1-minute load average when the run ended (this run adds ~1-2)
 
     @property
     def tokens(self) -> int:
@@ -188,7 +189,7 @@ class RunResult:
                                             else None),
                 "steps": self.steps, "mean_in_flight": self.mean_in_flight,
                 "median_ttft_s": ttfts[len(ttfts) // 2] if ttfts else None,
-                "chosen_k_histogram": self.chosen_k}
+                "chosen_k_histogram": self.chosen_k, "load_after": self.load_after}
 
 
 def run_closed_loop(engine: LLMEngine, items: list[WorkItem], concurrency: int,
@@ -235,7 +236,7 @@ def run_closed_loop(engine: LLMEngine, items: list[WorkItem], concurrency: int,
     order = {it.prompt_id: i for i, it in enumerate(items)}
     done.sort(key=lambda r: order[r.prompt_id])
     return RunResult(concurrency, seconds, done, steps, in_flight_time / seconds,
-                     [a - b for a, b in zip(k_after, k_before)])
+                     [a - b for a, b in zip(k_after, k_before)], round(load_average(), 2))
 
 
 def warm_up(engine: LLMEngine, items: list[WorkItem], concurrency: int, max_tokens: int, tag: str) -> float:
