@@ -73,8 +73,7 @@ class Rotary(nn.Module):
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """x (T, heads, D) -> [x1, x2] -> [x1 cos - x2 sin, x2 cos + x1 sin], in x's dtype (as the
     reference does: cos and sin are rounded to it, addcmul accumulates in float32)."""
-    t, heads, d = x.shape
-    swapped = x.reshape(t, heads, 2, d // 2).flip(2).view(t, heads, d)  # [x2, x1]
+    swapped = torch.roll(x, x.shape[-1] // 2, dims=-1)  # [x2, x1]
     return torch.addcmul(x * cos, swapped, sin)
 
 
@@ -105,14 +104,15 @@ class Attention(nn.Module):
         cfg, heads, kv_heads, d = self.cfg, self.cfg.num_heads, self.cfg.num_kv_heads, self.cfg.head_dim
         qkv = self.qkv_proj.forward(x)                                      # (T, (H + 2 Hkv) D)
         t = qkv.shape[0]
+        per_head = qkv.view(t, heads + 2 * kv_heads, d)                     # (T, H + 2 Hkv, D)
         if cfg.qk_norm:
-            q = self.q_norm.forward(qkv[:, : self.q_size].view(t, heads, d))
-            k = self.k_norm.forward(qkv[:, self.q_size: self.q_size + self.kv_size].view(t, kv_heads, d))
+            q = self.q_norm.forward(per_head[:, :heads])
+            k = self.k_norm.forward(per_head[:, heads: heads + kv_heads])
             qk = torch.cat([q, k], dim=1)                                   # (T, H + Hkv, D)
         else:  # q and k are adjacent in the fused output: rotate them in one go
-            qk = qkv[:, : self.q_size + self.kv_size].view(t, heads + kv_heads, d)
+            qk = per_head[:, : heads + kv_heads]
         qk = apply_rotary(qk, cos, sin)                                     # (T, H + Hkv, D)
-        v = qkv[:, self.q_size + self.kv_size:].view(t, kv_heads, d)      # (T, Hkv, D)
+        v = per_head[:, heads + kv_heads:]                                  # (T, Hkv, D)
         out = paged_attention(qk[:, :heads], qk[:, heads:], v, self.layer, kv, meta, context)  # (T, H*D)
         return self.o_proj.forward(out)
 
