@@ -357,3 +357,10 @@ def test_fetch_is_idempotent(split_model, monkeypatch):
     assert fetch.fetch_model(model) == fetch.fetched_path(model) and len(calls) == 1
     fetch.fetched_path(model).write_bytes(b"tampered")  # a bad file is replaced, never kept
     assert fetch.fetch_model(model).read_bytes() == blob and len(calls) == 2
+
+
+def test_a_truncated_gguf_is_a_value_error_naming_the_file(tmp_path):
+    path = tmp_path / "cut.gguf"
+    path.write_bytes(b"GGUF\x03\x00\x00\x00")
+    with pytest.raises(ValueError, match="cut.gguf: GGUF file is truncated or corrupt"):
+        load_model_files(resolve_model(str(path)))

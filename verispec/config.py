@@ -60,6 +60,9 @@ class SchedulerConfig:
     def __post_init__(self):
         if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be >= 1")
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise ValueError(f"max_model_len must be >= 2 (a prompt token and a generated one), "
+                             f"got {self.max_model_len}")
 
 
 @dataclass(frozen=True)

@@ -162,7 +162,15 @@ def read_gguf(path: Path) -> GGUFMetadata:
 
     Hand-rolled rather than gguf.GGUFReader: that reader builds a numpy view per array
     element, which takes seconds for a 150k-token vocabulary; this takes a fraction of one.
+    A header that runs past the end of the file is a ValueError naming the file.
     """
+    try:
+        return _read_gguf(path)
+    except (struct.error, IndexError, UnicodeDecodeError) as exc:
+        raise ValueError(f"{path}: GGUF file is truncated or corrupt ({exc})") from None
+
+
+def _read_gguf(path: Path) -> GGUFMetadata:
     with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mm:
         if mm[:4] != b"GGUF":
             raise ValueError(f"{path}: not a GGUF file (magic {bytes(mm[:4])!r})")
