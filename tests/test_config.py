@@ -41,6 +41,7 @@ def test_config_is_frozen():
     ("spec:\n  num_spec_tokens: 0\n", "num_spec_tokens must be in [1, 16]"),
     ("spec:\n  method: draft\n", "needs a draft model"),
     ("scheduler:\n  max_model_len: 0\n", "max_model_len must be >= 2"),
+    ("threads: 0\n", "threads must be >= 1"),
 ])
 def test_bad_configuration_is_rejected_with_a_message_naming_it(tmp_path, yaml_text, message):
     path = tmp_path / "bad.yaml"

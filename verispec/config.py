@@ -71,6 +71,7 @@ class EngineConfig:
     draft_model: str | None = None
     dtype: str = "bfloat16"
     weight_format: str = "dense"     # "dense" (weights in dtype) | "int8" | "int4" | "auto"
+    threads: int | None = None       # torch intra-op threads; None = torch's default (one per core)
     seed: int = 0
     spec: SpecConfig = field(default_factory=SpecConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
@@ -79,6 +80,8 @@ class EngineConfig:
     def __post_init__(self):
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        if self.threads is not None and self.threads < 1:
+            raise ValueError(f"threads must be >= 1, got {self.threads}")
         if self.weight_format not in WEIGHT_FORMATS:
             raise ValueError(f"weight_format must be one of {WEIGHT_FORMATS}, got {self.weight_format!r}")
         if self.weight_format in ("int8", "int4") and self.dtype != "bfloat16":
@@ -136,6 +139,8 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--max-num-seqs", type=int)
     g.add_argument("--max-model-len", type=int)
     g.add_argument("--seed", type=int)
+    g.add_argument("--threads", type=int, help="torch intra-op threads (default: one per core); on a "
+                   "machine shared with other busy processes, fewer threads avoid stalls")
 
 
 def config_from_args(args: argparse.Namespace) -> EngineConfig:
@@ -148,6 +153,7 @@ def config_from_args(args: argparse.Namespace) -> EngineConfig:
     _set(top, "dtype", args.dtype)
     _set(top, "weight_format", getattr(args, "weight_format", None))
     _set(top, "seed", args.seed)
+    _set(top, "threads", getattr(args, "threads", None))
     _set(spec, "method", args.spec)
     if args.spec is None and args.draft_model and not getattr(args, "config", None):
         spec["method"] = "draft"   # naming a draft model means you want to use it

@@ -87,6 +87,8 @@ class LLMEngine:
     @classmethod
     def from_config(cls, config: EngineConfig) -> "LLMEngine":
         from verispec.model.loader import load_model_files, resolve_model
+        if config.threads is not None:
+            torch.set_num_threads(config.threads)
         dtype = getattr(torch, config.dtype)
         source = resolve_model(config.model)
         tcfg, tstate, tokenizer = load_model_files(source)
