@@ -86,25 +86,17 @@ class LLMEngine:
     # ------------------------------------------------------------------ construction
     @classmethod
     def from_config(cls, config: EngineConfig) -> "LLMEngine":
-        from verispec.model.loader import load_model_files, resolve_model
         if config.threads is not None:
             torch.set_num_threads(config.threads)
-        dtype = getattr(torch, config.dtype)
-        source = resolve_model(config.model)
-        tcfg, tstate, tokenizer = load_model_files(source)
-        target = LlamaModel.from_state_dict(tcfg, tstate, dtype=dtype, weight_format=config.weight_format,
-                                            gguf_path=source.path if source.kind == "gguf" else None)
+        target, tcfg, tokenizer = load_model(config.model, config)
         draft, vocab_limit = None, None
         if config.draft_model:
             from verispec.spec.compat import check_pair
-            dsource = resolve_model(config.draft_model)
-            dcfg, dstate, dtok = load_model_files(dsource)
+            draft, dcfg, dtok = load_model(config.draft_model, config)
             verdict = check_pair(tokenizer, dtok, tcfg, dcfg)
             if not verdict.ok:
                 raise ValueError(f"draft model {config.draft_model!r} cannot draft for "
                                  f"{config.model!r}: {verdict.reason}")
-            draft = LlamaModel.from_state_dict(dcfg, dstate, dtype=dtype, weight_format=config.weight_format,
-                                               gguf_path=dsource.path if dsource.kind == "gguf" else None)
             vocab_limit = verdict.shared_vocab_size
         return cls(config, target, tokenizer, draft, vocab_limit)
 
@@ -374,6 +366,34 @@ class LLMEngine:
     def _output(self, req: Request, new_ids: list[int], new_text: str) -> RequestOutput:
         return RequestOutput(req.request_id, req.prompt_ids, list(req.output_ids), new_ids, req.text,
                              new_text, req.finished, req.finish_reason, req.stats, req.error)
+
+
+def load_model(spec: str, config: EngineConfig):
+    """(model, ModelConfig, Tokenizer) for a model spec, in the config's dtype and format.
+
+    Warm starts of a GGUF model in bf16 / dense skip reading the float32 conversion and
+    re-fusing it: the runtime weights (fused, converted) are saved once next to the
+    converted GGUF (`runtime-bfloat16.safetensors`) and loaded directly afterwards.
+    """
+    from safetensors.torch import load_file, save_file
+
+    from verispec.model.loader import cache_dir_for, load_config_and_tokenizer, load_model_files, resolve_model
+    source = resolve_model(spec)
+    gguf_path = source.path if source.kind == "gguf" else None
+    runtime = None
+    if gguf_path is not None and config.weight_format == "dense" and config.dtype == "bfloat16":
+        runtime = cache_dir_for(gguf_path) / f"runtime-{config.dtype}-v1.safetensors"
+    if runtime is not None and runtime.exists():
+        mcfg, tokenizer = load_config_and_tokenizer(source)
+        return LlamaModel.from_fused_state(mcfg, load_file(str(runtime))), mcfg, tokenizer
+    mcfg, state, tokenizer = load_model_files(source)
+    model = LlamaModel.from_state_dict(mcfg, state, dtype=getattr(torch, config.dtype),
+                                       weight_format=config.weight_format, gguf_path=gguf_path)
+    if runtime is not None:
+        tmp = runtime.with_suffix(".tmp")
+        save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(tmp))
+        tmp.replace(runtime)  # atomic: a crash never leaves a half-written cache
+    return model, mcfg, tokenizer
 
 
 class _History:

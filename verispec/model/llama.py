@@ -224,6 +224,17 @@ class LlamaModel(nn.Module):
         model.weight_format = fmt
         return model.eval()
 
+    @classmethod
+    def from_fused_state(cls, cfg: ModelConfig, state: dict[str, torch.Tensor]) -> "LlamaModel":
+        """A dense model from its own state_dict (already fused and converted): the fast
+        path for warm starts, see `verispec.engine.engine.load_model`."""
+        with torch.device("meta"), _skip_init():
+            model = cls(cfg)
+        model.load_state_dict(state, strict=True, assign=True)
+        model.rotary = Rotary(cfg).to(state["embed_tokens.weight"].device)
+        model.weight_format = "dense"
+        return model.eval()
+
 
 # Linear layers a quantized weight format replaces (the last name component).
 _QUANTIZED_LINEARS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
