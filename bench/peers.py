@@ -8,8 +8,9 @@ Contenders, run ALTERNATELY per prompt (the order rotates) so machine noise hits
   transformers     `generate` on the same GGUF (dequantized, --hf-dtype), plain and with
                    `prompt_lookup_num_tokens`
   llama.cpp        (only with --llama-server PATH) llama-server on the same GGUF: plain, and
-                   each `--spec-type` n-gram mode; n-gram modes keep state across requests,
-                   so every measured request gets a fresh server
+                   each `--spec-type` n-gram mode with llama.cpp's defaults; n-gram modes keep
+                   state across requests and an idle server's threads poll for work, so every
+                   request gets a fresh server (its tokens/s are the server's own timings)
 
 Every request is greedy, batch 1, the same chat-templated token ids, the same max tokens,
 the same number of threads. Reported per contender: median decode tokens/s (tokens after
@@ -108,14 +109,14 @@ class Transformers:
 class LlamaServer:
     """llama-server on a free port; `mode` None = plain, else a --spec-type n-gram mode."""
 
-    def __init__(self, binary: Path, gguf: Path, threads: int, mode: str | None, draft_max: int = 8):
+    def __init__(self, binary: Path, gguf: Path, threads: int, mode: str | None):
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             self.port = s.getsockname()[1]
         cmd = [str(binary), "-m", str(gguf), "--port", str(self.port), "--host", "127.0.0.1",
                "-t", str(threads), "-tb", str(threads), "-c", "4096", "-np", "1", "--no-webui"]
-        if mode:
-            cmd += ["--spec-type", mode, "--draft-max", str(draft_max)]
+        if mode:  # each mode with llama.cpp's own defaults (draft sizes, n-gram lengths)
+            cmd += ["--spec-type", mode]
         self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         deadline = time.time() + 60
         while time.time() < deadline:
@@ -164,17 +165,16 @@ def build_contenders(args, gguf: Path, verispec: Verispec) -> dict:
         out["transformers-plain"] = lambda ids: hf.run(ids, mt, None)
         out[f"transformers-lookup{args.hf_lookup}"] = lambda ids: hf.run(ids, mt, args.hf_lookup)
     if args.llama_server:
-        plain = LlamaServer(args.llama_server, gguf, args.threads, None)
-        out["llama.cpp-plain"] = lambda ids: plain.run(ids, mt)
-        for mode in args.llama_modes.split(","):
-            def fresh(ids, mode=mode):  # n-gram state persists across requests: a new server each time
+        # A fresh server for every request: n-gram modes keep state across requests, and an
+        # idle llama-server's threads poll for work, which would slow the other contenders.
+        for mode in [None] + args.llama_modes.split(","):
+            def fresh(ids, mode=mode):
                 server = LlamaServer(args.llama_server, gguf, args.threads, mode)
                 try:
                     return server.run(ids, mt)
                 finally:
                     server.close()
-            out[f"llama.cpp-{mode}"] = fresh
-        out["_close"] = plain.close
+            out[f"llama.cpp-{mode or 'plain'}"] = fresh
     return out
 
 
@@ -220,7 +220,6 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit("peers.py compares engines on one GGUF file; give a registry name or a .gguf")
     verispec = Verispec(args.model, args.weight_format)
     contenders = build_contenders(args, source.path, verispec)
-    close = contenders.pop("_close", None)
     prompts, warm = chat_prompts(verispec.engine.tokenizer, args.prompts, args.seed)
     for w in warm[:1]:
         for fn in contenders.values():
@@ -230,17 +229,13 @@ def main(argv: list[str] | None = None) -> int:
     load_before = load_average()
     names = list(contenders)
     records = {n: [] for n in names}
-    try:
-        for i, p in enumerate(prompts):
-            order = names[i % len(names):] + names[: i % len(names)]
-            for n in order:
-                r = contenders[n](p["token_ids"])
-                records[n].append({"dataset": p["dataset"], "prompt_id": p["prompt_id"],
-                                   "num_prompt_tokens": len(p["token_ids"]), **r})
-            print(f"prompt {i + 1}/{len(prompts)} done (load {load_average():.2f})", flush=True)
-    finally:
-        if close:
-            close()
+    for i, p in enumerate(prompts):
+        order = names[i % len(names):] + names[: i % len(names)]
+        for n in order:
+            r = contenders[n](p["token_ids"])
+            records[n].append({"dataset": p["dataset"], "prompt_id": p["prompt_id"],
+                               "num_prompt_tokens": len(p["token_ids"]), **r})
+        print(f"prompt {i + 1}/{len(prompts)} done (load {load_average():.2f})", flush=True)
     table = summarize(records)
     result = {"script": "bench/peers.py", "argv": sys.argv[1:], "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
               "model": args.model, "gguf": str(source.path), "threads": args.threads,

@@ -191,15 +191,20 @@ def main(argv: list[str] | None = None) -> int:
 
     waited = wait_for_quiet(args.max_load, args.wait_s)
     load_before = load_average()
-    bandwidth = memory_bandwidth(args.threads)
+    # Two buffer sizes: 512 MiB streams from DRAM; a buffer the size of one step's weights may
+    # stay in a large L3 (this machine's is 260 MiB), which is what decoding re-reads each step.
+    step_mib = max(16, int(bytes_per_step(model, 256)["total_bytes"] / 2 ** 20))
+    bandwidth = {"dram": memory_bandwidth(args.threads), "step_sized": memory_bandwidth(args.threads, step_mib)}
     records = measure(engine, prompts, warm, args.max_tokens)
-    bandwidth_after = memory_bandwidth(args.threads)
+    bandwidth_after = {"dram": memory_bandwidth(args.threads), "step_sized": memory_bandwidth(args.threads, step_mib)}
     load_after = load_average()
 
     summary = {m: summarize(r) for m, r in records.items()}
     ctx = int(summary["plain"]["mean_context_len"])
     step = bytes_per_step(model, ctx)
-    bw = statistics.mean([bandwidth["read_gbps"], bandwidth_after["read_gbps"]]) * 1e9
+    per_kind = {kind: statistics.mean([bandwidth[kind]["read_gbps"], bandwidth_after[kind]["read_gbps"]]) * 1e9
+                for kind in bandwidth}
+    bw = max(per_kind.values())  # the higher ceiling: never flatter our fraction of it
     roof = bw / step["total_bytes"]
     plain = summary["plain"]["pooled_decode_tokens_per_s"]
     spec = summary["ngram-adaptive"]["pooled_decode_tokens_per_s"]
@@ -208,7 +213,8 @@ def main(argv: list[str] | None = None) -> int:
         "config": replace(config).to_dict(), "resolved_weight_format": model.weight_format,
         "threads": args.threads, "machine": machine_info(), "software": software_versions(), "git": git_info(),
         "load_average": {"before": load_before, "after": load_after, "waited_s": waited},
-        "bandwidth": {"before": bandwidth, "after": bandwidth_after},
+        "bandwidth": {"before": bandwidth, "after": bandwidth_after, "step_sized_mib": step_mib,
+                      "used_gbps": bw / 1e9, "read_gbps_by_kind": {k: v / 1e9 for k, v in per_kind.items()}},
         "bytes_per_step": step, "context_len_for_kv": ctx,
         "roofline_tokens_per_s": roof,
         "plain": summary["plain"], "speculative": summary["ngram-adaptive"],
@@ -221,7 +227,8 @@ def main(argv: list[str] | None = None) -> int:
     out.write_text(json.dumps(result, indent=1))
     print(f"model {args.model}  weight format {model.weight_format}  threads {args.threads}  "
           f"load {load_before:.2f} -> {load_after:.2f}")
-    print(f"bandwidth (streaming read): {bw / 1e9:.1f} GB/s   (copy {bandwidth['copy_gbps']:.1f} GB/s)")
+    print(f"bandwidth (streaming read, {args.threads} threads): DRAM {per_kind['dram'] / 1e9:.1f} GB/s, "
+          f"{step_mib} MiB buffer {per_kind['step_sized'] / 1e9:.1f} GB/s -> roofline uses {bw / 1e9:.1f} GB/s")
     print(f"bytes per decode step: {step['total_bytes'] / 1e6:.1f} MB  (linear layers {step['linear_bytes'] / 1e6:.1f}, "
           f"of which LM head {step['head_bytes_included'] / 1e6:.1f}; KV at {ctx} tokens {step['kv_bytes'] / 1e6:.1f})")
     print(f"roofline: {roof:.1f} tokens/s")
