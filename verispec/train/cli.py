@@ -168,6 +168,9 @@ def _target_files(target: str):
     from verispec.model.loader import ensure_cached, load_model_files, resolve_model
     source = resolve_model(target)
     tcfg, tstate, tokenizer = load_model_files(source)
+    # HF names only: the GGUF cache folder may also hold the engine's fused runtime-weights
+    # file, which load_model_files (it reads every *.safetensors there) merges in.
+    tstate = {k: v for k, v in tstate.items() if k.startswith("model.") or k == "lm_head.weight"}
     return tcfg, tstate, tokenizer, (ensure_cached(source) if source.kind == "gguf" else source.path)
 
 

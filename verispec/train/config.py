@@ -1,4 +1,8 @@
-"""Frozen configuration of each pipeline stage; `to_dict()` is stored next to each result."""
+"""Frozen configuration of each pipeline stage; `to_dict()` is stored next to each result.
+
+The defaults are the settings of the registered SmolLM2-135M-Instruct draft, sized so that
+`make draft` (traces + filter + training + export) fits in about an hour on two shared cores.
+"""
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
@@ -15,7 +19,7 @@ class TracesConfig:
 
     target: str = "smollm2-135m-instruct"
     dtype: str = "bfloat16"
-    num_prompts: int = 1024          # training prompts taken from the source (before filtering);
+    num_prompts: int = 256           # training prompts taken from the source (before filtering);
                                      # may change between runs: shards are prefixes of one order
     max_prompt_tokens: int = 256     # longer prompts are skipped (chat template included)
     max_tokens: int = 128            # generated tokens per prompt
@@ -75,15 +79,15 @@ class TrainConfig:
 
     layers: tuple[int, ...] = (0, 1, 29)  # target layers copied into the draft, in order
     train_embeddings: bool = False   # the tied embedding / LM head stays the target's
-    steps: int = 600
-    tokens_per_step: int = 2048      # supervised (generated) tokens per optimiser step, about
+    steps: int = 70
+    tokens_per_step: int = 1024      # supervised (generated) tokens per optimiser step, about
     max_seq_len: int = 384           # prompt + output tokens per example (longer: prompt cut)
-    lr: float = 5e-4
-    warmup_steps: int = 20
+    lr: float = 1e-3
+    warmup_steps: int = 5
     weight_decay: float = 0.0
     ce_weight: float = 0.2           # weight of CE on the sampled token next to the top-k KL
-    checkpoint_every: int = 50
-    eval_every: int = 50
+    checkpoint_every: int = 10
+    eval_every: int = 10
     seed: int = 0
 
     def __post_init__(self):
