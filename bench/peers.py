@@ -10,7 +10,8 @@ Contenders, run ALTERNATELY per prompt (the order rotates) so machine noise hits
   llama.cpp        (only with --llama-server PATH) llama-server on the same GGUF: plain, and
                    each `--spec-type` n-gram mode with llama.cpp's defaults; n-gram modes keep
                    state across requests and an idle server's threads poll for work, so every
-                   request gets a fresh server (its tokens/s are the server's own timings)
+                   request gets a fresh server, warmed by one 1-token request of 8 arbitrary
+                   token ids (its tokens/s are the server's own timings)
 
 Every request is greedy, batch 1, the same chat-templated token ids, the same max tokens,
 the same number of threads. Reported per contender: median decode tokens/s (tokens after
@@ -49,6 +50,7 @@ from verispec.engine.engine import LLMEngine, SpecOverride  # noqa: E402
 from verispec.model.loader import resolve_model  # noqa: E402
 
 LLAMA_NGRAM_MODES = ("ngram-simple", "ngram-map-k", "ngram-mod", "ngram-cache")
+WARMUP_IDS = [1, 2, 3, 4, 5, 6, 7, 8]  # one token from 8 arbitrary ids warms a fresh llama-server
 
 
 # --- verispec ------------------------------------------------------------------------------------
@@ -171,6 +173,7 @@ def build_contenders(args, gguf: Path, verispec: Verispec) -> dict:
             def fresh(ids, mode=mode):
                 server = LlamaServer(args.llama_server, gguf, args.threads, mode)
                 try:
+                    server.run(WARMUP_IDS, 1)  # a fresh process's first decode is cold
                     return server.run(ids, mt)
                 finally:
                     server.close()

@@ -220,5 +220,6 @@ def run_gate_cli(args, work: Path) -> int:
     out.parent.mkdir(parents=True, exist_ok=True)
     write_json(out, {"config": asdict(cfg), "engine": config.to_dict(), "draft": draft,
                      "threads": torch.get_num_threads(), "load_at_start": load,
-                     "results": [asdict(r) for r in results], "verdict": verdict, "table": table})
+                     "results": [asdict(r) for r in results], "verdict": verdict, "table": table,
+                     "controller": engine.controller.snapshot()})  # measured verify / draft costs
     return 0 if ok else 1
