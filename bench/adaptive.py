@@ -97,7 +97,8 @@ def run_cell(models, configs: dict[str, EngineConfig], task: str, c: int, cell_i
         del engine
         r = runs[name]
         print(f"[adaptive] {task:13s} C={c:2d} {name:8s} {r.tokens:5d} tok {r.seconds:7.1f} s "
-              f"{r.tokens_per_s:7.2f} tok/s acc={_fmt(r.acceptance)} load={common.load_average():.2f}",
+              f"{r.tokens_per_s:7.2f} tok/s acc={_fmt(r.acceptance)} load={common.load_average():.2f} "
+              f"others={_fmt(r.others_cpu_share)}",
               file=sys.stderr, flush=True)
     return _cell_result(runs, task, c, measured, warm, sources, order)
 
@@ -117,6 +118,7 @@ def _cell_result(runs, task, c, measured, warm, sources, order) -> dict:
         "tokens_per_s": rate, "best_fixed": best_fixed,
         "adaptive_vs_best_fixed": vs_best, "adaptive_vs_plain": vs_plain,
         "meets_target": vs_best >= TARGET and vs_plain >= TARGET,
+        "max_others_cpu_share": max(r.others_cpu_share or 0.0 for r in runs.values()),
         "adaptive_mean_k": sum(k * n for k, n in enumerate(hist)) / sum(hist) if sum(hist) else None,
         "contenders": {name: {**r.summary(), "identical_to_plain": common.same_outputs(r, runs["plain"])}
                        for name, r in runs.items()},
@@ -147,9 +149,11 @@ def table(cells: list[dict], pooled: list[dict]) -> str:
         miss += [] if cell["adaptive_vs_plain"] >= TARGET else ["plain"]
         rows.append([cell["task"], cell["concurrency"], *[cell["tokens_per_s"][n] for n in names],
                      cell["best_fixed"], cell["adaptive_vs_best_fixed"], cell["adaptive_vs_plain"],
-                     acc, cell.get("adaptive_mean_k"), "MISS " + ", ".join(miss) if miss else "ok"])
+                     acc, cell.get("adaptive_mean_k"), "MISS " + ", ".join(miss) if miss else "ok",
+                     cell.get("max_others_cpu_share")])
     headers = ["task", "C", *[f"{n} tok/s" for n in names], "best fixed", "adaptive / best fixed",
-               "adaptive / plain", "adaptive acceptance", "adaptive mean k", "target 0.97"]
+               "adaptive / plain", "adaptive acceptance", "adaptive mean k", "target 0.97",
+               "others' CPU (max)"]
     return common.markdown_table(headers, rows)
 
 

@@ -143,24 +143,27 @@ def run_concurrency(models, configs: dict[str, EngineConfig], c: int, args) -> d
     blocks = [measured[i: i + size] for i in range(0, len(measured), size)]
     turns: dict[str, list[TurnResult]] = {n: [] for n in engines}
     counters: dict[str, list[int]] = {n: [0, 0] for n in engines}
+    others = {n: 0.0 for n in engines}  # most of the cores other processes took in a block
     names = list(engines)
     for b, block in enumerate(blocks):
         for name in names[b % 2:] + names[: b % 2]:
             eng = engines[name]
             h0, q0 = eng.kv.hit_tokens, eng.kv.query_tokens
+            cpu0 = common.cpu_sample()
             res = run_conversations(eng, logs[name], block, c, params, f"{name}-c{c}-b{b}")
+            others[name] = max(others[name], common.others_cpu_share(cpu0, common.cpu_sample()) or 0.0)
             counters[name][0] += eng.kv.hit_tokens - h0
             counters[name][1] += eng.kv.query_tokens - q0
             turns[name].extend(res)
             t2 = [r for r in res if r.turn == 2]
             print(f"[prefix] C={c} block {b} {name:9s} turn-2 hits {sum(r.hit_tokens for r in t2)}/"
                   f"{sum(r.prompt_tokens for r in t2)} mean TTFT2 {statistics.mean(r.ttft_s for r in t2):.3f} s "
-                  f"load={common.load_average():.2f}", file=sys.stderr, flush=True)
+                  f"load={common.load_average():.2f} others={others[name]:.2f}", file=sys.stderr, flush=True)
     del engines
-    return _summarise(turns, counters, c, measured, warm, sources)
+    return _summarise(turns, counters, others, c, measured, warm, sources)
 
 
-def _summarise(turns, counters, c, measured, warm, sources) -> dict:
+def _summarise(turns, counters, others, c, measured, warm, sources) -> dict:
     out = {"concurrency": c, "conversation_ids": [p.prompt_id for p in measured],
            "warmup_conversation_ids": [p.prompt_id for p in warm], "datasets": sources, "engines": {}}
     for name, res in turns.items():
@@ -179,6 +182,7 @@ def _summarise(turns, counters, c, measured, warm, sources) -> dict:
                 "mean_ttft_s": statistics.mean(ttft), "median_ttft_s": statistics.median(ttft),
                 "ttft_s": ttft, "readmissions": sum(r.lookups - 1 for r in rs)}
         out["engines"][name] = {"kv_hit_tokens": hit, "kv_query_tokens": query,
+                                "max_others_cpu_share": others[name],
                                 "kv_hit_rate": hit / query if query else None, **per_turn,
                                 "answers": {f"{r.conversation}/t{r.turn}": r.token_ids for r in res}}
     on, off = out["engines"]["cache-on"], out["engines"]["cache-off"]
@@ -198,10 +202,10 @@ def table(results: list[dict]) -> str:
             rows.append([res["concurrency"], name, f"{e['kv_hit_tokens']}/{e['kv_query_tokens']}",
                          e["kv_hit_rate"], t1["hit_rate"], t2["hit_rate"],
                          f"{t2['hit_tokens']}/{t2['shared_prefix_tokens']}",
-                         t1["mean_ttft_s"], t2["mean_ttft_s"], t2["median_ttft_s"]])
+                         t1["mean_ttft_s"], t2["mean_ttft_s"], t2["median_ttft_s"], e["max_others_cpu_share"]])
     return common.markdown_table(["C", "engine", "kv hit/query tokens", "hit rate", "turn-1 hit rate",
                                   "turn-2 hit rate", "turn-2 hits/shared prefix", "turn-1 TTFT s (mean)",
-                                  "turn-2 TTFT s (mean)", "turn-2 TTFT s (median)"], rows)
+                                  "turn-2 TTFT s (mean)", "turn-2 TTFT s (median)", "others' CPU (max)"], rows)
 
 
 def main(argv=None) -> int:

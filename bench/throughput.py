@@ -94,7 +94,8 @@ def run_concurrency(models, configs: dict[str, EngineConfig], c: int, n_prompts:
             run = common.run_closed_loop(engines[name], block, c, params, f"{name}-c{c}-b{b}")
             runs[name].append(run)
             print(f"[throughput] C={c} block {b} {name:15s} {run.tokens:5d} tok {run.seconds:7.1f} s "
-                  f"{run.tokens_per_s:6.2f} tok/s acc={_fmt(run.acceptance)} load={common.load_average():.2f}",
+                  f"{run.tokens_per_s:6.2f} tok/s acc={_fmt(run.acceptance)} load={common.load_average():.2f} "
+                  f"others={_fmt(run.others_cpu_share)}",
                   file=sys.stderr, flush=True)
     del engines
     return _summarise(runs, names[0], warm_s, measured, warm, sources, c)
@@ -118,6 +119,7 @@ def _summarise(runs, baseline: str, warm_s, measured, warm, sources, c: int) -> 
             "acceptance": accepted / drafted if drafted else None, "drafted": drafted, "accepted": accepted,
             "mean_in_flight": sum(r.mean_in_flight * r.seconds for r in blocks) / seconds,
             "block_tokens_per_s": [r.tokens_per_s for r in blocks],
+            "max_others_cpu_share": max(r.others_cpu_share or 0.0 for r in blocks),
             "identical_to_" + baseline: {"identical": sum(e["identical"] for e in equal),
                                          "compared": sum(e["compared"] for e in equal)},
             "warmup_s": warm_s[name],
@@ -134,9 +136,10 @@ def table(results: list[dict], baseline: str) -> str:
             same = r["identical_to_" + baseline]
             rows.append([res["concurrency"], name, r["tokens"], round(r["seconds"], 1), r["tokens_per_s"],
                          r["acceptance"], r["speedup_vs_" + baseline], round(r["mean_in_flight"], 1),
-                         f"{same['identical']}/{same['compared']}"])
+                         f"{same['identical']}/{same['compared']}", r["max_others_cpu_share"]])
     return common.markdown_table(["C", "contender", "tokens", "seconds", "tok/s", "acceptance",
-                                  f"speedup vs {baseline}", "mean in flight", f"same as {baseline}"], rows)
+                                  f"speedup vs {baseline}", "mean in flight", f"same as {baseline}",
+                                  "others' CPU share (max)"], rows)
 
 
 def _fmt(x):
