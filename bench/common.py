@@ -21,6 +21,7 @@ import gc
 import hashlib
 import json
 import os
+import random
 import subprocess
 import sys
 import time
@@ -300,15 +301,20 @@ def wait_for_quiet(max_load: float, max_wait_s: float, poll_s: float = 20.0,
     """Sleep until the 1-minute load average is under `max_load` and, over a `sample_s`
     window, other processes use under `max_others` of the cores (at most `max_wait_s`)."""
     t0 = time.monotonic()
-    history = []
+    history, streak = [], 0
     while True:
         before = cpu_sample()
         time.sleep(sample_s)
         share = others_cpu_share(before, cpu_sample())
         history.append((round(load_average(), 2), round(share or 0.0, 3)))
         quiet = history[-1][0] < max_load and history[-1][1] < max_others
-        if quiet or time.monotonic() - t0 >= max_wait_s:
+        streak = streak + 1 if quiet else 0
+        if streak >= 2 or (streak == 0 and time.monotonic() - t0 >= max_wait_s):
             break
+        if quiet:
+            # Quiet twice, a random pause apart: two waiting benchmarks rarely start together.
+            time.sleep(random.uniform(5.0, 25.0))
+            continue
         print(f"[bench] load average {history[-1][0]:.2f} (limit {max_load}), others' CPU share "
               f"{history[-1][1]:.2f} (limit {max_others}): waiting", file=sys.stderr, flush=True)
         time.sleep(poll_s)
