@@ -17,7 +17,7 @@ def test_second_load_uses_the_runtime_cache_and_gives_identical_weights(tmp_path
     monkeypatch.setenv("VERISPEC_CACHE", str(tmp_path))
     config = EngineConfig(dtype="bfloat16")
     first, _, tok = load_model(config.model, config)       # converts the GGUF, writes the runtime file
-    runtime = list(tmp_path.rglob("runtime-bfloat16-*.safetensors"))
+    runtime = list(tmp_path.rglob("runtime/bfloat16-*.safetensors"))
     assert len(runtime) == 1
     stamp = runtime[0].stat().st_mtime_ns
     second, _, _ = load_model(config.model, config)        # must read it, not rebuild it

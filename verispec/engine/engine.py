@@ -382,7 +382,8 @@ def load_model(spec: str, config: EngineConfig):
     gguf_path = source.path if source.kind == "gguf" else None
     runtime = None
     if gguf_path is not None and config.weight_format == "dense" and config.dtype == "bfloat16":
-        runtime = cache_dir_for(gguf_path) / f"runtime-{config.dtype}-v1.safetensors"
+        # A subfolder: the loader reads every *.safetensors beside model.safetensors.
+        runtime = cache_dir_for(gguf_path) / "runtime" / f"{config.dtype}-v1.safetensors"
     if runtime is not None and runtime.exists():
         mcfg, tokenizer = load_config_and_tokenizer(source)
         return LlamaModel.from_fused_state(mcfg, load_file(str(runtime))), mcfg, tokenizer
@@ -390,6 +391,7 @@ def load_model(spec: str, config: EngineConfig):
     model = LlamaModel.from_state_dict(mcfg, state, dtype=getattr(torch, config.dtype),
                                        weight_format=config.weight_format, gguf_path=gguf_path)
     if runtime is not None:
+        runtime.parent.mkdir(exist_ok=True)
         tmp = runtime.with_suffix(".tmp")
         save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(tmp))
         tmp.replace(runtime)  # atomic: a crash never leaves a half-written cache
