@@ -90,9 +90,20 @@ SAMPLER_BUGS = {
 }
 
 
+def _greedy_through(sampler):
+    """The engine's all-greedy path (`greedy_verify`) carrying the same bug: the argmaxes as
+    one-hot distributions through the broken sampler."""
+    def greedy_verify(target_argmax, draft_tokens, num_draft):
+        vocab = int(max(target_argmax.max(), draft_tokens.max())) + 1
+        p = torch.nn.functional.one_hot(target_argmax, vocab).float()
+        return sampler(p, draft_tokens, None, num_draft)
+    return greedy_verify
+
+
 def inject(monkeypatch, bug: str, top_p: float = 1.0) -> None:
     if bug in SAMPLER_BUGS:
         monkeypatch.setattr(engine_mod, "rejection_sample", SAMPLER_BUGS[bug])
+        monkeypatch.setattr(engine_mod, "greedy_verify", _greedy_through(SAMPLER_BUGS[bug]))
     elif bug == "top_p_on_target_only":
         top_p_on_target_only(monkeypatch, top_p)
     elif bug == "stale_draft_kv":

@@ -356,6 +356,50 @@ def test_one_hot_q_none_equals_an_explicit_one_hot_q():
         assert torch.equal(a, b)
 
 
+def _greedy_cases(seed: int, batch: int = 2000, k: int = 4):
+    """Greedy verify inputs that exercise every branch: ties in the logits (integer-valued),
+    drafts that match the argmax at random depths, ragged counts including 0, and a draft q."""
+    gen = torch.Generator().manual_seed(seed)
+    logits = torch.randint(0, 3, (batch, k + 1, VOCAB), generator=gen).float()   # many ties
+    argmax = logits.argmax(dim=-1)                                                # (B, K+1)
+    wrong = (argmax[:, :k] + torch.randint(1, VOCAB, (batch, k), generator=gen)) % VOCAB
+    depth = torch.randint(0, k + 1, (batch,), generator=gen)                      # matching prefix
+    drafts = torch.where(torch.arange(k)[None, :] < depth[:, None], argmax[:, :k], wrong)
+    counts = torch.randint(0, k + 1, (batch,), generator=gen)
+    q = torch.softmax(torch.randn(batch, k, VOCAB, generator=gen), dim=-1)
+    return logits, drafts, counts, q
+
+
+def _sampler_result(logits, drafts, counts, q, seed):
+    p = to_probs(logits, SamplingParams(temperature=0.0))                          # one-hot p
+    return rejection_sample(p, drafts, q, counts, shared_generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.mark.parametrize("with_q", [False, True])
+def test_greedy_verify_equals_the_sampler_on_one_hot_distributions(with_q):
+    """The engine's all-greedy path (argmaxes only) returns what the general sampler does."""
+    logits, drafts, counts, q = _greedy_cases(11)
+    fast = rejection.greedy_verify(logits.argmax(dim=-1), drafts, counts)
+    for seed in (0, 1):  # the general path draws noise; greedy rows must ignore it
+        slow = _sampler_result(logits, drafts, counts, q if with_q else None, seed)
+        for a, b in zip(fast, slow):
+            assert torch.equal(a, b)
+    assert 0 < int((fast.accepted_len < counts).sum()) < len(counts)  # rejections and full accepts
+
+
+def test_greedy_verify_check_catches_an_off_by_one():
+    """Negative: a greedy path that also accepts the first mismatching draft is caught."""
+    logits, drafts, counts, q = _greedy_cases(12)
+    argmax = logits.argmax(dim=-1)
+    fast = rejection.greedy_verify(argmax, drafts, counts)
+    k = drafts.shape[1]
+    broken_len = torch.minimum(fast.accepted_len + 1, counts)                      # accepts one too many
+    broken = rejection._assemble(torch.where(torch.arange(k)[None, :] < counts[:, None], drafts, 0), broken_len,
+                                 argmax.gather(1, broken_len[:, None])[:, 0])
+    slow = _sampler_result(logits, drafts, counts, None, 0)
+    assert not all(torch.equal(a, b) for a, b in zip(broken, slow))
+
+
 def test_zero_drafts_is_plain_decoding_and_padding_is_ignored():
     gen = torch.Generator().manual_seed(8)
     p = torch.softmax(torch.randn(VOCAB, generator=gen), dim=-1)

@@ -254,6 +254,22 @@ def test_export_round_trips_through_the_loader_with_the_same_logits(trained, tar
     assert torch.allclose(paged, dense, atol=1e-4), (paged - dense).abs().max()
 
 
+def test_spec_draft_without_a_draft_model_uses_the_registered_draft(trained, target, tmp_path, monkeypatch):
+    from verispec.config import EngineConfig, SpecConfig
+    from verispec.engine.engine import LLMEngine
+    from verispec.train import registry
+
+    monkeypatch.setenv("VERISPEC_CACHE", str(tmp_path / "cache"))
+    write_target_dir(target, tmp_path / "target")
+    monkeypatch.setitem(registry.DRAFTS, str(tmp_path / "target"), "tiny-draft")
+    config = EngineConfig(model=str(tmp_path / "target"), dtype="float32", spec=SpecConfig(method="draft"))
+    with pytest.raises(ModelNotFound, match="make draft"):   # registered, not trained yet
+        LLMEngine.from_config(config)
+    out = export_draft(trained[1], tmp_path / "target", registry.draft_dir(str(tmp_path / "target")), {})
+    engine = LLMEngine.from_config(config)
+    assert engine.config.draft_model == str(out) and engine.drafter is not None
+
+
 def test_registered_draft_is_found_only_once_exported(tmp_path, monkeypatch):
     monkeypatch.setenv("VERISPEC_CACHE", str(tmp_path))
     with pytest.raises(ModelNotFound, match="make draft"):

@@ -1,9 +1,11 @@
 """Warm starts load the runtime weights cached on the first start, bit for bit."""
+import pytest
 import torch
 
 from verispec.config import EngineConfig
 from verispec.engine.engine import load_model
 from verispec.model.attention import AttentionMetadata
+from verispec.model.quant import Int4Linear, RefinedHead
 
 
 def logits(model, ids: list[int]) -> torch.Tensor:
@@ -13,15 +15,30 @@ def logits(model, ids: list[int]) -> torch.Tensor:
     return model(torch.tensor(ids), meta, kv)
 
 
-def test_second_load_uses_the_runtime_cache_and_gives_identical_weights(tmp_path, monkeypatch):
-    monkeypatch.setenv("VERISPEC_CACHE", str(tmp_path))
-    config = EngineConfig(dtype="bfloat16")
+@pytest.fixture(scope="module")
+def cache_dir(tmp_path_factory):
+    """One cache for the module: the GGUF is converted once, each format writes its own file."""
+    return tmp_path_factory.mktemp("cache")
+
+
+@pytest.mark.parametrize("weight_format", ["dense", "auto", "int8"])
+def test_second_load_uses_the_runtime_cache_and_gives_identical_weights(cache_dir, monkeypatch, weight_format):
+    monkeypatch.setenv("VERISPEC_CACHE", str(cache_dir))
+    tmp_path = cache_dir
+    config = EngineConfig(dtype="bfloat16", weight_format=weight_format)
     first, _, tok = load_model(config.model, config)       # converts the GGUF, writes the runtime file
-    runtime = list(tmp_path.rglob("runtime/bfloat16-*.safetensors"))
+    runtime = list(tmp_path.rglob(f"runtime/bfloat16-{weight_format}-*.safetensors"))
     assert len(runtime) == 1
     stamp = runtime[0].stat().st_mtime_ns
     second, _, _ = load_model(config.model, config)        # must read it, not rebuild it
     assert runtime[0].stat().st_mtime_ns == stamp
+    assert second.weight_format == first.weight_format == {"auto": "int4"}.get(weight_format, weight_format)
+    # the same module types, holding identical tensors and attributes
+    assert [type(m) for m in first.modules()] == [type(m) for m in second.modules()]
+    if weight_format != "dense":
+        assert type(second.lm_head) is RefinedHead and second.lm_head.norm_coef == first.lm_head.norm_coef
+    if weight_format == "auto":
+        assert isinstance(second.layers[0].self_attn.qkv_proj, Int4Linear)
     a, b = first.state_dict(), second.state_dict()
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) and a[k].dtype == b[k].dtype for k in a)
     ids = tok.encode("The capital of France is")

@@ -68,9 +68,9 @@ class SchedulerConfig:
 @dataclass(frozen=True)
 class EngineConfig:
     model: str = "smollm2-135m-instruct"
-    draft_model: str | None = None
+    draft_model: str | None = None   # None with spec method "draft": the model's registered draft
     dtype: str = "bfloat16"
-    weight_format: str = "dense"     # "dense" (weights in dtype) | "int8" | "int4" | "auto"
+    weight_format: str = "auto"      # "auto" (int4 for a Q4 GGUF, else dense) | "dense" | "int8" | "int4"
     threads: int | None = None       # torch intra-op threads; None = torch's default (one per core)
     seed: int = 0
     spec: SpecConfig = field(default_factory=SpecConfig)
@@ -86,8 +86,6 @@ class EngineConfig:
             raise ValueError(f"weight_format must be one of {WEIGHT_FORMATS}, got {self.weight_format!r}")
         if self.weight_format in ("int8", "int4") and self.dtype != "bfloat16":
             raise ValueError(f"weight_format {self.weight_format!r} needs dtype bfloat16, got {self.dtype!r}")
-        if self.spec.method == "draft" and not self.draft_model:
-            raise ValueError("spec method 'draft' needs a draft model (--draft-model)")
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -127,8 +125,8 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--draft-model", help="draft model for --spec draft")
     g.add_argument("--dtype", choices=DTYPES)
     g.add_argument("--weight-format", choices=WEIGHT_FORMATS,
-                   help="linear-layer weights: dense (in --dtype, default), int8 / int4 weight-only, "
-                        "or auto (int4 for a Q4_0/Q4_1 GGUF, else dense)")
+                   help="linear-layer weights: auto (default: int4 for a Q4_0/Q4_1 GGUF in bfloat16, "
+                        "else dense), dense (in --dtype), or int8 / int4 weight-only")
     g.add_argument("--spec", choices=SPEC_METHODS, help="speculation method (default ngram)")
     g.add_argument("--num-spec-tokens", type=int, help="k (k_max when adaptive)")
     g.add_argument("--spec-adaptive", action=argparse.BooleanOptionalAction, default=None,

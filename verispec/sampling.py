@@ -2,7 +2,8 @@
 
 `logits_to_probs` is applied identically to the target's and the draft's logits, so the
 rejection sampler compares like with like. Temperature 0 yields a one-hot distribution
-(argmax) that goes through the same rejection sampler: there is no separate greedy path.
+(argmax) that goes through the same rejection sampler; the engine computes the same result
+from argmaxes alone when a whole batch is greedy (`spec.rejection.greedy_verify`).
 """
 from __future__ import annotations
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -31,7 +31,7 @@ from verispec.sampling import SamplingParams, SamplingTensors, make_generator, s
 from verispec.spec.draft_model import DraftModelProposer
 from verispec.spec.controller import AdaptiveController, ControllerConfig
 from verispec.spec.ngram import NgramProposer
-from verispec.spec.rejection import rejection_sample
+from verispec.spec.rejection import RejectionResult, greedy_verify, rejection_sample
 
 log = logging.getLogger("verispec")
 
@@ -88,6 +88,11 @@ class LLMEngine:
     def from_config(cls, config: EngineConfig) -> "LLMEngine":
         if config.threads is not None:
             torch.set_num_threads(config.threads)
+        if config.spec.method == "draft" and not config.draft_model:
+            # The trained draft registered for this model (`make draft`); ModelNotFound says how
+            # to make it. The engine's config names the directory it resolved to.
+            from verispec.train.registry import registered_draft
+            config = replace(config, draft_model=registered_draft(config.model))
         target, tcfg, tokenizer = load_model(config.model, config)
         draft, vocab_limit = None, None
         if config.draft_model:
@@ -170,13 +175,14 @@ class LLMEngine:
 
     # ------------------------------------------------------------------ the step
     def step(self) -> list[RequestOutput]:
+        t0 = time.perf_counter()
         batch = self.scheduler.schedule()
         if batch.empty:
             return []
         rows = batch.decode
         ks = self._choose_k(rows)
         try:
-            drafts = self._propose(rows, ks)
+            drafts, draft_s = self._propose(rows, ks)
             outputs = self._verify_and_commit(batch, rows, drafts)
         except Exception as exc:  # one failed pass fails its rows only, never the others
             log.exception("engine step failed")
@@ -184,6 +190,13 @@ class LLMEngine:
             for req in {*rows, *(c.request for c in batch.prefill)}:
                 req.error = f"internal error: {type(exc).__name__}: {exc}"
                 outputs.append(self._finish(req, "abort", cache=False))
+            return outputs
+        if rows and not batch.prefill:
+            # The round's whole cost but the draft pass (timed on its own): scheduling, n-gram
+            # lookup, the verify forward, sampling, KV bookkeeping and detokenizing all grow
+            # with the batch and the width, and the controller must weigh all of it.
+            width = 1 + max((len(d[0]) for d in drafts.values()), default=0)
+            self.controller.observe_cost("verify", len(rows), width, time.perf_counter() - t0 - draft_s)
         return outputs
 
     def _choose_k(self, rows: list[Request]) -> dict[str, int]:
@@ -192,9 +205,11 @@ class LLMEngine:
         return {r.request_id: min(chosen.get(r.request_id, r.num_spec_tokens), self.scheduler.spec_budget(r))
                 for r in rows}
 
-    def _propose(self, rows: list[Request], ks: dict[str, int]) -> dict[str, tuple[list[int], torch.Tensor | None]]:
-        """Draft tokens (and draft probabilities for the draft model) per request."""
+    def _propose(self, rows: list[Request], ks: dict[str, int]) -> tuple[dict, float]:
+        """Draft tokens (and draft probabilities for the draft model) per request, and the
+        seconds of the draft model's pass (0 without one)."""
         drafts: dict[str, tuple[list[int], torch.Tensor | None]] = {}
+        draft_s = 0.0
         ngram_rows = [r for r in rows if r.spec_method == "ngram" and ks[r.request_id] > 0]
         if ngram_rows:
             d = self.ngram.propose_for([_History(r) for r in ngram_rows], [ks[r.request_id] for r in ngram_rows])
@@ -206,9 +221,9 @@ class LLMEngine:
             t0 = time.perf_counter()
             proposed = self.drafter.propose(draft_rows, [ks[r.request_id] for r in draft_rows])
             drafts.update({r.request_id: d for r, d in zip(draft_rows, proposed)})
-            self.controller.observe_cost("draft", len(rows), max(ks[r.request_id] for r in draft_rows),
-                                         time.perf_counter() - t0)
-        return drafts
+            draft_s = time.perf_counter() - t0
+            self.controller.observe_cost("draft", len(rows), max(ks[r.request_id] for r in draft_rows), draft_s)
+        return drafts, draft_s
 
     def _verify_and_commit(self, batch: ScheduledBatch, rows: list[Request], drafts) -> list[RequestOutput]:
         inputs = []
@@ -228,9 +243,6 @@ class LLMEngine:
         if self.drafter is not None:
             self.drafter.prefill([(c.request, c.start, c.end) for c in batch.prefill])
         logits = self.target.forward(inputs)
-        if not batch.prefill and rows:
-            self.controller.observe_cost("verify", len(rows), max(len(i.token_ids) for i in inputs),
-                                         self.target.last_forward_s)
         outputs = self._after_prefill(batch.prefill, logits[: len(batch.prefill)])
         outputs.extend(self._accept(rows, logits[len(batch.prefill):], drafts))
         return outputs
@@ -258,36 +270,21 @@ class LLMEngine:
     def _accept(self, rows: list[Request], logits: list[torch.Tensor], drafts) -> list[RequestOutput]:
         if not rows:
             return []
-        k_max = max(lg.shape[0] for lg in logits) - 1
-        vocab = logits[0].shape[-1]
-        counts_list = [lg.shape[0] for lg in logits]
-        counts = torch.tensor(counts_list)
-        st = SamplingTensors.from_params([r.params for r in rows], logits[0].device).expand(counts_list)
-        probs_flat = st.to_probs(torch.cat(logits))  # (sum(k_i + 1), V)
-        same_width = all(c == k_max + 1 for c in counts_list)  # e.g. batch 1: a view, no copy
-        target_probs = (probs_flat.view(len(rows), k_max + 1, vocab) if same_width
-                        else torch.zeros(len(rows), k_max + 1, vocab))  # (B, K+1, V)
+        counts = [lg.shape[0] for lg in logits]  # k_i + 1 per row
+        k_max = max(counts) - 1
         draft_tokens = torch.zeros(len(rows), k_max, dtype=torch.long)  # (B, K)
-        has_q = any(drafts.get(r.request_id, (None, None))[1] is not None for r in rows)
-        draft_probs = torch.zeros(len(rows), k_max, vocab) if has_q else None  # (B, K, V)
-        off = 0
         for i, r in enumerate(rows):
-            n = counts_list[i]
-            if not same_width:
-                target_probs[i, :n] = probs_flat[off: off + n]
-            off += n
-            toks, q = drafts.get(r.request_id, ([], None))
+            toks = drafts.get(r.request_id, ([], None))[0]
             if toks:
                 draft_tokens[i, : len(toks)] = torch.tensor(toks)
-                if q is not None:
-                    draft_probs[i, : len(toks)] = q
-                elif draft_probs is not None:  # mixed batch: one-hot q for probability-free rows
-                    draft_probs[i, torch.arange(len(toks)), torch.tensor(toks)] = 1.0
-        result = rejection_sample(target_probs, draft_tokens, draft_probs, [c - 1 for c in counts_list],
-                                  [r.generator for r in rows], shared_generator=self._shared_generator)
+        flat = torch.cat(logits)  # (sum(k_i + 1), V)
+        if all(r.params.greedy for r in rows):  # the same result from argmaxes, no V-wide work
+            result = greedy_verify(_pad_rows(flat.argmax(dim=-1), counts), draft_tokens, [c - 1 for c in counts])
+        else:
+            result = self._rejection_sample(rows, flat, counts, draft_tokens, drafts)
         outputs = []
         for i, r in enumerate(rows):
-            k = int(counts[i]) - 1
+            k = counts[i] - 1
             accepted = int(result.accepted_len[i])
             new = result.output_tokens[i, : int(result.num_output[i])].tolist()
             base = r.num_computed
@@ -302,6 +299,24 @@ class LLMEngine:
             r.stats.target_forwards += 1
             outputs.extend(self._append_tokens(r, new))
         return outputs
+
+    def _rejection_sample(self, rows: list[Request], flat_logits: torch.Tensor, counts: list[int],
+                          draft_tokens: torch.Tensor, drafts) -> RejectionResult:
+        """The general path: every row's distribution from its settings, then the sampler."""
+        st = SamplingTensors.from_params([r.params for r in rows], flat_logits.device).expand(counts)
+        target_probs = _pad_rows(st.to_probs(flat_logits), counts)  # (B, K+1, V)
+        k_max, vocab = draft_tokens.shape[1], flat_logits.shape[-1]
+        has_q = any(drafts.get(r.request_id, (None, None))[1] is not None for r in rows)
+        draft_probs = torch.zeros(len(rows), k_max, vocab) if has_q else None  # (B, K, V)
+        if has_q:
+            for i, r in enumerate(rows):
+                toks, q = drafts.get(r.request_id, ([], None))
+                if q is not None:
+                    draft_probs[i, : len(toks)] = q
+                elif toks:  # mixed batch: one-hot q for probability-free rows
+                    draft_probs[i, torch.arange(len(toks)), torch.tensor(toks)] = 1.0
+        return rejection_sample(target_probs, draft_tokens, draft_probs, [c - 1 for c in counts],
+                                [r.generator for r in rows], shared_generator=self._shared_generator)
 
     def _rollback(self, req: Request, base: int, accepted: int, k: int) -> None:
         """O(1) per row: only the pending token and the accepted drafts stay as context.
@@ -371,31 +386,48 @@ class LLMEngine:
 def load_model(spec: str, config: EngineConfig):
     """(model, ModelConfig, Tokenizer) for a model spec, in the config's dtype and format.
 
-    Warm starts of a GGUF model in bf16 / dense skip reading the float32 conversion and
-    re-fusing it: the runtime weights (fused, converted) are saved once next to the
-    converted GGUF (`runtime/bfloat16-v1.safetensors`) and loaded directly afterwards.
+    Warm starts of a GGUF model in bf16 skip reading the float32 conversion, fusing and
+    quantizing it: the runtime weights (fused, converted, packed for the weight format)
+    are saved once next to the converted GGUF (`runtime/bfloat16-<format>-v2.safetensors`,
+    with what the state dict does not hold in its metadata) and loaded directly afterwards.
     """
-    from safetensors.torch import load_file, save_file
+    from safetensors import safe_open
+    from safetensors.torch import save_file
 
     from verispec.model.loader import cache_dir_for, load_config_and_tokenizer, load_model_files, resolve_model
     source = resolve_model(spec)
     gguf_path = source.path if source.kind == "gguf" else None
     runtime = None
-    if gguf_path is not None and config.weight_format == "dense" and config.dtype == "bfloat16":
+    if gguf_path is not None and config.dtype == "bfloat16":
         # A subfolder: the loader reads every *.safetensors beside model.safetensors.
-        runtime = cache_dir_for(gguf_path) / "runtime" / f"{config.dtype}-v1.safetensors"
+        runtime = cache_dir_for(gguf_path) / "runtime" / f"{config.dtype}-{config.weight_format}-v2.safetensors"
     if runtime is not None and runtime.exists():
         mcfg, tokenizer = load_config_and_tokenizer(source)
-        return LlamaModel.from_fused_state(mcfg, load_file(str(runtime))), mcfg, tokenizer
+        with safe_open(str(runtime), framework="pt") as f:
+            meta, state = f.metadata(), {k: f.get_tensor(k) for k in f.keys()}
+        return LlamaModel.from_runtime_state(mcfg, state, meta), mcfg, tokenizer
     mcfg, state, tokenizer = load_model_files(source)
     model = LlamaModel.from_state_dict(mcfg, state, dtype=getattr(torch, config.dtype),
                                        weight_format=config.weight_format, gguf_path=gguf_path)
     if runtime is not None:
         runtime.parent.mkdir(exist_ok=True)
         tmp = runtime.with_suffix(".tmp")
-        save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(tmp))
+        tensors, meta = model.runtime_state()
+        save_file(tensors, str(tmp), metadata=meta)
         tmp.replace(runtime)  # atomic: a crash never leaves a half-written cache
+        for stale in runtime.parent.glob("*-v1.safetensors"):  # the previous layout's files
+            stale.unlink(missing_ok=True)
     return model, mcfg, tokenizer
+
+
+def _pad_rows(flat: torch.Tensor, counts: list[int]) -> torch.Tensor:
+    """(sum(counts), ...) -> (len(counts), max(counts), ...), rows zero-padded; a view when equal."""
+    width = max(counts)
+    if all(c == width for c in counts):  # e.g. batch 1, or every row at the same k
+        return flat.view(len(counts), width, *flat.shape[1:])
+    out = flat.new_zeros(len(counts), width, *flat.shape[1:])
+    out[torch.arange(width)[None, :] < torch.tensor(counts)[:, None]] = flat
+    return out
 
 
 class _History:

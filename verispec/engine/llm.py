@@ -25,8 +25,8 @@ class LLM:
             config = EngineConfig(model=model, draft_model=draft, dtype=dtype, spec=spec_cfg)
         if engine_options:
             config = replace(config, **engine_options)
-        self.config = config
         self.engine = LLMEngine.from_config(config)
+        self.config = self.engine.config  # resolved (e.g. the registered draft's directory)
         self.tokenizer = self.engine.tokenizer
         self._next_id = 0
 

@@ -6,7 +6,6 @@ target's without a second block manager.
 """
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 
 import torch
@@ -38,7 +37,6 @@ class ModelRunner:
         # embeddings): slice them off so target and draft distributions share one support.
         self.vocab_limit = vocab_limit
         self.device = model.embed_tokens.weight.device
-        self.last_forward_s = 0.0
 
     def slots(self, block_table: list[int], start: int, end: int) -> list[int]:
         bs = self.block_size
@@ -60,10 +58,8 @@ class ModelRunner:
             logits_index.extend(range(offset + r.logits_from, offset + n))
             offset += n
         meta = AttentionMetadata.build(q_lens, ctx_lens, positions, slots, ctx_slots, self.device)
-        t0 = time.perf_counter()
         logits = self.model(torch.tensor(ids, device=self.device), meta, self.kv,
                             torch.tensor(logits_index, dtype=torch.long, device=self.device))  # (N, V)
-        self.last_forward_s = time.perf_counter() - t0
         if self.vocab_limit is not None:
             logits = logits[:, : self.vocab_limit]
         return list(logits.split([len(r.token_ids) - r.logits_from for r in rows]))

@@ -18,7 +18,8 @@ import torch.nn.functional as F
 from verispec.model.attention import AttentionMetadata, KVStore, paged_attention
 from verispec.model.config import ModelConfig
 from verispec.model.quant import (RefinedHead, fuse_int4_groups, gguf_int4_groups, gguf_q8_0_head,
-                                  quantize_model, resolve_weight_format)
+                                  quantize_model, quantized_metadata,
+                                  resolve_weight_format, restore_quantized)
 
 log = logging.getLogger("verispec")
 
@@ -46,7 +47,10 @@ class Rotary(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.head_dim = cfg.head_dim
-        inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, cfg.head_dim, 2, dtype=torch.float64) / cfg.head_dim))
+        # On the CPU even inside the meta-device build (`from_state_dict`): a meta arange
+        # imports torch's reference implementations, 1.3 s of every cold start.
+        steps = torch.arange(0, cfg.head_dim, 2, dtype=torch.float64, device="cpu")
+        inv_freq = 1.0 / (cfg.rope_theta ** (steps / cfg.head_dim))
         scaling = cfg.rope_scaling or {}
         if scaling.get("rope_type", scaling.get("type")) == "llama3":
             inv_freq = _llama3_scale(inv_freq, scaling)
@@ -224,15 +228,25 @@ class LlamaModel(nn.Module):
         model.weight_format = fmt
         return model.eval()
 
+    def runtime_state(self) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+        """(tensors, string metadata) that `from_runtime_state` rebuilds this model from."""
+        meta = {"weight_format": self.weight_format, "dtype": str(self.embed_tokens.weight.dtype),
+                **quantized_metadata(self)}
+        return {k: v.contiguous() for k, v in self.state_dict().items()}, meta
+
     @classmethod
-    def from_fused_state(cls, cfg: ModelConfig, state: dict[str, torch.Tensor]) -> "LlamaModel":
-        """A dense model from its own state_dict (already fused and converted): the fast
+    def from_runtime_state(cls, cfg: ModelConfig, state: dict[str, torch.Tensor],
+                           meta: dict[str, str]) -> "LlamaModel":
+        """A model from its own `runtime_state()` (fused, converted, quantized): the fast
         path for warm starts, see `verispec.engine.engine.load_model`."""
         with torch.device("meta"), _skip_init():
             model = cls(cfg)
+        dtype = getattr(torch, meta["dtype"].removeprefix("torch."))
+        if meta["weight_format"] != "dense":
+            restore_quantized(model, state, meta, dtype)
         model.load_state_dict(state, strict=True, assign=True)
         model.rotary = Rotary(cfg).to(state["embed_tokens.weight"].device)
-        model.weight_format = "dense"
+        model.weight_format = meta["weight_format"]
         return model.eval()
 
 

@@ -193,26 +193,32 @@ class RefinedHead(nn.Module):
 
     max_refined_fraction = 0.125  # with more candidates than this, the whole row is recomputed
 
-    def __init__(self, weight: torch.Tensor, parts: list[nn.Module], approx_weight: torch.Tensor,
-                 part_weights: list[torch.Tensor], dtype: torch.dtype = torch.bfloat16):
+    def __init__(self, weight: torch.Tensor, parts: list[nn.Module], norm_coef: float,
+                 dtype: torch.dtype = torch.bfloat16):
+        """`norm_coef`: B / ||x|| (see `bound_coef`); the constructors below compute it."""
         super().__init__()
         self.register_buffer("weight", weight.float())   # (V, K) float32
         self.parts = nn.ModuleList(parts)
-        k = weight.shape[1]
-        w_norm = float(approx_weight.norm(dim=1).max())
-        self.norm_coef = (2 * 2.0 ** -9 + k * 2.0 ** -24) * w_norm + \
-            float((self.weight - approx_weight).norm(dim=1).max()) + \
-            2.0 ** -9 * sum(float(w.norm(dim=1).max()) for w in part_weights)
+        self.norm_coef = float(norm_coef)
         self.dtype = dtype
         self.out_features, self.in_features = weight.shape
         self.last_num_refined = 0  # logits recomputed by the latest call (for benchmarks)
+
+    @staticmethod
+    def bound_coef(weight: torch.Tensor, approx_weight: torch.Tensor, part_weights: list[torch.Tensor]) -> float:
+        """The class docstring's bound B divided by ||x||: a constant of the weights."""
+        k = weight.shape[1]
+        w_norm = float(approx_weight.norm(dim=1).max())
+        return (2 * 2.0 ** -9 + k * 2.0 ** -24) * w_norm + \
+            float((weight.float() - approx_weight).norm(dim=1).max()) + \
+            2.0 ** -9 * sum(float(w.norm(dim=1).max()) for w in part_weights)
 
     @classmethod
     def int8(cls, weight: torch.Tensor, dtype: torch.dtype = torch.bfloat16) -> "RefinedHead":
         """Approximation: per-row int8 (any head)."""
         q, scales = quantize_int8(weight, dtype)
         approx = q.float() * scales.float()[:, None]
-        return cls(weight, [Int8Linear(q, scales, None)], approx, [approx], dtype)
+        return cls(weight, [Int8Linear(q, scales, None)], cls.bound_coef(weight, approx, [approx]), dtype)
 
     @classmethod
     def q8_0(cls, scale: torch.Tensor, codes: torch.Tensor, dtype: torch.dtype = torch.bfloat16) -> "RefinedHead":
@@ -230,8 +236,8 @@ class RefinedHead(nn.Module):
         rounded = [Int4Groups(g.q, g.scale.to(dtype).float(), g.zero.to(dtype).float()) for g in (high, low)]
         weight = (codes.float().view(*scale.shape, INT4_GROUP) * scale[..., None]).view(codes.shape)
         part_weights = [g.dequantize() for g in rounded]
-        return cls(weight, [make_int4_linear(g, None, dtype) for g in (high, low)],
-                   part_weights[0] + part_weights[1], part_weights, dtype)
+        coef = cls.bound_coef(weight, part_weights[0] + part_weights[1], part_weights)
+        return cls(weight, [make_int4_linear(g, None, dtype) for g in (high, low)], coef, dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x (N, K) float32 -> logits (N, V) float32."""
@@ -361,3 +367,50 @@ def _all_linear_q4(path: Path) -> bool:
     meta = g.read_gguf(path)
     linear = [t for t in meta.tensors if len(t.shape) == 2 and not t.name.startswith(("token_embd", "output."))]
     return bool(linear) and all(t.qtype in (_GGML_Q4_0, _GGML_Q4_1) for t in linear)
+
+
+# --- saving and restoring a quantized model (warm starts) ------------------------------------
+
+def quantized_metadata(model: nn.Module) -> dict[str, str]:
+    """What `model.state_dict()` does not hold about its quantized modules, as strings.
+
+    Saved next to the state dict (safetensors metadata), it lets `restore_quantized`
+    rebuild the modules without recomputing anything from the source weights.
+    """
+    meta = {}
+    for name, mod in model.named_modules():
+        if isinstance(mod, Int4Linear):
+            meta[f"{name}.out_features"] = str(mod.out_features)
+        elif isinstance(mod, RefinedHead):
+            meta[f"{name}.norm_coef"] = repr(mod.norm_coef)
+    return meta
+
+
+def restore_quantized(model: nn.Module, state: dict[str, torch.Tensor], meta: dict[str, str],
+                      dtype: torch.dtype) -> None:
+    """Install the quantized modules a saved state dict describes, in place of the skeleton's.
+
+    The inverse of saving `model.state_dict()` with `quantized_metadata(model)`: every
+    `<layer>.packed` becomes an Int4Linear, every `<layer>.qweight` an Int8Linear, and a
+    head with `parts` a RefinedHead. The model's keys then match `state` exactly, so a
+    strict load_state_dict(state, assign=True) fills the rest.
+    """
+    def linear(prefix: str) -> nn.Module:
+        bias = state.get(f"{prefix}.bias")
+        if f"{prefix}.packed" in state:
+            return Int4Linear(state[f"{prefix}.packed"], state[f"{prefix}.scales_zeros"],
+                              int(meta[f"{prefix}.out_features"]), bias)
+        return Int8Linear(state[f"{prefix}.qweight"], state[f"{prefix}.scales"], bias)
+
+    def install(path: str, module: nn.Module) -> None:
+        parent, _, attr = path.rpartition(".")
+        setattr(model.get_submodule(parent) if parent else model, attr, module)
+
+    layers = {k.rsplit(".", 1)[0] for k in state if k.endswith((".packed", ".qweight"))}
+    heads = {p.split(".parts.")[0] for p in layers if ".parts." in p}
+    for head in sorted(heads):
+        parts = sorted((p for p in layers if p.startswith(f"{head}.parts.")), key=lambda p: int(p.rsplit(".", 1)[1]))
+        install(head, RefinedHead(state[f"{head}.weight"], [linear(p) for p in parts],
+                                  float(meta[f"{head}.norm_coef"]), dtype))
+    for path in sorted(p for p in layers if ".parts." not in p):
+        install(path, linear(path))

@@ -56,8 +56,11 @@ new requests start from what the workload has shown rather than from a constant.
 
 Costs (measured, never assumed)
 -------------------------------
-The engine reports the seconds of every verify pass (keyed by batch size and width) and of
-every draft pass (keyed by batch size and k). Batch sizes are bucketed to the next power of
+The engine reports the seconds of every decode round (keyed by batch size and width): the
+whole step but the draft pass, so scheduling, n-gram lookup, sampling and bookkeeping,
+which grow with the width too, are priced with the verify forward (timing the forward
+alone made k > 0 look cheaper than it is at batch 16); and of every draft pass (keyed by
+batch size and k). Batch sizes are bucketed to the next power of
 two; each (bucket, width) cell is a running mean for its first 1 / cost_ewma samples and
 an EWMA after that, so it tracks drift. The plain-decoding pass (width 1) is a cell like
 any other. An unmeasured cell is estimated from the measured ones

@@ -93,6 +93,33 @@ def rejection_sample(
     return _assemble(draft_tokens, accepted_len, final_token)
 
 
+def greedy_verify(
+    target_argmax: torch.Tensor,               # (B, K + 1) int64 argmax of the target logits per position
+    draft_tokens: torch.Tensor,                # (B, K) int64 proposals; past a row's count: ignored
+    num_draft_tokens: torch.Tensor | Sequence[int],  # (B,) in [0, K]
+) -> RejectionResult:
+    """`rejection_sample` for rows that are all greedy, from argmaxes alone (no V-wide work).
+
+    With one-hot p at t = argmax: a draft d is accepted iff p(d) = 1, i.e. d = t, whatever
+    the uniform and whatever q (u q(d) < p(d) holds iff p(d) = 1 since u < 1, q <= 1); the
+    residual max(0, p - q) at a rejection is one-hot at t (or, with no mass left, p itself,
+    also one-hot at t); the bonus is t at position K. So rows accept their longest prefix
+    of drafts equal to the target's argmaxes and then emit the next argmax: exactly what
+    `rejection_sample` returns on `logits_to_probs` one-hots of the same logits (same
+    argmax, same tie-breaking), which `tests/test_rejection.py` checks against it.
+    No noise is drawn (greedy rows ignore it).
+    """
+    batch, k_max = draft_tokens.shape
+    device = draft_tokens.device
+    num_draft = torch.as_tensor(num_draft_tokens, dtype=torch.int64).to(device, non_blocking=True)
+    valid = torch.arange(k_max, device=device)[None, :] < num_draft[:, None]         # (B, K)
+    draft_tokens = torch.where(valid, draft_tokens, 0)
+    accepted = (draft_tokens == target_argmax[:, :k_max]) & valid                     # (B, K)
+    accepted_len = accepted.to(torch.int64).cumprod(dim=1).sum(dim=1)                 # (B,)
+    final_token = target_argmax.gather(1, accepted_len[:, None])[:, 0]                # (B,)
+    return _assemble(draft_tokens, accepted_len, final_token)
+
+
 def _accept_mask(
     target_probs: torch.Tensor,        # (B, K + 1, V)
     draft_tokens: torch.Tensor,        # (B, K) valid ids everywhere
