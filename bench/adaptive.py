@@ -200,7 +200,7 @@ def main(argv=None) -> int:
                             "num_warmup": args.num_warmup, "warmup_tokens": args.warmup_tokens,
                             "adaptive_k_max": args.adaptive_k_max, "target": TARGET, "quick": args.quick,
                             "model_load_s": models.load_seconds},
-               "engine_configs": {name: cfg.to_dict() for name, cfg in configs.items()},
+               "engine_configs": {name: common.resolved(models, cfg).to_dict() for name, cfg in configs.items()},
                "cells": cells, "pooled": pooled, "cells_missing_target": misses, "table_markdown": text}
     stem = f"adaptive_{'draft' if args.draft_model else 'ngram'}_{args.model}"
     common.write_json(args.out or common.RESULTS_DIR / f"{stem}{'_quick' if args.quick else ''}.json", payload)

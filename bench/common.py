@@ -25,7 +25,7 @@ import random
 import subprocess
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -60,7 +60,7 @@ class Models:
     load_seconds: float = 0.0
 
 
-_LOAD_FIELDS = ("model", "dtype", "weight_format")
+_LOAD_FIELDS = ("model", "dtype", "weight_format", "draft_weight_format")
 
 
 def load_models(config: EngineConfig) -> Models:
@@ -72,6 +72,13 @@ def load_models(config: EngineConfig) -> Models:
                     time.perf_counter() - t0)
     del engine  # its KV pools; the next engines allocate their own
     return models
+
+
+def resolved(models: Models, config: EngineConfig) -> EngineConfig:
+    """`config` as an engine over `models` runs it: "auto" weight formats resolved."""
+    return replace(config, weight_format=models.target.weight_format,
+                   draft_weight_format=models.draft.weight_format if models.draft is not None
+                   else config.draft_weight_format)
 
 
 def make_engine(models: Models, config: EngineConfig) -> LLMEngine:

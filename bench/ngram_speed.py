@@ -120,7 +120,7 @@ def bench_dtype(dtype: str, contenders: list[str], selection, args) -> tuple[lis
             print(f"  {dtype:8s} {m.category:4s} {m.dataset:13s} {m.prompt_id:22.22s} {name:11s} "
                   f"{m.completion_tokens:4d} tok {m.decode_tokens / m.decode_s:6.1f} tok/s"
                   + (f"  accepted {m.accepted}/{m.drafted}" if m.drafted else ""), flush=True)
-    return results, {name: cfg.to_dict() for name, cfg in configs.items()}
+    return results, {name: engines[name].config.to_dict() for name in configs}
 
 
 def summarize(results: list[Measurement], contenders: list[str]) -> list[dict]:

@@ -230,7 +230,7 @@ def main(argv=None) -> int:
                             "num_prompts": args.num_prompts, "blocks": args.blocks,
                             "num_warmup": args.num_warmup, "quick": args.quick,
                             "model_load_s": models.load_seconds},
-               "engine_configs": {name: cfg.to_dict() for name, cfg in configs.items()},
+               "engine_configs": {name: common.resolved(models, cfg).to_dict() for name, cfg in configs.items()},
                "results": results, "table_markdown": text}
     name = "prefix_cache_quick" if args.quick else "prefix_cache"
     common.write_json(args.out or common.RESULTS_DIR / f"{name}.json", payload)

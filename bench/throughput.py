@@ -163,7 +163,7 @@ def main(argv=None) -> int:
                             "num_prompts": args.num_prompts, "blocks": args.blocks,
                             "warmup_tokens": args.warmup_tokens, "datasets": DATASETS, "quick": args.quick,
                             "model_load_s": models.load_seconds},
-               "engine_configs": {name: cfg.to_dict() for name, cfg in configs.items()},
+               "engine_configs": {name: common.resolved(models, cfg).to_dict() for name, cfg in configs.items()},
                "results": results, "table_markdown": text}
     name = "throughput_quick" if args.quick else "throughput"
     common.write_json(args.out or common.RESULTS_DIR / f"{name}.json", payload)

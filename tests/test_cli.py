@@ -58,6 +58,8 @@ def test_json_output_has_every_field_with_consistent_counts(json_runs):
     assert out["completion_tokens"] == len(out["token_ids"]) == MAX_TOKENS and out["finish_reason"] == "length"
     assert out["prompt_tokens"] > 20 and out["text"].strip()
     assert out["ttft_s"] > 0 and out["decode_tokens_per_s"] > 0
+    # the config as run, "auto" weight formats resolved (float32: dense)
+    assert out["config"]["weight_format"] == "dense" and out["config"]["spec"]["method"] == "ngram"
     spec = out["spec"]
     assert spec["num_drafts"] > 0 and 0 < spec["accepted"] <= spec["drafted"], spec
     assert sum(spec["drafted_per_position"]) == spec["drafted"]

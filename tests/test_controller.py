@@ -86,6 +86,13 @@ class IgnoresBatchController(AdaptiveController):
         return super().estimated_cost(kind, 1, tokens_per_row)
 
 
+class IgnoresCoverageController(AdaptiveController):
+    """Bug: every row is assumed to get the k drafts it asks for (coverage ignored)."""
+
+    def observe_acceptance(self, request_id, drafted, accepted, asked=None):
+        super().observe_acceptance(request_id, drafted, accepted)
+
+
 class NoRelaxController(AdaptiveController):
     """Bug: untested rounds are ignored, so a request parked at k = 0 never drafts again."""
 
@@ -182,7 +189,8 @@ def test_assumed_cost_controller_loses_over_2pct_somewhere():
     assert min(ratios.values()) < 0.98, ratios
 
 
-PLAIN_IS_BEST = [sim.SCENARIOS["costly draft a=0.6"], sim.SCENARIOS["ngram a=0.15 b=16"]]
+PLAIN_IS_BEST = [sim.SCENARIOS["costly draft a=0.6"], sim.SCENARIOS["ngram a=0.15 b=16"],
+                 sim.SCENARIOS["ngram a=0.5 coverage=0.25 b=16"]]
 
 
 @pytest.mark.parametrize("scenario", PLAIN_IS_BEST, ids=lambda sc: sc.name)
@@ -196,6 +204,27 @@ def test_assumed_cost_controller_drafts_when_it_should_not():
     sc = sim.SCENARIOS["costly draft a=0.6"]
     ks = run(sc, 0, AssumedCostController).ks
     assert Counter(ks)[0] / len(ks) < 0.9
+
+
+def test_controller_ignoring_coverage_drafts_on_sparse_ngram_matches():
+    sc = sim.SCENARIOS["ngram a=0.5 coverage=0.25 b=16"]
+    ks = run(sc, 0, IgnoresCoverageController).ks
+    assert Counter(ks)[0] / len(ks) < 0.5
+    assert throughput_ratio(IgnoresCoverageController, sc, seeds=range(2)) < 0.9
+
+
+def test_coverage_estimate_tracks_drafted_over_asked():
+    ctl = AdaptiveController()
+    ctl.start("r", "ngram")
+    assert ctl.coverage("r") == 1.0  # optimistic start: drafting is tried before it is written off
+    for i in range(200):
+        ctl.choose_k(["r"], 1)
+        ctl.observe_acceptance("r", 4 if i % 4 == 0 else 0, 2 if i % 4 == 0 else 0, asked=4)
+    assert abs(ctl.coverage("r") - 0.25) < 0.05
+    ctl.start("new", "ngram")  # starts from the workload's coverage, not from 1
+    assert ctl.coverage("new") < 0.6
+    with pytest.raises(ValueError, match="asked must be"):
+        ctl.observe_acceptance("r", 3, 1, asked=2)
 
 
 # ---- a workload that moves ----------------------------------------------------------------
@@ -440,3 +469,19 @@ def test_controller_file_alone_imports_no_torch():
             "mod.AdaptiveController().start('r', 'draft')\n"
             "assert 'torch' not in sys.modules, 'controller.py pulled in torch'\n")
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+@pytest.mark.parametrize("explore_within,probed", [(0.15, False), (1.0, True)])
+def test_exploration_skips_a_neighbour_far_behind(explore_within, probed):
+    """At batch 16 a k = 1 pass that costs 2x a plain one, at acceptance 0.3, yields 0.65x
+    the plain rate: re-measuring it every 1/explore rounds would only lose time."""
+    ctl = AdaptiveController(ControllerConfig(explore_within=explore_within))
+    ids = [f"r{i}" for i in range(16)]
+    for rid in ids:
+        ctl.start(rid, "ngram")
+        for _ in range(20):
+            ctl.observe_acceptance(rid, 4, 1, asked=4)   # alpha ~ 0.3 (1 of ~2 tested)
+    for width, seconds in ((1, 1.0), (2, 2.0), (3, 2.5)):
+        ctl.observe_cost("verify", 16, width, seconds)
+    ks = [ctl.choose_k(ids, 16)["r0"] for _ in range(200)]
+    assert Counter(ks)[0] >= 190 and (any(k > 0 for k in ks) == probed)

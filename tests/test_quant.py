@@ -1,6 +1,7 @@
 """Weight formats: GGUF Q4 blocks -> int4 groups exactly, the packed kernels compute what the
 groups say, the refined LM head keeps float32 greedy choices, int8/int4 models stay close to
 the float32 model."""
+import gguf
 import numpy as np
 import pytest
 import torch
@@ -10,10 +11,9 @@ from test_model import run_rows, tiny_hf_model
 from verispec.config import EngineConfig
 from verispec.model.config import ModelConfig
 from verispec.model.llama import LlamaModel
-from verispec.model.quant import (INT4_GROUP, Int4Groups, RefinedHead, gguf_q4_tensor, make_int4_linear,
-                                  make_int8_linear, quantize_int4, resolve_weight_format)
+from verispec.model.quant import (INT4_GROUP, ApproxHead, Int4Groups, Int4Linear, RefinedHead, gguf_q4_tensor,
+                                  make_int4_linear, make_int8_linear, quantize_int4, resolve_weight_format)
 
-gguf = pytest.importorskip("gguf")
 Q = gguf.GGMLQuantizationType
 
 
@@ -155,6 +155,24 @@ def test_quantized_tiny_model_logits_close_to_float32(fmt):
             assert (got - want).abs().max().item() < tol * scale
 
 
+def test_a_draft_model_defaults_to_int4_with_an_unrefined_head():
+    """A draft's "auto" is int4 in bf16 (no GGUF needed) and its head is an ApproxHead:
+    float32 logits close to the float32 model's, from one int4 layer, no refinement."""
+    hf = tiny_hf_model("llama")
+    cfg = ModelConfig.from_hf(hf.config.to_dict())
+    ref = LlamaModel.from_state_dict(cfg, hf.state_dict(), dtype=torch.float32)
+    draft = LlamaModel.from_state_dict(cfg, hf.state_dict(), dtype=torch.bfloat16, weight_format="auto", draft=True)
+    assert draft.weight_format == "int4" and type(draft.lm_head) is ApproxHead
+    assert isinstance(draft.lm_head.layer, Int4Linear)
+    rows = [list(range(3, 40))]
+    for got, want in zip(run_rows(draft, rows, None), run_rows(ref, rows, None)):
+        assert got.dtype == torch.float32 and (got - want).abs().max().item() < 0.25 * want.abs().max().item()
+    assert resolve_weight_format("auto", torch.float32, None, draft=True) == "dense"
+    assert resolve_weight_format("auto", torch.bfloat16, None, draft=False) == "dense"
+    with pytest.raises(ValueError, match="draft_weight_format 'int4' needs dtype bfloat16"):
+        EngineConfig(draft_weight_format="int4", dtype="float32")
+
+
 def test_weight_format_is_validated():
     with pytest.raises(ValueError, match="weight_format"):
         EngineConfig(weight_format="int3")
@@ -170,11 +188,8 @@ def test_weight_format_is_validated():
 
 @pytest.fixture(scope="module")
 def default_model():
-    from verispec.model.loader import ModelNotFound, load_model_files, resolve_model
-    try:
-        source = resolve_model("smollm2-135m-instruct")
-    except ModelNotFound as exc:
-        pytest.skip(f"default model not installed: {exc}")
+    from verispec.model.loader import load_model_files, resolve_model
+    source = resolve_model("smollm2-135m-instruct")  # installed by the setup: missing is a failure
     cfg, state, tokenizer = load_model_files(source)
     return source, cfg, state, tokenizer
 

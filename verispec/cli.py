@@ -133,6 +133,7 @@ def cmd_generate(args) -> int:
             "decode_tokens_per_s": round((n - 1) / decode_s, 2) if n > 1 and decode_s > 0 else None,
             "load_s": round(t_start - t_launch, 3),
             "spec": {"method": engine.spec_method, **final.spec.to_dict()},
+            "config": engine.config.to_dict(),  # as run: "auto" weight formats resolved
         }
         print(json.dumps(result))
     else:

@@ -71,6 +71,7 @@ class EngineConfig:
     draft_model: str | None = None   # None with spec method "draft": the model's registered draft
     dtype: str = "bfloat16"
     weight_format: str = "auto"      # "auto" (int4 for a Q4 GGUF, else dense) | "dense" | "int8" | "int4"
+    draft_weight_format: str = "auto"  # the draft model's; "auto" = int4 in bfloat16 (any source)
     threads: int | None = None       # torch intra-op threads; None = torch's default (one per core)
     seed: int = 0
     spec: SpecConfig = field(default_factory=SpecConfig)
@@ -82,10 +83,12 @@ class EngineConfig:
             raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
         if self.threads is not None and self.threads < 1:
             raise ValueError(f"threads must be >= 1, got {self.threads}")
-        if self.weight_format not in WEIGHT_FORMATS:
-            raise ValueError(f"weight_format must be one of {WEIGHT_FORMATS}, got {self.weight_format!r}")
-        if self.weight_format in ("int8", "int4") and self.dtype != "bfloat16":
-            raise ValueError(f"weight_format {self.weight_format!r} needs dtype bfloat16, got {self.dtype!r}")
+        for name in ("weight_format", "draft_weight_format"):
+            value = getattr(self, name)
+            if value not in WEIGHT_FORMATS:
+                raise ValueError(f"{name} must be one of {WEIGHT_FORMATS}, got {value!r}")
+            if value in ("int8", "int4") and self.dtype != "bfloat16":
+                raise ValueError(f"{name} {value!r} needs dtype bfloat16, got {self.dtype!r}")
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -127,6 +130,9 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--weight-format", choices=WEIGHT_FORMATS,
                    help="linear-layer weights: auto (default: int4 for a Q4_0/Q4_1 GGUF in bfloat16, "
                         "else dense), dense (in --dtype), or int8 / int4 weight-only")
+    g.add_argument("--draft-weight-format", choices=WEIGHT_FORMATS,
+                   help="the draft model's weights: auto (default: int4 in bfloat16; a draft's precision "
+                        "moves acceptance, never the output), dense, int8 or int4")
     g.add_argument("--spec", choices=SPEC_METHODS, help="speculation method (default ngram)")
     g.add_argument("--num-spec-tokens", type=int, help="k (k_max when adaptive)")
     g.add_argument("--spec-adaptive", action=argparse.BooleanOptionalAction, default=None,
@@ -150,6 +156,7 @@ def config_from_args(args: argparse.Namespace) -> EngineConfig:
     _set(top, "draft_model", args.draft_model)
     _set(top, "dtype", args.dtype)
     _set(top, "weight_format", getattr(args, "weight_format", None))
+    _set(top, "draft_weight_format", getattr(args, "draft_weight_format", None))
     _set(top, "seed", args.seed)
     _set(top, "threads", getattr(args, "threads", None))
     _set(spec, "method", args.spec)

@@ -60,7 +60,10 @@ class LLMEngine:
 
     def __init__(self, config: EngineConfig, target: LlamaModel, tokenizer: Tokenizer,
                  draft: LlamaModel | None = None, vocab_limit: int | None = None):
-        self.config = config
+        # The config as run: "auto" weight formats replaced by what the models resolved to.
+        self.config = config = replace(
+            config, weight_format=target.weight_format,
+            draft_weight_format=draft.weight_format if draft is not None else config.draft_weight_format)
         self.tokenizer = tokenizer
         self.model_name = config.model
         self.spec_method = config.spec.method
@@ -97,7 +100,7 @@ class LLMEngine:
         draft, vocab_limit = None, None
         if config.draft_model:
             from verispec.spec.compat import check_pair
-            draft, dcfg, dtok = load_model(config.draft_model, config)
+            draft, dcfg, dtok = load_model(config.draft_model, config, draft=True)
             verdict = check_pair(tokenizer, dtok, tcfg, dcfg)
             if not verdict.ok:
                 raise ValueError(f"draft model {config.draft_model!r} cannot draft for "
@@ -183,7 +186,7 @@ class LLMEngine:
         ks = self._choose_k(rows)
         try:
             drafts, draft_s = self._propose(rows, ks)
-            outputs = self._verify_and_commit(batch, rows, drafts)
+            outputs = self._verify_and_commit(batch, rows, drafts, ks)
         except Exception as exc:  # one failed pass fails its rows only, never the others
             log.exception("engine step failed")
             outputs = []
@@ -225,7 +228,8 @@ class LLMEngine:
             self.controller.observe_cost("draft", len(rows), max(ks[r.request_id] for r in draft_rows), draft_s)
         return drafts, draft_s
 
-    def _verify_and_commit(self, batch: ScheduledBatch, rows: list[Request], drafts) -> list[RequestOutput]:
+    def _verify_and_commit(self, batch: ScheduledBatch, rows: list[Request], drafts,
+                           ks: dict[str, int]) -> list[RequestOutput]:
         inputs = []
         for chunk in batch.prefill:
             req = chunk.request
@@ -244,7 +248,7 @@ class LLMEngine:
             self.drafter.prefill([(c.request, c.start, c.end) for c in batch.prefill])
         logits = self.target.forward(inputs)
         outputs = self._after_prefill(batch.prefill, logits[: len(batch.prefill)])
-        outputs.extend(self._accept(rows, logits[len(batch.prefill):], drafts))
+        outputs.extend(self._accept(rows, logits[len(batch.prefill):], drafts, ks))
         return outputs
 
     def _after_prefill(self, chunks, logits: list[torch.Tensor]) -> list[RequestOutput]:
@@ -267,7 +271,9 @@ class LLMEngine:
         tokens = sample(probs, [r.generator for r in done], shared_generator=self._shared_generator).tolist()
         return [out for req, t in zip(done, tokens) for out in self._append_tokens(req, [t])]
 
-    def _accept(self, rows: list[Request], logits: list[torch.Tensor], drafts) -> list[RequestOutput]:
+    def _accept(self, rows: list[Request], logits: list[torch.Tensor], drafts,
+                ks: dict[str, int]) -> list[RequestOutput]:
+        """Verify every row's drafts (ks: the k each row asked its proposer for), commit, emit."""
         if not rows:
             return []
         counts = [lg.shape[0] for lg in logits]  # k_i + 1 per row
@@ -291,9 +297,10 @@ class LLMEngine:
             if k:  # commits the pending token (its KV was just written) and the accepted drafts
                 self.kv.commit_provisional(r.request_id, accepted)
                 self.kv.evict_provisional(r.request_id)
-                self.controller.observe_acceptance(r.request_id, k, accepted)
             else:
                 self.kv.commit(r.request_id, base + 1)
+            if ks[r.request_id]:  # asked for drafts: acceptance, and how many it got (coverage)
+                self.controller.observe_acceptance(r.request_id, k, accepted, asked=ks[r.request_id])
             self._rollback(r, base, accepted, k)
             r.stats.record_round(k, accepted)
             r.stats.target_forwards += 1
@@ -383,8 +390,9 @@ class LLMEngine:
                              new_text, req.finished, req.finish_reason, req.stats, req.error)
 
 
-def load_model(spec: str, config: EngineConfig):
-    """(model, ModelConfig, Tokenizer) for a model spec, in the config's dtype and format.
+def load_model(spec: str, config: EngineConfig, draft: bool = False):
+    """(model, ModelConfig, Tokenizer) for a model spec, in the config's dtype and format
+    (`draft_weight_format` for a draft model).
 
     Warm starts of a GGUF model in bf16 skip reading the float32 conversion, fusing and
     quantizing it: the runtime weights (fused, converted, packed for the weight format)
@@ -398,7 +406,7 @@ def load_model(spec: str, config: EngineConfig):
     source = resolve_model(spec)
     gguf_path = source.path if source.kind == "gguf" else None
     runtime = None
-    if gguf_path is not None and config.dtype == "bfloat16":
+    if gguf_path is not None and config.dtype == "bfloat16" and not draft:  # drafts: no cache (ApproxHead)
         # A subfolder: the loader reads every *.safetensors beside model.safetensors.
         runtime = cache_dir_for(gguf_path) / "runtime" / f"{config.dtype}-{config.weight_format}-v2.safetensors"
     if runtime is not None and runtime.exists():
@@ -408,7 +416,8 @@ def load_model(spec: str, config: EngineConfig):
         return LlamaModel.from_runtime_state(mcfg, state, meta), mcfg, tokenizer
     mcfg, state, tokenizer = load_model_files(source)
     model = LlamaModel.from_state_dict(mcfg, state, dtype=getattr(torch, config.dtype),
-                                       weight_format=config.weight_format, gguf_path=gguf_path)
+                                       weight_format=config.draft_weight_format if draft else config.weight_format,
+                                       gguf_path=gguf_path, draft=draft)
     if runtime is not None:
         runtime.parent.mkdir(exist_ok=True)
         tmp = runtime.with_suffix(".tmp")

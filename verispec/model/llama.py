@@ -17,9 +17,9 @@ import torch.nn.functional as F
 
 from verispec.model.attention import AttentionMetadata, KVStore, paged_attention
 from verispec.model.config import ModelConfig
-from verispec.model.quant import (RefinedHead, fuse_int4_groups, gguf_int4_groups, gguf_q8_0_head,
-                                  quantize_model, quantized_metadata,
-                                  resolve_weight_format, restore_quantized)
+from verispec.model.quant import (INT4_GROUP, ApproxHead, RefinedHead, fuse_int4_groups, gguf_int4_groups,
+                                  gguf_q8_0_head, quantize_model, quantized_metadata, resolve_weight_format,
+                                  restore_quantized)
 
 log = logging.getLogger("verispec")
 
@@ -184,15 +184,19 @@ class LlamaModel(nn.Module):
     @classmethod
     def from_state_dict(cls, cfg: ModelConfig, hf_state: dict[str, torch.Tensor],
                         dtype: torch.dtype = torch.bfloat16, device="cpu", weight_format: str = "dense",
-                        gguf_path: Path | None = None) -> "LlamaModel":
+                        gguf_path: Path | None = None, draft: bool = False) -> "LlamaModel":
         """Build on the meta device, then fill with fused weights (no double allocation).
 
         `weight_format` (see `verispec.model.quant`): "dense" keeps every weight in `dtype`;
         "int8" / "int4" quantize the linear layers (int4 from `gguf_path`'s Q4 blocks when
         it has them) and give the head a `RefinedHead`; "auto" picks from `gguf_path`. The
-        resolved format is `model.weight_format`.
+        resolved format is `model.weight_format`. A `draft` model's quantized head is an
+        `ApproxHead` (no float32 refinement), and its "auto" is int4 whatever the source.
         """
-        fmt = resolve_weight_format(weight_format, dtype, gguf_path)
+        fmt = resolve_weight_format(weight_format, dtype, gguf_path, draft=draft)
+        if weight_format == "auto" and fmt == "int4" and any(
+                n % INT4_GROUP for n in (cfg.hidden_size, cfg.intermediate_size, cfg.num_heads * cfg.head_dim)):
+            fmt = "dense"  # the int4 kernel needs in_features in whole groups of 32
         if fmt != "dense" and torch.device(device).type != "cpu":
             raise ValueError(f"weight_format {fmt!r} uses PyTorch's CPU kernels; device must be cpu, got {device}")
         with torch.device("meta"), _skip_init():
@@ -221,8 +225,11 @@ class LlamaModel(nn.Module):
                              f"missing {sorted(missing)[:5]}, unexpected {sorted(unexpected)[:5]}")
         if fmt != "dense":
             int4_groups = _gguf_int4_groups(cfg, gguf_path) if fmt == "int4" and gguf_path else {}
-            q8_0 = gguf_q8_0_head(gguf_path) if gguf_path else None
-            head = RefinedHead.q8_0(*q8_0, dtype) if q8_0 is not None else None
+            if draft:
+                head = ApproxHead.quantize(quantized["lm_head.weight"], fmt, dtype)
+            else:
+                q8_0 = gguf_q8_0_head(gguf_path) if gguf_path else None
+                head = RefinedHead.q8_0(*q8_0, dtype) if q8_0 is not None else None
             quantize_model(model, quantized, fmt, dtype, int4_groups, head)
         model.rotary = Rotary(cfg).to(device)  # buffers computed on the real device, not meta
         model.weight_format = fmt

@@ -144,7 +144,7 @@ def make_int4_linear(groups: Int4Groups, bias: torch.Tensor | None, dtype: torch
 
 
 def quantize_model(model: nn.Module, weights: dict[str, torch.Tensor], fmt: str, dtype: torch.dtype,
-                   int4_groups: dict[str, Int4Groups] | None = None, head: RefinedHead | None = None) -> None:
+                   int4_groups: dict[str, Int4Groups] | None = None, head: nn.Module | None = None) -> None:
     """Replace the linear layers named in `weights` (fused names, float32) by `fmt` modules.
 
     `lm_head.weight` becomes `head`, or else an int8 `RefinedHead`. For int4, `int4_groups`
@@ -169,6 +169,28 @@ def quantize_model(model: nn.Module, weights: dict[str, torch.Tensor], fmt: str,
                 raise ValueError(f"{name}: GGUF int4 groups are {tuple(groups.q.shape)}, weight is {tuple(w.shape)}")
             layer = make_int4_linear(groups if groups is not None else quantize_int4(w, dtype), bias, dtype)
         setattr(parent, attr, layer)
+
+
+class ApproxHead(nn.Module):
+    """A draft model's LM head: one quantized layer, float32 in and out, no refinement.
+
+    A draft's logits need not be the float32 head's: whatever q the draft samples from is
+    the q the verifier is handed, which keeps the output exact; only acceptance moves.
+    """
+
+    def __init__(self, layer: nn.Module, dtype: torch.dtype = torch.bfloat16):
+        super().__init__()
+        self.layer, self.dtype = layer, dtype
+        self.out_features, self.in_features = layer.out_features, layer.in_features
+
+    @classmethod
+    def quantize(cls, weight: torch.Tensor, fmt: str, dtype: torch.dtype = torch.bfloat16) -> "ApproxHead":
+        layer = make_int8_linear(weight, None, dtype) if fmt == "int8" else \
+            make_int4_linear(quantize_int4(weight, dtype), None, dtype)
+        return cls(layer, dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.layer.forward(x.to(self.dtype)).float()
 
 
 # --- the LM head of a quantized model ---------------------------------------------------------
@@ -347,14 +369,19 @@ def fuse_int4_groups(num_layers: int, groups: dict[str, Int4Groups]) -> dict[str
     return out
 
 
-def resolve_weight_format(requested: str, dtype: torch.dtype, gguf_path: Path | None) -> str:
-    """'auto' -> a concrete format; checks the combination is one the kernels run."""
+def resolve_weight_format(requested: str, dtype: torch.dtype, gguf_path: Path | None, draft: bool = False) -> str:
+    """'auto' -> a concrete format; checks the combination is one the kernels run.
+
+    A draft model's 'auto' is int4 in bf16 whatever its source (its precision moves only
+    acceptance, never the output distribution; its cost is the whole point of it)."""
     if requested not in WEIGHT_FORMATS:
         raise ValueError(f"weight_format must be one of {WEIGHT_FORMATS}, got {requested!r}")
     if requested == "auto":
-        if dtype != torch.bfloat16 or gguf_path is None:
+        if dtype != torch.bfloat16:
             return "dense"
-        return "int4" if _all_linear_q4(gguf_path) else "dense"
+        if draft:
+            return "int4"
+        return "int4" if gguf_path is not None and _all_linear_q4(gguf_path) else "dense"
     if requested in ("int8", "int4") and dtype != torch.bfloat16:
         raise ValueError(f"weight_format {requested!r} needs dtype bfloat16 (the packed CPU kernels "
                          f"are 10-30x slower with {dtype} activations), got {dtype}")

@@ -54,6 +54,17 @@ Each request starts from its proposer's global estimate, worth `prior_weight_tok
 trials, and every observation also feeds that global estimate (with a longer half-life), so
 new requests start from what the workload has shown rather than from a constant.
 
+Coverage (how often a row gets the drafts it asks for)
+------------------------------------------------------
+A proposer may return fewer drafts than asked: n-gram lookup finds no match in most rounds
+of open chat. Acceptance says nothing about that (an empty round tests nothing), yet the
+batch pays the wide verify pass as soon as any row drafts. So each request also keeps its
+coverage c = drafted / asked, averaged over rounds that asked for k > 0 (decaying per round,
+half-life `coverage_half_life_rounds`, starting from the proposer's global coverage, which
+itself starts at 1: optimistic, so drafting is tried before it is written off). A row's
+expected yield at k is then 1 + c * (E(alpha, k) - 1). Without it the controller kept
+k > 0 on chat at batch 16 and ran at 0.72x plain decoding (measured, bench/adaptive.py).
+
 Costs (measured, never assumed)
 -------------------------------
 The engine reports the seconds of every decode round (keyed by batch size and width): the
@@ -78,7 +89,9 @@ controller plays fixed_k (the engine times verify passes only in steps without p
 this can last a few steps); the plain pass (width 1) is then tried and measured because its
 bound, proportional from the wider pass, is optimistic. Because EWMA only moves cells
 that are visited, a small deterministic schedule (a fraction `explore` of rounds) also
-re-measures the neighbour of the current width that was measured longest ago.
+re-measures the neighbour of the current width that was measured longest ago, when its
+estimated rate is within `explore_within` of the best (a far-behind neighbour is not worth a
+round at its price; if acceptance rises, the estimates bring it back into play anyway).
 
 The batch (one verify pass serves every row)
 --------------------------------------------
@@ -141,8 +154,10 @@ class ControllerConfig:
     prior_weight_tokens: float = 8.0       # trials a new request's prior is worth
     prior_half_life_tokens: float = 1024.0 # window of the per-proposer global estimate
     idle_half_life_rounds: float = 32.0    # untested rounds for a request to forget halfway
+    coverage_half_life_rounds: float = 16.0  # per-request window of drafted / asked
     cost_ewma: float = 0.1                 # weight of a new timing in its cell's EWMA
     explore: float = 0.03                  # fraction of rounds that re-measure a neighbour k
+    explore_within: float = 0.15           # ... if its estimated rate is within this of the best
 
     def __post_init__(self):
         # Copy so a caller mutating its dict cannot change a built config.
@@ -157,13 +172,15 @@ class ControllerConfig:
             if not 0.0 <= a < 1.0:
                 raise ValueError(f"prior_alpha[{name!r}] must be in [0, 1), got {a}")
         for name in ("alpha_half_life_tokens", "prior_weight_tokens", "prior_half_life_tokens",
-                     "idle_half_life_rounds"):
+                     "idle_half_life_rounds", "coverage_half_life_rounds"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
         if not 0.0 < self.cost_ewma <= 1.0:
             raise ValueError(f"cost_ewma must be in (0, 1], got {self.cost_ewma}")
         if not 0.0 <= self.explore < 1.0:
             raise ValueError(f"explore must be in [0, 1), got {self.explore}")
+        if not 0.0 <= self.explore_within <= 1.0:
+            raise ValueError(f"explore_within must be in [0, 1], got {self.explore_within}")
 
     def to_dict(self) -> dict:
         """Plain data, recorded next to benchmark results."""
@@ -199,6 +216,17 @@ class AcceptanceEstimator:
     def value(self) -> float:
         """The estimate: decayed successes over decayed trials."""
         return self.successes / self.trials
+
+
+class Coverage:
+    """Decayed mean of drafted / asked over rounds that asked for drafts (see module docstring)."""
+
+    def __init__(self, prior: float, half_life_rounds: float):
+        self._decay = 0.5 ** (1.0 / half_life_rounds)
+        self.value = prior
+
+    def observe(self, asked: int, drafted: int) -> None:
+        self.value += (1.0 - self._decay) * (drafted / asked - self.value)
 
 
 class CostTable:
@@ -248,6 +276,7 @@ class CostTable:
 class _Request:
     proposer: str
     estimator: AcceptanceEstimator
+    coverage: Coverage
     awaiting_test: bool = False  # chosen for a round that has not reported a tested position
 
 
@@ -262,6 +291,8 @@ class AdaptiveController:
         self._requests: dict[str, _Request] = {}
         self._global = {p: self.estimator_cls(a, cfg.prior_weight_tokens, cfg.prior_half_life_tokens)
                         for p, a in cfg.prior_alpha.items()}
+        # Per-proposer coverage new requests start from: a longer window, starting at 1.
+        self._global_coverage = {p: Coverage(1.0, 8 * cfg.coverage_half_life_rounds) for p in cfg.prior_alpha}
         self._costs = {kind: CostTable(cfg.cost_ewma) for kind in COST_KINDS}
         self._num_cost_samples = 0
         self._rounds = 0
@@ -281,7 +312,8 @@ class AdaptiveController:
         cfg = self.config
         prior = self._global[proposer].value
         est = self.estimator_cls(prior, cfg.prior_weight_tokens, cfg.alpha_half_life_tokens)
-        self._requests[request_id] = _Request(proposer, est)
+        coverage = Coverage(self._global_coverage[proposer].value, cfg.coverage_half_life_rounds)
+        self._requests[request_id] = _Request(proposer, est, coverage)
 
     def finish(self, request_id: str) -> None:
         """Stop tracking a request (finished or aborted)."""
@@ -296,7 +328,7 @@ class AdaptiveController:
 
     # ---- observations ------------------------------------------------------------------
 
-    def observe_acceptance(self, request_id: str, drafted: int, accepted: int) -> None:
+    def observe_acceptance(self, request_id: str, drafted: int, accepted: int, asked: int | None = None) -> None:
         """Record one verify round of a request.
 
         drafted: draft tokens actually proposed and verified for this row (may be fewer than
@@ -304,12 +336,19 @@ class AdaptiveController:
             reporting it is optional).
         accepted: length of the accepted prefix of those drafts, as the rejection sampler
             decided it (before any stop-string truncation), 0 <= accepted <= drafted.
+        asked: the k the proposer was asked for (>= drafted); updates the coverage. None:
+            coverage unknown for this round (left as it is).
         """
         if not isinstance(drafted, int) or drafted < 0:
             raise ValueError(f"drafted must be an int >= 0, got {drafted!r}")
         if not isinstance(accepted, int) or not 0 <= accepted <= drafted:
             raise ValueError(f"accepted must be an int in [0, drafted={drafted}], got {accepted!r}")
+        if asked is not None and (not isinstance(asked, int) or asked < max(drafted, 1)):
+            raise ValueError(f"asked must be an int >= max(drafted={drafted}, 1), got {asked!r}")
         req = self._request(request_id)
+        if asked is not None:
+            req.coverage.observe(asked, drafted)
+            self._global_coverage[req.proposer].observe(asked, drafted)
         if drafted == 0:
             return  # nothing tested; choose_k relaxes the estimate if the round stays untested
         req.awaiting_test = False
@@ -400,19 +439,28 @@ class AdaptiveController:
         k = _best_k(tokens, verify, draft)
         if self._probe_due():
             probe = self._probe_k(k, batch_size)
-            if probe is not None:
+            # Only a neighbour that could plausibly win is worth a round at its price: at
+            # batch 16 a k = 1 pass costs 2x a plain one, and probing it when it is far
+            # behind was a steady few percent lost (bench/adaptive.py, chat).
+            if probe is not None and _rate(tokens[probe], verify[probe] + draft[probe]) >= \
+                    (1.0 - self.config.explore_within) * _rate(tokens[k], verify[k] + draft[k]):
                 self._probes += 1
                 k = probe
         return [k] * len(reqs)
 
     def _expected_row(self, req: _Request) -> list[float]:
-        """E(alpha, k) for k in [0, k_max] at the request's current estimate."""
+        """1 + c (E(alpha, k) - 1) for k in [0, k_max] at the request's current estimates."""
         a = min(max(req.estimator.value, 0.0), 1.0)
+        c = min(max(req.coverage.value, 0.0), 1.0)
         out, term = [], 1.0
         for _ in range(self.config.k_max + 1):
             out.append((out[-1] if out else 0.0) + term)
             term *= a
-        return out
+        return [1.0 + c * (e - 1.0) for e in out]
+
+    def coverage(self, request_id: str) -> float:
+        """Current estimate of the fraction of asked drafts the request's proposer delivers."""
+        return self._request(request_id).coverage.value
 
     def _probe_due(self) -> bool:
         """Deterministic: true on a fraction `explore` of rounds, evenly spread."""
@@ -436,7 +484,8 @@ class AdaptiveController:
             "probes": self._probes,
             "k_counts": list(self._k_counts),
             "global_alpha": {p: e.value for p, e in self._global.items()},
-            "requests": {rid: {"proposer": r.proposer, "alpha": r.estimator.value,
+            "global_coverage": {p: c.value for p, c in self._global_coverage.items()},
+            "requests": {rid: {"proposer": r.proposer, "alpha": r.estimator.value, "coverage": r.coverage.value,
                                "observed_tokens": r.estimator.observed_tokens}
                          for rid, r in self._requests.items()},
             "costs": {kind: t.snapshot() for kind, t in self._costs.items()},

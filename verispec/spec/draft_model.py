@@ -35,10 +35,22 @@ class DraftModelProposer:
         if rows:
             self.runner.forward(rows)
 
-    def propose(self, reqs: list[Request], ks: list[int]) -> list[tuple[list[int], torch.Tensor]]:
-        """Draft ks[i] tokens for reqs[i]; returns (tokens, q (k_i, V)) per request."""
-        tokens_out: list[list[int]] = [[] for _ in reqs]
+    def propose(self, reqs: list[Request], ks: list[int]) -> list[tuple[list[int], torch.Tensor | None]]:
+        """Draft ks[i] tokens for reqs[i]; returns (tokens, q (k_i, V)) per request.
+
+        When every request is greedy, q is one-hot at each drafted token (temperature 0), so
+        the tokens are argmaxes and q is returned as None, which the verifier reads as that
+        one-hot: the same proposals and the same verdicts without V-wide softmax and sampling.
+        """
+        if all(r.params.greedy for r in reqs):
+            return [(tokens, None) for tokens in self._draft(reqs, ks, None)]
         probs_out: list[list[torch.Tensor]] = [[] for _ in reqs]
+        tokens_out = self._draft(reqs, ks, probs_out)
+        return [(t, torch.stack(p)) for t, p in zip(tokens_out, probs_out)]
+
+    def _draft(self, reqs: list[Request], ks: list[int], probs_out: list[list[torch.Tensor]] | None) -> list[list[int]]:
+        """The autoregressive loop; appends each step's q to probs_out (None: greedy argmax)."""
+        tokens_out: list[list[int]] = [[] for _ in reqs]
         active = list(range(len(reqs)))
         while active:
             rows = []
@@ -51,16 +63,20 @@ class DraftModelProposer:
                 else:            # the last drafted token sits after the pending token's position
                     rows.append(RowInput(drafted[-1:], req.num_tokens - 1 + len(drafted), table, 0))
             logits = torch.cat(self.runner.forward(rows))  # (B, V): one scored position per row
-            st = SamplingTensors.from_params([reqs[i].params for i in active], logits.device)
-            probs = self.to_probs(st, logits)               # (B, V)
-            drawn = sample(probs, [reqs[i].generator for i in active],
-                           shared_generator=self.shared_generator).tolist()
+            if probs_out is None:
+                drawn = logits.argmax(dim=-1).tolist()
+            else:
+                st = SamplingTensors.from_params([reqs[i].params for i in active], logits.device)
+                probs = self.to_probs(st, logits)           # (B, V)
+                drawn = sample(probs, [reqs[i].generator for i in active],
+                               shared_generator=self.shared_generator).tolist()
+                for j, i in enumerate(active):
+                    probs_out[i].append(probs[j])
             for j, i in enumerate(active):
                 tokens_out[i].append(drawn[j])
-                probs_out[i].append(probs[j])
                 reqs[i].draft_computed = rows[j].end
             active = [i for i in active if len(tokens_out[i]) < ks[i]]
-        return [(t, torch.stack(p)) for t, p in zip(tokens_out, probs_out)]
+        return tokens_out
 
     def to_probs(self, st: SamplingTensors, logits: torch.Tensor) -> torch.Tensor:
         """q: exactly the target's logits -> probs transform (tests patch this to inject bugs)."""
