@@ -181,6 +181,18 @@ def spec_of(obj) -> dict | None:
     return (obj.model_extra or {}).get("spec")
 
 
+def same_spec_shape(a: dict, b: dict) -> bool:
+    """Two runs of one request report the same speculation fields, each self-consistent.
+
+    Not the same values: adaptive k is chosen from measured pass times, so two identical
+    requests may draft differently (their text is the same, which the callers check)."""
+    def consistent(s: dict) -> bool:
+        return (s["method"] == "ngram" and 0 <= s["accepted"] <= s["drafted"]
+                and sum(s["drafted_per_position"]) == s["drafted"]
+                and sum(s["accepted_per_position"]) == s["accepted"])
+    return a.keys() == b.keys() and a["method"] == b["method"] and consistent(a) and consistent(b)
+
+
 # ---------------------------------------------------------------------------- API behaviour
 def test_completions_and_chat_over_http_with_exact_usage(server, tokenizer):
     c = client(server)
@@ -199,7 +211,7 @@ def test_completions_and_chat_over_http_with_exact_usage(server, tokenizer):
                                        extra_body={"ignore_eos": True}))
     assert "".join(ch.choices[0].text for ch in chunks if ch.choices) == r.choices[0].text
     assert chunks[-1].choices == [] and chunks[-1].usage == r.usage
-    assert spec_of(chunks[-1]) == spec_of(r)
+    assert same_spec_shape(spec_of(chunks[-1]), spec_of(r))
 
     messages = [{"role": "system", "content": "Answer briefly."}, {"role": "user", "content": "Hi there!"}]
     r = c.chat.completions.create(model=BACKEND.model, messages=messages, max_tokens=5, temperature=0,
@@ -215,7 +227,7 @@ def test_completions_and_chat_over_http_with_exact_usage(server, tokenizer):
     assert chunks[0].choices[0].delta.role == "assistant"
     text = "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices)
     assert text == r.choices[0].message.content
-    assert chunks[-1].usage == r.usage and spec_of(chunks[-1]) == spec_of(r)
+    assert chunks[-1].usage == r.usage and same_spec_shape(spec_of(chunks[-1]), spec_of(r))
 
     ids = tokenizer.encode("token ids in")
     r = c.completions.create(model=BACKEND.model, prompt=ids, max_tokens=2, temperature=0)
