@@ -71,7 +71,7 @@ class EngineConfig:
     draft_model: str | None = None   # None with spec method "draft": the model's registered draft
     dtype: str = "bfloat16"
     weight_format: str = "auto"      # "auto" (int4 for a Q4 GGUF, else dense) | "dense" | "int8" | "int4"
-    draft_weight_format: str = "auto"  # the draft model's; "auto" = int4 in bfloat16 (any source)
+    draft_weight_format: str = "auto"  # the draft model's; "auto" = int4 for a Q4 GGUF, else int8 (bf16)
     threads: int | None = None       # torch intra-op threads; None = torch's default (one per core)
     seed: int = 0
     spec: SpecConfig = field(default_factory=SpecConfig)
@@ -131,8 +131,9 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                    help="linear-layer weights: auto (default: int4 for a Q4_0/Q4_1 GGUF in bfloat16, "
                         "else dense), dense (in --dtype), or int8 / int4 weight-only")
     g.add_argument("--draft-weight-format", choices=WEIGHT_FORMATS,
-                   help="the draft model's weights: auto (default: int4 in bfloat16; a draft's precision "
-                        "moves acceptance, never the output), dense, int8 or int4")
+                   help="the draft model's weights: auto (default, in bfloat16: int4 for a Q4_0/Q4_1 GGUF, "
+                        "else int8; a draft's precision moves acceptance, never the output), dense, "
+                        "int8 or int4")
     g.add_argument("--spec", choices=SPEC_METHODS, help="speculation method (default ngram)")
     g.add_argument("--num-spec-tokens", type=int, help="k (k_max when adaptive)")
     g.add_argument("--spec-adaptive", action=argparse.BooleanOptionalAction, default=None,

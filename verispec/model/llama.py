@@ -191,7 +191,7 @@ class LlamaModel(nn.Module):
         "int8" / "int4" quantize the linear layers (int4 from `gguf_path`'s Q4 blocks when
         it has them) and give the head a `RefinedHead`; "auto" picks from `gguf_path`. The
         resolved format is `model.weight_format`. A `draft` model's quantized head is an
-        `ApproxHead` (no float32 refinement), and its "auto" is int4 whatever the source.
+        `ApproxHead` (no float32 refinement), and its "auto" is int8 (int4 for a Q4 GGUF).
         """
         fmt = resolve_weight_format(weight_format, dtype, gguf_path, draft=draft)
         if weight_format == "auto" and fmt == "int4" and any(
