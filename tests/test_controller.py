@@ -485,3 +485,29 @@ def test_exploration_skips_a_neighbour_far_behind(explore_within, probed):
         ctl.observe_cost("verify", 16, width, seconds)
     ks = [ctl.choose_k(ids, 16)["r0"] for _ in range(200)]
     assert Counter(ks)[0] >= 190 and (any(k > 0 for k in ks) == probed)
+
+
+@pytest.mark.parametrize("relax", [True, False], ids=["relaxes", "broken: never relaxes"])
+def test_a_request_parked_by_low_coverage_drafts_again(relax, monkeypatch):
+    """An answer's preamble finds no n-gram match, so its coverage falls and k goes to 0;
+    rounds at k = 0 ask nothing, so without relaxing toward what the workload shows (other
+    requests finding matches), the request would never draft again."""
+    from verispec.spec import controller as ctl_mod
+    if not relax:
+        monkeypatch.setattr(ctl_mod.Coverage, "relax", lambda self, target, keep: None)
+    ctl = AdaptiveController(ControllerConfig(explore=0.0))
+    for rid in ("r", "other"):
+        ctl.start(rid, "ngram")
+    for w in range(1, 10):
+        ctl.observe_cost("verify", 1, w, 1.0 + 0.5 * (w - 1))  # drafting pays only with matches
+    for _ in range(10):
+        ctl.observe_acceptance("r", 4, 4)
+    for _ in range(8):                                 # the preamble: asked, nothing found
+        ctl.choose_k(["r"], 1)
+        ctl.observe_acceptance("r", 0, 0, asked=4)
+    assert ctl.choose_k(["r"], 1)["r"] == 0           # parked
+    for _ in range(200):                               # meanwhile the workload finds matches
+        ctl.choose_k(["other"], 1)
+        ctl.observe_acceptance("other", 4, 4, asked=4)
+    ks = [ctl.choose_k(["r"], 1)["r"] for _ in range(300)]
+    assert any(k > 0 for k in ks) == relax

@@ -62,7 +62,12 @@ batch pays the wide verify pass as soon as any row drafts. So each request also 
 coverage c = drafted / asked, averaged over rounds that asked for k > 0 (decaying per round,
 half-life `coverage_half_life_rounds`, starting from the proposer's global coverage, which
 itself starts at 1: optimistic, so drafting is tried before it is written off). A row's
-expected yield at k is then 1 + c * (E(alpha, k) - 1). Without it the controller kept
+expected yield at k is then 1 + c * (E(alpha, k) - 1). A round that asks for nothing
+(k = 0) says nothing about coverage, so, as for acceptance, it counts as a chance
+1 - 2 ** (-1 / idle_half_life_rounds) that coverage changed to what the workload shows
+(the proposer's global coverage): a request parked at k = 0 after a stretch without
+matches (an answer's preamble before it starts quoting the prompt) drafts again later,
+instead of never asking again. Without it the controller kept
 k > 0 on chat at batch 16 and ran at 0.72x plain decoding (measured, bench/adaptive.py).
 
 Costs (measured, never assumed)
@@ -228,11 +233,18 @@ class Coverage:
 
     def __init__(self, prior: float, half_life_rounds: float, prior_weight: float = 2.0):
         self._decay = 0.5 ** (1.0 / half_life_rounds)
+        self._prior_weight = prior_weight
         self._sum, self._weight = prior * prior_weight, prior_weight
 
     def observe(self, asked: int, drafted: int) -> None:
         self._sum = self._sum * self._decay + drafted / asked
         self._weight = self._weight * self._decay + 1.0
+
+    def relax(self, target: float, keep: float) -> None:
+        """A round that asked nothing: with probability 1 - keep coverage changed to `target`."""
+        value = keep * self.value + (1.0 - keep) * target
+        self._weight = keep * self._weight + (1.0 - keep) * self._prior_weight
+        self._sum = value * self._weight
 
     @property
     def value(self) -> float:
@@ -288,6 +300,7 @@ class _Request:
     estimator: AcceptanceEstimator
     coverage: Coverage
     awaiting_test: bool = False  # chosen for a round that has not reported a tested position
+    asked: bool = False          # reported a round that asked for drafts since the last choose_k
 
 
 class AdaptiveController:
@@ -357,6 +370,7 @@ class AdaptiveController:
             raise ValueError(f"asked must be an int >= max(drafted={drafted}, 1), got {asked!r}")
         req = self._request(request_id)
         if asked is not None:
+            req.asked = True
             req.coverage.observe(asked, drafted)
             self._global_coverage[req.proposer].observe(asked, drafted)
         if drafted == 0:
@@ -417,10 +431,13 @@ class AdaptiveController:
         reqs = [self._request(r) for r in request_ids]
         if not reqs:
             return {}
+        keep = 0.5 ** (1.0 / self.config.idle_half_life_rounds)
         for req in reqs:
             if req.awaiting_test:
                 self._relax_untested(req)
-            req.awaiting_test = True
+            if not req.asked:  # parked at k = 0: matches may have appeared since
+                req.coverage.relax(self._global_coverage[req.proposer].value, keep)
+            req.awaiting_test, req.asked = True, False
         if not self.config.adaptive:
             ks = [self.config.fixed_k] * len(reqs)
         else:
