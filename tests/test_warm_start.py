@@ -24,10 +24,9 @@ def cache_dir(tmp_path_factory):
 @pytest.mark.parametrize("weight_format", ["dense", "auto", "int8"])
 def test_second_load_uses_the_runtime_cache_and_gives_identical_weights(cache_dir, monkeypatch, weight_format):
     monkeypatch.setenv("VERISPEC_CACHE", str(cache_dir))
-    tmp_path = cache_dir
     config = EngineConfig(dtype="bfloat16", weight_format=weight_format)
     first, _, tok = load_model(config.model, config)       # converts the GGUF, writes the runtime file
-    runtime = list(tmp_path.rglob(f"runtime/bfloat16-{weight_format}-*.safetensors"))
+    runtime = list(cache_dir.rglob(f"runtime/bfloat16-{weight_format}-*.safetensors"))
     assert len(runtime) == 1
     stamp = runtime[0].stat().st_mtime_ns
     second, _, _ = load_model(config.model, config)        # must read it, not rebuild it
