@@ -183,10 +183,11 @@ class LLMEngine:
         if batch.empty:
             return []
         rows = batch.decode
-        ks = self._choose_k(rows)
         try:
-            drafts, draft_s = self._propose(rows, ks)
-            outputs = self._verify_and_commit(batch, rows, drafts, ks)
+            lookups = self._lookup(rows)
+            ks = self._choose_k(rows, lookups)
+            drafts, draft_s = self._propose(rows, ks, lookups)
+            outputs = self._verify_and_commit(batch, rows, drafts)
         except Exception as exc:  # one failed pass fails its rows only, never the others
             log.exception("engine step failed")
             outputs = []
@@ -197,28 +198,33 @@ class LLMEngine:
         if rows and not batch.prefill:
             # The round's whole cost but the draft pass (timed on its own): scheduling, n-gram
             # lookup, the verify forward, sampling, KV bookkeeping and detokenizing all grow
-            # with the batch and the width, and the controller must weigh all of it.
-            width = 1 + max((len(d[0]) for d in drafts.values()), default=0)
-            self.controller.observe_cost("verify", len(rows), width, time.perf_counter() - t0 - draft_s)
+            # with the batch and the drafts, and the controller must weigh all of it.
+            drafted = sum(len(d[0]) for d in drafts.values())
+            self.controller.observe_cost("verify", len(rows), drafted, time.perf_counter() - t0 - draft_s)
         return outputs
 
-    def _choose_k(self, rows: list[Request]) -> dict[str, int]:
-        adaptive = [r.request_id for r in rows if r.spec_method != "none" and r.adaptive]
-        chosen = self.controller.choose_k(adaptive, len(rows)) if adaptive else {}
-        return {r.request_id: min(chosen.get(r.request_id, r.num_spec_tokens), self.scheduler.spec_budget(r))
-                for r in rows}
+    def _lookup(self, rows: list[Request]) -> dict[str, list[int]]:
+        """Every n-gram row's proposal, up to the most it may draft this round, looked up
+        before k is chosen: the controller then knows which rows have drafts and how many."""
+        ngram_rows = [r for r in rows if r.spec_method == "ngram"]
+        found = self.ngram.lookup([_History(r) for r in ngram_rows], [self.scheduler.spec_budget(r) for r in ngram_rows])
+        return {r.request_id: tokens for r, tokens in zip(ngram_rows, found)}
 
-    def _propose(self, rows: list[Request], ks: dict[str, int]) -> tuple[dict, float]:
+    def _choose_k(self, rows: list[Request], lookups: dict[str, list[int]]) -> dict[str, int]:
+        """k per row: at most the request's k, its budget (max_tokens, context) and, for
+        n-gram, the lookup's length; the controller picks within that for adaptive rows."""
+        limit = {r.request_id: len(lookups[r.request_id]) if r.request_id in lookups
+                 else self.scheduler.spec_budget(r) for r in rows if r.spec_method != "none"}
+        adaptive = [r.request_id for r in rows if r.spec_method != "none" and r.adaptive]
+        chosen = self.controller.choose_k(adaptive, len(rows), [limit[i] for i in adaptive]) if adaptive else {}
+        return {r.request_id: chosen.get(r.request_id, limit.get(r.request_id, 0)) for r in rows}
+
+    def _propose(self, rows: list[Request], ks: dict[str, int], lookups: dict[str, list[int]]) -> tuple[dict, float]:
         """Draft tokens (and draft probabilities for the draft model) per request, and the
         seconds of the draft model's pass (0 without one)."""
-        drafts: dict[str, tuple[list[int], torch.Tensor | None]] = {}
+        drafts: dict[str, tuple[list[int], torch.Tensor | None]] = {
+            rid: (tokens[: ks[rid]], None) for rid, tokens in lookups.items() if ks[rid] > 0}
         draft_s = 0.0
-        ngram_rows = [r for r in rows if r.spec_method == "ngram" and ks[r.request_id] > 0]
-        if ngram_rows:
-            d = self.ngram.propose_for([_History(r) for r in ngram_rows], [ks[r.request_id] for r in ngram_rows])
-            for i, r in enumerate(ngram_rows):
-                n = int(d.num_tokens[i]) if d.num_tokens is not None else d.tokens.shape[1]
-                drafts[r.request_id] = (d.tokens[i, :n].tolist(), None)
         draft_rows = [r for r in rows if r.spec_method == "draft" and ks[r.request_id] > 0]
         if draft_rows:
             t0 = time.perf_counter()
@@ -228,8 +234,7 @@ class LLMEngine:
             self.controller.observe_cost("draft", len(rows), max(ks[r.request_id] for r in draft_rows), draft_s)
         return drafts, draft_s
 
-    def _verify_and_commit(self, batch: ScheduledBatch, rows: list[Request], drafts,
-                           ks: dict[str, int]) -> list[RequestOutput]:
+    def _verify_and_commit(self, batch: ScheduledBatch, rows: list[Request], drafts) -> list[RequestOutput]:
         inputs = []
         for chunk in batch.prefill:
             req = chunk.request
@@ -248,7 +253,7 @@ class LLMEngine:
             self.drafter.prefill([(c.request, c.start, c.end) for c in batch.prefill])
         logits = self.target.forward(inputs)
         outputs = self._after_prefill(batch.prefill, logits[: len(batch.prefill)])
-        outputs.extend(self._accept(rows, logits[len(batch.prefill):], drafts, ks))
+        outputs.extend(self._accept(rows, logits[len(batch.prefill):], drafts))
         return outputs
 
     def _after_prefill(self, chunks, logits: list[torch.Tensor]) -> list[RequestOutput]:
@@ -271,9 +276,8 @@ class LLMEngine:
         tokens = sample(probs, [r.generator for r in done], shared_generator=self._shared_generator).tolist()
         return [out for req, t in zip(done, tokens) for out in self._append_tokens(req, [t])]
 
-    def _accept(self, rows: list[Request], logits: list[torch.Tensor], drafts,
-                ks: dict[str, int]) -> list[RequestOutput]:
-        """Verify every row's drafts (ks: the k each row asked its proposer for), commit, emit."""
+    def _accept(self, rows: list[Request], logits: list[torch.Tensor], drafts) -> list[RequestOutput]:
+        """Verify every row's drafts, commit, emit."""
         if not rows:
             return []
         counts = [lg.shape[0] for lg in logits]  # k_i + 1 per row
@@ -299,8 +303,8 @@ class LLMEngine:
                 self.kv.evict_provisional(r.request_id)
             else:
                 self.kv.commit(r.request_id, base + 1)
-            if ks[r.request_id]:  # asked for drafts: acceptance, and how many it got (coverage)
-                self.controller.observe_acceptance(r.request_id, k, accepted, asked=ks[r.request_id])
+            if k and r.spec_method != "none":
+                self.controller.observe_acceptance(r.request_id, k, accepted)
             self._rollback(r, base, accepted, k)
             r.stats.record_round(k, accepted)
             r.stats.target_forwards += 1

@@ -6,6 +6,13 @@ forward pass receives the new tokens of all rows flattened into one dimension T 
 padding in the linear layers), writes their K/V at `slot_mapping`, then each row attends
 to its own context gathered through `context_slots`.
 
+Attention itself pads: a group of rows is one SDPA call over (rows, queries padded to the
+group's longest, keys padded to its longest context). Rows are grouped by query length so
+that one verify or prefill row does not pad a whole decode batch to its length: one-token
+(decode) rows form one group, multi-token rows one or more (`partition_rows`), and each
+group's outputs are scattered back to the flat T order. A batch whose rows all have the
+same query length is a single group with nothing to scatter.
+
 Rolling a row back by n tokens is O(1): its context length simply shrinks, and the stale
 slots are never read again (the mask below only admits key positions <= the query's
 position, and keys are gathered in position order) until a later write overwrites them.
@@ -42,7 +49,7 @@ class KVStore:
         as views (L, 1, Hkv, C, D), built once per pass; None when attention must gather."""
         if meta.context_start is None:
             return None
-        window = slice(meta.context_start, meta.context_start + meta.context_slots.shape[1])
+        window = slice(meta.context_start, meta.context_start + meta.groups[0].context_slots.shape[1])
         return self.k[:, window].unsqueeze(1).transpose(2, 3), self.v[:, window].unsqueeze(1).transpose(2, 3)
 
     @property
@@ -53,33 +60,106 @@ class KVStore:
         return 2 * self.k.numel() * self.k.element_size()
 
 
+# Splitting off a group of multi-token rows costs one more K/V gather, SDPA call and output
+# copy per layer; it pays when the padding it saves exceeds about this many (query, key)
+# pairs (measured on CPU, default model, 2 threads: splitting a q_len 9 row from q_len 5
+# rows of context 400 lost ~2 ms a forward at 1.6k padded pairs, won ~1 ms at 3.3k).
+GROUP_COST_PAIRS = 2048
+
+
+def partition_rows(query_lens: list[int], context_lens: list[int]) -> list[list[int]]:
+    """Rows grouped for attention, each group in row order (a group pads its rows' queries
+    to its longest and its contexts to its longest; it costs one SDPA call per layer).
+
+    One group when every row has the same query length. Otherwise the one-token (decode)
+    rows form a group, and the multi-token (verify / prefill chunk) rows are cut, by query
+    length, into the runs that minimise padded (query, key) pairs + GROUP_COST_PAIRS per
+    run: a prefill chunk does not pad the verify rows of its batch to its length.
+    """
+    num_rows = len(query_lens)
+    if all(q == query_lens[0] for q in query_lens):
+        return [list(range(num_rows))]
+    decode = [b for b, q in enumerate(query_lens) if q == 1]
+    lens = sorted({q for q in query_lens if q > 1}, reverse=True)  # distinct, longest first
+    count = {q: 0 for q in lens}
+    ctx = {q: 0 for q in lens}
+    for q, c in zip(query_lens, context_lens):
+        if q > 1:
+            count[q] += 1
+            ctx[q] = max(ctx[q], c)
+    # best[j]: cheapest split of lens[:j]; a run lens[i:j] pads to lens[i] queries and to
+    # its longest context.
+    best, cut = [0] + [None] * len(lens), [0] * (len(lens) + 1)
+    for j in range(1, len(lens) + 1):
+        rows = c_max = 0
+        for i in range(j - 1, -1, -1):
+            rows += count[lens[i]]
+            c_max = max(c_max, ctx[lens[i]])
+            cost = best[i] + rows * lens[i] * c_max + GROUP_COST_PAIRS
+            if best[j] is None or cost < best[j]:
+                best[j], cut[j] = cost, i
+    run_of, j = {}, len(lens)
+    while j > 0:
+        for q in lens[cut[j]: j]:
+            run_of[q] = cut[j]
+        j = cut[j]
+    runs: dict[int, list[int]] = {}
+    for b, q in enumerate(query_lens):
+        if q > 1:
+            runs.setdefault(run_of[q], []).append(b)
+    return ([decode] if decode else []) + [runs[i] for i in sorted(runs)]
+
+
+@dataclass
+class AttentionGroup:
+    """Rows attended by one SDPA call: Bg rows, queries padded to Qg, contexts to Cg.
+
+    context_slots: (Bg, Cg) slots of each row's context, in position order, padded with 0
+    query_index:   (Bg, Qg) index into the flat T dimension of each row's queries (padded
+                   entries repeat the row's last query and are discarded), or None when the
+                   group is every row and each has exactly Qg queries laid out row-major
+                   (the common all-decode or all-verify-k case: a view, no gather)
+    attn_mask:     (Bg, 1, Qg, Cg) bool, True where query may attend to key; None when
+                   Qg == 1 and every row's one query sits at the last of Cg keys (it sees
+                   its whole context: a one-row decode, or decode rows of equal length)
+    out_index:     (Bg*Qg,) row of each padded query in the output of a multi-group pass:
+                   the token's flat index for a real query, a spare row >= T for padding;
+                   None for a one-group pass (see AttentionMetadata.gather_index)
+    """
+
+    context_slots: torch.Tensor
+    query_index: torch.Tensor | None
+    attn_mask: torch.Tensor | None
+    out_index: torch.Tensor | None
+    num_rows: int
+    query_len: int
+
+
 @dataclass
 class AttentionMetadata:
     """Per-forward tensors shared by every layer (built once per step, never global).
 
     positions:     (T,)  position of each new token in its row
     slot_mapping:  (T,)  KV slot each new token writes
-    context_slots: (B, C) slots of each row's context, in position order, padded with 0
+    groups:        the rows grouped by query length (`partition_rows`), each attended by
+                   its own gather and SDPA call (`AttentionGroup`); one group when every
+                   row has the same query length: then nothing is scattered
+    gather_index:  (T,)  for one group with padded queries: flat position in its padded
+                   (B*Q) output of each real token; else None
+    out_rows:      rows of the multi-group output buffer: T plus one spare row per padded
+                   query (padding lands there, then `[:T]` drops it); T for one group
     context_start: first slot of the context when there is one row and its slots are
                    consecutive (a fresh pool hands out consecutive blocks): attention then
                    reads a view of the pool instead of gathering a copy per layer; else None
-    query_index:   (B, Q) index into the flat T dimension of each row's queries (padded
-                   entries point at a real token and are discarded), or None when every
-                   row has exactly Q queries laid out row-major (the common decode case)
-    gather_index:  (T,)  flat position in the padded (B*Q) layout of each real token
-    attn_mask:     (B, 1, Q, C) bool, True where query may attend to key; None when one
-                   row decodes one token (it sees its whole context)
     max_position:  max(positions), known on the host (sizing the rotary table needs no sync)
     """
 
     positions: torch.Tensor
     slot_mapping: torch.Tensor
-    context_slots: torch.Tensor
-    query_index: torch.Tensor | None
+    groups: list[AttentionGroup]
     gather_index: torch.Tensor | None
-    attn_mask: torch.Tensor | None
     num_rows: int
-    max_query_len: int
+    out_rows: int
     max_position: int = None
     context_start: int | None = None
 
@@ -94,43 +174,70 @@ class AttentionMetadata:
         whose slots in position order are `context_slots[b]`.
         """
         num_rows = len(query_lens)
-        q_max, c_max = max(query_lens), max(context_lens)
         flat_pos = [p for row in positions for p in row]
         flat_slots = [s for row in slots for s in row]
-        ctx = torch.zeros(num_rows, c_max, dtype=torch.long)
-        for b, row in enumerate(context_slots):
-            ctx[b, : len(row)] = torch.as_tensor(row, dtype=torch.long)
-        context_start = None
-        if num_rows == 1 and int(ctx[0, -1]) - int(ctx[0, 0]) == c_max - 1 and \
-                (c_max == 1 or bool((ctx[0, 1:] - ctx[0, :-1] == 1).all())):
-            context_start = int(ctx[0, 0])
+        num_tokens = len(flat_pos)
         pos_t = torch.tensor(flat_pos, dtype=torch.long)
-        if all(q == q_max for q in query_lens):
-            query_index = gather_index = None
-            q_pos = pos_t.view(num_rows, q_max)  # (B, Q)
-        else:
-            starts = [0]
-            for q in query_lens[:-1]:
-                starts.append(starts[-1] + q)
-            qi = torch.tensor([[s + min(j, q - 1) for j in range(q_max)]
-                               for s, q in zip(starts, query_lens)], dtype=torch.long)
-            query_index = qi  # (B, Q)
-            gather_index = torch.tensor([b * q_max + j for b, q in enumerate(query_lens)
-                                         for j in range(q)], dtype=torch.long)  # (T,)
-            q_pos = pos_t[qi]  # (B, Q) padded queries repeat the row's last position
-        mask = None
-        if not (num_rows == 1 and q_max == 1 and flat_pos[0] == c_max - 1):
-            key_pos = torch.arange(c_max)  # (C,)
-            ctx_len = torch.tensor(context_lens, dtype=torch.long)
-            mask = ((key_pos[None, None, :] <= q_pos[:, :, None]) &
-                    (key_pos[None, None, :] < ctx_len[:, None, None])).unsqueeze(1).to(device)  # (B, 1, Q, C)
+        starts = [0]
+        for q in query_lens[:-1]:
+            starts.append(starts[-1] + q)
+        partition = partition_rows(query_lens, context_lens)
+        one_group = len(partition) == 1
+        groups, gather_index, spare = [], None, num_tokens
+        for rows in partition:
+            q_lens = [query_lens[b] for b in rows]
+            c_lens = [context_lens[b] for b in rows]
+            q_max, c_max = max(q_lens), max(c_lens)
+            ctx = torch.zeros(len(rows), c_max, dtype=torch.long)
+            for i, b in enumerate(rows):
+                ctx[i, : len(context_slots[b])] = torch.as_tensor(context_slots[b], dtype=torch.long)
+            out_index = None
+            if one_group and all(q == q_max for q in q_lens):
+                query_index = None
+                q_pos = pos_t.view(num_rows, q_max)  # (B, Q)
+            else:
+                query_index = torch.tensor([[starts[b] + min(j, query_lens[b] - 1) for j in range(q_max)]
+                                            for b in rows], dtype=torch.long)  # (Bg, Qg)
+                q_pos = pos_t[query_index]  # (Bg, Qg) padded queries repeat the row's last position
+                if one_group:
+                    gather_index = torch.tensor([i * q_max + j for i, q in enumerate(q_lens)
+                                                 for j in range(q)], dtype=torch.long).to(device)  # (T,)
+                else:
+                    out = []
+                    for b in rows:
+                        q = query_lens[b]
+                        out += range(starts[b], starts[b] + q)
+                        out += range(spare, spare + q_max - q)
+                        spare += q_max - q
+                    out_index = torch.tensor(out, dtype=torch.long).to(device)  # (Bg*Qg,)
+            mask = None
+            if not (q_max == 1 and all(positions[b][0] == c_max - 1 and context_lens[b] == c_max
+                                       for b in rows)):
+                key_pos = torch.arange(c_max)  # (Cg,)
+                ctx_len = torch.tensor(c_lens, dtype=torch.long)
+                mask = ((key_pos[None, None, :] <= q_pos[:, :, None]) &
+                        (key_pos[None, None, :] < ctx_len[:, None, None])).unsqueeze(1).to(device)  # (Bg, 1, Qg, Cg)
+            groups.append(AttentionGroup(
+                context_slots=ctx.to(device), query_index=None if query_index is None else query_index.to(device),
+                attn_mask=mask, out_index=out_index, num_rows=len(rows), query_len=q_max))
+        context_start = None
+        if num_rows == 1:  # `ctx`, `c_max`: the one row's, still on the host
+            if int(ctx[0, -1]) - int(ctx[0, 0]) == c_max - 1 and \
+                    (c_max == 1 or bool((ctx[0, 1:] - ctx[0, :-1] == 1).all())):
+                context_start = int(ctx[0, 0])
         return cls(
             positions=pos_t.to(device), slot_mapping=torch.tensor(flat_slots, dtype=torch.long).to(device),
-            context_slots=ctx.to(device),
-            query_index=None if query_index is None else query_index.to(device),
-            gather_index=None if gather_index is None else gather_index.to(device),
-            attn_mask=mask, num_rows=num_rows, max_query_len=q_max,
+            groups=groups, gather_index=gather_index, num_rows=num_rows, out_rows=spare,
             max_position=max(flat_pos), context_start=context_start)
+
+
+def _sdpa(qp: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    """qp: (B, H, Q, D); keys, values: (B, Hkv, C, D) -> (B, H, Q, D)."""
+    if _SDPA_HAS_GQA:
+        return F.scaled_dot_product_attention(qp, keys, values, attn_mask=mask, enable_gqa=True)
+    per_kv = qp.shape[1] // keys.shape[1]  # query heads per KV head
+    return F.scaled_dot_product_attention(
+        qp, keys.repeat_interleave(per_kv, 1), values.repeat_interleave(per_kv, 1), attn_mask=mask)
 
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int,
@@ -139,28 +246,33 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: in
     """Write the new K/V into the pool, then attend each row over its own context.
 
     q: (T, H, D); k, v: (T, Hkv, D) for the new tokens; `context`: `kv.context_views(meta)`
-    (None: gather through meta.context_slots). Returns (T, H * D).
+    (None: gather through each group's context_slots). Returns (T, H * D).
     """
     k_pool, v_pool = kv.k_layers[layer], kv.v_layers[layer]  # (S, Hkv, D) each
     k_pool.index_copy_(0, meta.slot_mapping, k)
     v_pool.index_copy_(0, meta.slot_mapping, v)
-    num_rows, q_len, heads = meta.num_rows, meta.max_query_len, q.shape[1]
-    if context is not None:  # one row, consecutive slots: views of the pool, no copy
-        keys, values = context[0][layer], context[1][layer]                 # (1, Hkv, C, D) each
-    else:
-        keys = k_pool[meta.context_slots].transpose(1, 2)    # (B, Hkv, C, D)
-        values = v_pool[meta.context_slots].transpose(1, 2)  # (B, Hkv, C, D)
-    if meta.query_index is None:
-        qp = q.view(num_rows, q_len, heads, -1).transpose(1, 2)  # (B, H, Q, D)
-    else:
-        qp = q[meta.query_index].transpose(1, 2)                 # (B, H, Q, D)
-    if _SDPA_HAS_GQA:
-        out = F.scaled_dot_product_attention(qp, keys, values, attn_mask=meta.attn_mask,
-                                             enable_gqa=True)  # (B, H, Q, D)
-    else:
-        groups = qp.shape[1] // keys.shape[1]
-        out = F.scaled_dot_product_attention(
-            qp, keys.repeat_interleave(groups, 1), values.repeat_interleave(groups, 1),
-            attn_mask=meta.attn_mask)  # (B, H, Q, D)
-    out = out.transpose(1, 2).reshape(num_rows * q_len, -1)  # (B*Q, H*D)
-    return out if meta.gather_index is None else out[meta.gather_index]
+    heads, groups = q.shape[1], meta.groups
+    if len(groups) == 1:
+        g = groups[0]
+        if context is not None:  # one row, consecutive slots: views of the pool, no copy
+            keys, values = context[0][layer], context[1][layer]             # (1, Hkv, C, D) each
+        else:
+            keys = k_pool[g.context_slots].transpose(1, 2)    # (B, Hkv, C, D)
+            values = v_pool[g.context_slots].transpose(1, 2)  # (B, Hkv, C, D)
+        if g.query_index is None:
+            qp = q.view(g.num_rows, g.query_len, heads, -1).transpose(1, 2)  # (B, H, Q, D)
+        else:
+            qp = q[g.query_index].transpose(1, 2)                            # (B, H, Q, D)
+        out = _sdpa(qp, keys, values, g.attn_mask)                            # (B, H, Q, D)
+        out = out.transpose(1, 2).reshape(g.num_rows * g.query_len, -1)       # (B*Q, H*D)
+        return out if meta.gather_index is None else out[meta.gather_index]
+    # Several groups: each gathers its own rows' context, attends, and scatters its queries'
+    # outputs to their flat rows (padding to spare rows past T).
+    out = q.new_empty(meta.out_rows, heads * q.shape[2])  # (T + padding, H*D)
+    for g in groups:
+        keys = k_pool[g.context_slots].transpose(1, 2)        # (Bg, Hkv, Cg, D)
+        values = v_pool[g.context_slots].transpose(1, 2)      # (Bg, Hkv, Cg, D)
+        qp = q[g.query_index].transpose(1, 2)                 # (Bg, H, Qg, D)
+        o = _sdpa(qp, keys, values, g.attn_mask)              # (Bg, H, Qg, D)
+        out.index_copy_(0, g.out_index, o.transpose(1, 2).reshape(g.num_rows * g.query_len, -1))
+    return out[: q.shape[0]]

@@ -77,13 +77,17 @@ class NgramProposer:
         ks = [k] * len(histories) if isinstance(k, int) else list(k)
         if len(ks) != len(histories) or any(not isinstance(n, int) or n < 0 for n in ks):
             raise ValueError(f"k must be an integer >= 0 or one per row ({len(histories)}), got {k!r}")
-        proposals = [self._propose_one(seq, n) for seq, n in zip(histories, ks)]
+        proposals = self.lookup(histories, ks)
         k_max = max(ks, default=0)
         tokens = torch.zeros(len(histories), k_max, dtype=torch.int64)          # (B, k_max)
         for row, proposal in enumerate(proposals):
             tokens[row, :len(proposal)] = torch.tensor(proposal, dtype=torch.int64)
         num_tokens = torch.tensor([len(p) for p in proposals], dtype=torch.int64)  # (B,)
         return Draft(tokens.to(self.device), None, num_tokens.to(self.device))
+
+    def lookup(self, histories: Sequence[TokenHistory], ks: Sequence[int]) -> list[list[int]]:
+        """Up to ks[i] proposed tokens per history, as lists (the engine's form; no tensors)."""
+        return [self._propose_one(seq, n) for seq, n in zip(histories, ks)]
 
     def propose(self, batch: Sequence[TokenHistory], k: int | Sequence[int]) -> Draft:
         """The `Proposer` entry point: same as `propose_for`."""

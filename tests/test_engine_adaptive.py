@@ -1,0 +1,122 @@
+"""The engine and the adaptive controller together: what the controller is told and what
+the engine then does with its choice.
+
+* n-gram rows are looked up before k is chosen, and the controller is told each row's
+  match length (clipped to the request's k and budget), so a row without a match is never
+  charged for drafts it cannot have;
+* every row drafts exactly the k chosen for it, and the verify cost is reported against
+  the draft tokens the pass really verified;
+* a request's own k (the server's `speculative.num_tokens`) caps the adaptive choice.
+Each is shown to fail on an engine that breaks it.
+"""
+from __future__ import annotations
+
+import pytest
+
+from tiny import run_all, tiny_engine, tiny_pair
+from verispec.engine.engine import SpecOverride, _History
+from verispec.spec.ngram import NgramProposer
+from verispec.sampling import SamplingParams
+
+VOCAB = 48
+PAIR = tiny_pair(vocab=VOCAB, noise=0.1, seed=3)
+# Repetitive prompts (n-gram matches) next to one with no repeated token (no match at first).
+PROMPTS = [[5, 9, 2, 7, 5, 9, 2, 7, 5, 9], [1, 1, 4, 4, 1, 1, 4, 4, 1], list(range(10, 30))]
+GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+
+
+def record(engine):
+    """Wrap the controller: log (available, chosen) per choose_k and each verify cost size."""
+    log = {"choices": [], "verify_sizes": []}
+    ctl = engine.controller
+    choose, observe = ctl.choose_k, ctl.observe_cost
+
+    def choose_k(ids, batch_size, available=None):
+        out = choose(ids, batch_size, available)
+        # What a fresh lookup over each request's history finds, clipped to its budget.
+        reqs = [engine.requests[r] for r in ids]
+        found = NgramProposer(engine.ngram.max_n, engine.ngram.min_n).lookup(
+            [_History(r) for r in reqs], [engine.scheduler.spec_budget(r) for r in reqs])
+        log["choices"].append((dict(zip(ids, available)), dict(out),
+                               {r: len(f) for r, f in zip(ids, found)}))
+        return out
+
+    def observe_cost(kind, batch_size, size, seconds):
+        if kind == "verify":
+            log["verify_sizes"].append(size)
+        return observe(kind, batch_size, size, seconds)
+
+    ctl.choose_k, ctl.observe_cost = choose_k, observe_cost
+    return log
+
+
+def drafts_per_step(engine):
+    """Log the draft tokens each step verifies and the rows that drafted other than the k
+    chosen for them (logged, not raised: the engine turns a step's exception into aborts)."""
+    log = {"sizes": [], "mismatches": []}
+    propose = engine._propose
+
+    def wrapped(rows, ks, lookups):
+        drafts, seconds = propose(rows, ks, lookups)
+        log["mismatches"] += [r.request_id for r in rows
+                              if len(drafts.get(r.request_id, ([], None))[0]) != ks[r.request_id]]
+        log["sizes"].append(sum(len(d[0]) for d in drafts.values()))
+        return drafts, seconds
+
+    engine._propose = wrapped
+    return log
+
+
+def test_ngram_availability_reaches_the_controller_and_rows_draft_what_was_chosen():
+    engine = tiny_engine(PAIR[0], method="ngram", k=4, adaptive=True)
+    log, drafted = record(engine), drafts_per_step(engine)
+    out = run_all(engine, PROMPTS, GREEDY)
+    assert not any(o.error for o in out) and not drafted["mismatches"]
+    assert log["choices"]
+    for available, chosen, found in log["choices"]:
+        assert available == found                     # exactly what the lookup has
+        assert all(0 <= chosen[r] <= available[r] <= 4 for r in chosen)
+    assert any(a == 0 for available, _, _ in log["choices"] for a in available.values())
+    assert any(k > 0 for _, chosen, _ in log["choices"] for k in chosen.values())
+    # Every timed round reports the draft tokens its pass verified (steps with prefill are not timed).
+    assert log["verify_sizes"] and set(log["verify_sizes"]) <= set(drafted["sizes"])
+
+
+def test_an_engine_that_chooses_k_before_the_lookup_is_caught():
+    """Broken: the controller is not told the lookup's result (every row looks available
+    up to its budget), so rows are charged for drafts they cannot have and draft fewer
+    tokens than chosen: both checks above fail."""
+    engine = tiny_engine(PAIR[0], method="ngram", k=4, adaptive=True)
+    log = record(engine)
+    original = engine._choose_k
+    engine._choose_k = lambda rows, lookups: original(rows, {})
+    run_all(engine, PROMPTS, GREEDY)
+    assert any(available != found for available, _, found in log["choices"])
+    broken = tiny_engine(PAIR[0], method="ngram", k=4, adaptive=True)
+    drafted = drafts_per_step(broken)
+    original2 = broken._choose_k
+    broken._choose_k = lambda rows, lookups: original2(rows, {})
+    run_all(broken, PROMPTS, GREEDY)
+    assert drafted["mismatches"]
+
+
+def deepest_round(method: str, broken: bool = False) -> int:
+    target, draft = PAIR
+    engine = tiny_engine(target, draft if method == "draft" else None, method=method, k=8, adaptive=True)
+    ctl = engine.controller  # drafting looks free, so the controller drafts all it may
+    for b in (1, 2, 4):
+        for n in range(0, 40):
+            ctl.observe_cost("verify", b, n, 1.0)
+            ctl.observe_cost("draft", b, n + 1, 0.0)
+    ctl.observe_cost = lambda *args: None
+    if broken:  # the request's own k ignored: only what is left of max_tokens limits drafting
+        engine.scheduler.spec_budget = lambda r: max(0, min(8, r.remaining_tokens - 1))
+    out = run_all(engine, PROMPTS, GREEDY, spec=SpecOverride(num_tokens=2, adaptive=True))
+    assert any(o.spec.num_draft_tokens for o in out)
+    return max(len(o.spec.drafted_per_position) for o in out)
+
+
+@pytest.mark.parametrize("method", ["ngram", "draft"])
+def test_request_k_caps_the_adaptive_choice(method):
+    assert deepest_round(method) <= 2
+    assert deepest_round(method, broken=True) > 2
