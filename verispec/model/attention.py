@@ -231,6 +231,16 @@ class AttentionMetadata:
             max_position=max(flat_pos), context_start=context_start)
 
 
+def _gather(pool: torch.Tensor, g: AttentionGroup) -> torch.Tensor:
+    """The group's context rows of one layer's pool (S, Hkv, D) -> (Bg, Hkv, Cg, D).
+
+    index_select over the flattened slots, not advanced indexing (`pool[slots]`): the same
+    copy, ~5x faster on CPU (16 rows x 400 slots: 111 us vs 554 us; twice per layer).
+    """
+    rows, ctx = g.context_slots.shape
+    return pool.index_select(0, g.context_slots.view(-1)).view(rows, ctx, *pool.shape[1:]).transpose(1, 2)
+
+
 def _sdpa(qp: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
     """qp: (B, H, Q, D); keys, values: (B, Hkv, C, D) -> (B, H, Q, D)."""
     if _SDPA_HAS_GQA:
@@ -257,8 +267,7 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: in
         if context is not None:  # one row, consecutive slots: views of the pool, no copy
             keys, values = context[0][layer], context[1][layer]             # (1, Hkv, C, D) each
         else:
-            keys = k_pool[g.context_slots].transpose(1, 2)    # (B, Hkv, C, D)
-            values = v_pool[g.context_slots].transpose(1, 2)  # (B, Hkv, C, D)
+            keys, values = _gather(k_pool, g), _gather(v_pool, g)  # (B, Hkv, C, D) each
         if g.query_index is None:
             qp = q.view(g.num_rows, g.query_len, heads, -1).transpose(1, 2)  # (B, H, Q, D)
         else:
@@ -270,8 +279,7 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: in
     # outputs to their flat rows (padding to spare rows past T).
     out = q.new_empty(meta.out_rows, heads * q.shape[2])  # (T + padding, H*D)
     for g in groups:
-        keys = k_pool[g.context_slots].transpose(1, 2)        # (Bg, Hkv, Cg, D)
-        values = v_pool[g.context_slots].transpose(1, 2)      # (Bg, Hkv, Cg, D)
+        keys, values = _gather(k_pool, g), _gather(v_pool, g)  # (Bg, Hkv, Cg, D) each
         qp = q[g.query_index].transpose(1, 2)                 # (Bg, H, Qg, D)
         o = _sdpa(qp, keys, values, g.attn_mask)              # (Bg, H, Qg, D)
         out.index_copy_(0, g.out_index, o.transpose(1, 2).reshape(g.num_rows * g.query_len, -1))
