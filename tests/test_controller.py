@@ -403,12 +403,33 @@ def test_cold_start_plays_plain_then_widens_one_doubling_at_a_time():
         ctl.observe_cost("verify", 16, n, cost(n))
     assert sizes == [0, 16, 48]                        # tokens 16 -> 32 -> 64
     one = AdaptiveController(ControllerConfig(explore=0.0))
-    one.start("r", "draft")
+    one.start("r", "ngram")
     ks = []
     for _ in range(5):
         ks.append(one.choose_k(["r"], 1)["r"])
         one.observe_cost("verify", 1, ks[-1], 1.0)
     assert ks == [0, 1, 3, 7, 8]
+
+
+@pytest.mark.parametrize("stepwise", [True, False], ids=["one step deeper", "broken: any depth"])
+def test_draft_model_depth_grows_one_step_past_the_deepest_measured(stepwise, monkeypatch):
+    """Verify is flat and drafting looks free until measured: a cold controller may still
+    run the draft model only one step deeper than any draft pass it has timed."""
+    from verispec.spec import controller as ctl_mod
+    if not stepwise:
+        monkeypatch.setattr(ctl_mod.CostTable, "widest", lambda self, bucket: 64)
+    ctl = AdaptiveController(ControllerConfig(explore=0.0))
+    ctl.start("r", "draft")
+    for _ in range(50):
+        ctl.observe_acceptance("r", 4, 4)          # acceptance near 1: depth always pays
+    for n in range(0, 9):
+        ctl.observe_cost("verify", 1, n, 1.0)      # verifying is flat (bf16 on CPU)
+    depths = []
+    for _ in range(4):
+        k = ctl.choose_k(["r"], 1)["r"]
+        depths.append(k)
+        ctl.observe_cost("draft", 1, k, 0.3 * k)   # each draft step costs 0.3 of a verify
+    assert (depths == [1, 2, 3, 4]) == stepwise, depths
 
 
 def test_cold_start_then_measures_plain_k_star_and_its_neighbours():

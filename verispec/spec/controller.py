@@ -90,10 +90,14 @@ optimistic, and optimism is the exploration: an unmeasured size is tried exactly
 its optimistic rate beats the best known one, and is measured by that round.
 
 Exploring from a cold start costs real rounds, and at batch 16 one round of 8 drafts per
-row costs ~4 plain steps (measured). So the controller widens one step at a time: with
-nothing measured it plays plain decoding, and a pass may verify at most twice the draft
-tokens of the largest pass measured at its batch bucket (at least 1): 1, 2, 4, 8, ... The
-bounds then only ever reach one doubling past what is known. Because EWMA only moves cells
+row costs ~4 plain steps (measured). So the controller widens step by step: with nothing
+measured it plays plain decoding; a verify pass may hold at most twice the tokens of the
+largest pass measured at its batch bucket (batch 1: 1, 3, 7, 15 drafts; batch 16: 16, 48,
+...), and a draft model may run at most one step deeper than the deepest draft pass
+measured (each step is a sequential forward of the draft model; before this rule a cold
+controller on Qwen2.5-Coder chat at 4 in flight went from depth 1 to 3 to 7 in its first
+rounds, its optimistic bounds flat from depth 1). The bounds then only ever reach one step
+past what is known. Because EWMA only moves cells
 that are visited, a small deterministic schedule (a fraction `explore` of rounds) also
 re-measures the neighbouring size of the chosen one that was measured longest ago, when its
 estimated rate is within `explore_within` of the best (a far-behind neighbour is not worth a
@@ -471,8 +475,12 @@ class AdaptiveController:
             return out
 
         if drafters:  # the draft model runs as many steps as the deepest row: try each depth
+            # up to one step past the deepest measured: each step is a sequential forward of
+            # the draft model, and an unmeasured depth's bound (flat from the measured one)
+            # would otherwise send a cold controller straight to k_max
             plans = []
-            for depth in range(1, self.config.k_max + 1):
+            deepest = min(self.config.k_max, self._costs["draft"].widest(bucket) + 1)
+            for depth in range(1, deepest + 1):
                 pool = [t for t in gains if t[2] <= depth or t[1] not in drafters]
                 plans.append((pool, plan(pool, self.estimated_cost("draft", batch_size, depth) or 0.0)))
         else:
