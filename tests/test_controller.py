@@ -359,7 +359,12 @@ def test_new_requests_start_from_what_the_workload_showed():
 
 
 def test_unmeasured_cost_is_the_tightest_lower_bound_from_neighbours():
-    ctl = AdaptiveController()
+    assert AdaptiveController().estimated_cost("verify", 4, 3) is None
+    untrusted = AdaptiveController()                   # cells need 3 samples to be trusted
+    untrusted.observe_cost("verify", 4, 16, 2.0)
+    untrusted.observe_cost("verify", 4, 0, 1.0)
+    assert untrusted.estimated_cost("verify", 4, 16) == 1.0   # min(2.0, the bound from plain)
+    ctl = AdaptiveController(ControllerConfig(cost_min_samples=1))
     assert ctl.estimated_cost("verify", 4, 3) is None
     ctl.observe_cost("verify", 4, 16, 2.0)   # 4 rows + 16 drafts = 20 tokens
     ctl.observe_cost("verify", 4, 0, 1.0)    # plain: 4 tokens
@@ -391,7 +396,7 @@ def test_cost_cell_is_a_mean_then_an_ewma():
 def test_cold_start_plays_plain_then_widens_one_doubling_at_a_time():
     """At batch 16 one round of 8 drafts per row costs ~4 plain steps: a cold controller
     starts plain and at most doubles the tokens of the widest pass it has measured."""
-    ctl = AdaptiveController(ControllerConfig(explore=0.0))
+    ctl = AdaptiveController(ControllerConfig(explore=0.0, cost_min_samples=1))
     ids = [f"r{i}" for i in range(16)]
     for rid in ids:
         ctl.start(rid, "ngram")
@@ -402,7 +407,7 @@ def test_cold_start_plays_plain_then_widens_one_doubling_at_a_time():
         sizes.append(n)
         ctl.observe_cost("verify", 16, n, cost(n))
     assert sizes == [0, 16, 48]                        # tokens 16 -> 32 -> 64
-    one = AdaptiveController(ControllerConfig(explore=0.0))
+    one = AdaptiveController(ControllerConfig(explore=0.0, cost_min_samples=1))
     one.start("r", "ngram")
     ks = []
     for _ in range(5):
@@ -418,7 +423,7 @@ def test_draft_model_depth_grows_one_step_past_the_deepest_measured(stepwise, mo
     from verispec.spec import controller as ctl_mod
     if not stepwise:
         monkeypatch.setattr(ctl_mod.CostTable, "widest", lambda self, bucket: 64)
-    ctl = AdaptiveController(ControllerConfig(explore=0.0))
+    ctl = AdaptiveController(ControllerConfig(explore=0.0, cost_min_samples=1))
     ctl.start("r", "draft")
     for _ in range(50):
         ctl.observe_acceptance("r", 4, 4)          # acceptance near 1: depth always pays
@@ -432,6 +437,30 @@ def test_draft_model_depth_grows_one_step_past_the_deepest_measured(stepwise, mo
     assert (depths == [1, 2, 3, 4]) == stepwise, depths
 
 
+@pytest.mark.parametrize("min_samples,recovers", [(3, True), (1, False)],
+                         ids=["untrusted until 3 samples", "broken: first sample trusted"])
+def test_one_slow_first_sample_does_not_price_drafting_out_for_good(min_samples, recovers):
+    """The first pass at a new size is timed at 5x its true cost (a page fault, a kernel's
+    first call at that shape). Trusted at once, its cell looks far behind, is never probed,
+    and the request never drafts again; untrusted, the bound from the other cells brings
+    it back until it has enough samples."""
+    ctl = AdaptiveController(ControllerConfig(cost_min_samples=min_samples))
+    true_cost = {0: 1.0, 1: 1.1, 2: 1.2, 3: 1.3, 4: 1.4}
+    ctl.start("r", "ngram")
+    for _ in range(40):
+        ctl.observe_acceptance("r", 4, 4)         # drafts are nearly always right
+    drafted, first = [], True
+    for _ in range(200):
+        k = ctl.choose_k(["r"], 1, [4])["r"]
+        seconds = true_cost[k] * (5.0 if k and first else 1.0)
+        first = first and not k
+        ctl.observe_cost("verify", 1, k, seconds)
+        if k:
+            ctl.observe_acceptance("r", k, k)
+        drafted.append(k)
+    assert (sum(drafted[-100:]) > 100) == recovers, drafted[-20:]
+
+
 def test_cold_start_then_measures_plain_k_star_and_its_neighbours():
     ctl = AdaptiveController()
     sc = stationary(0.7, tokens=600)
@@ -442,7 +471,7 @@ def test_cold_start_then_measures_plain_k_star_and_its_neighbours():
 
 
 def test_drafts_go_to_the_rows_where_they_pay():
-    ctl = AdaptiveController(ControllerConfig(explore=0.0))
+    ctl = AdaptiveController(ControllerConfig(explore=0.0, cost_min_samples=1))
     for n in range(0, 41):
         ctl.observe_cost("verify", 4, n, 1.0 + 0.06 * n)
     ids = ["high", "low1", "low2", "low3"]
@@ -491,7 +520,7 @@ def test_snapshot_is_plain_json():
 @pytest.mark.parametrize("kwargs, field", [
     (dict(k_max=-1), "k_max"), (dict(fixed_k=9), "fixed_k"), (dict(prior_alpha={}), "prior_alpha"),
     (dict(prior_alpha={"draft": 1.0}), "prior_alpha"), (dict(alpha_half_life_tokens=0), "alpha_half_life"),
-    (dict(cost_ewma=0.0), "cost_ewma"), (dict(explore=1.0), "explore"),
+    (dict(cost_ewma=0.0), "cost_ewma"), (dict(explore=1.0), "explore"), (dict(cost_min_samples=0), "cost_min_samples"),
     (dict(idle_half_life_rounds=-1), "idle_half_life_rounds")])
 def test_config_rejects_out_of_range_fields(kwargs, field):
     with pytest.raises(ValueError, match=field):

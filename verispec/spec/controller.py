@@ -87,7 +87,10 @@ overhead plus at most linear work). For a measured cell (b', n') with cost c tha
 where size is the pass's tokens (b + n for verify, n for the draft model's k steps), and the
 estimate is the largest such bound. Because the estimate is never above the truth it is
 optimistic, and optimism is the exploration: an unmeasured size is tried exactly when even
-its optimistic rate beats the best known one, and is measured by that round.
+its optimistic rate beats the best known one, and is measured by that round. A cell with
+fewer than `cost_min_samples` samples counts as no more than that bound either, so one slow
+first timing (a page fault, a kernel's first call at a new shape) cannot price a size out
+for good.
 
 Exploring from a cold start costs real rounds, and at batch 16 one round of 8 drafts per
 row costs ~4 plain steps (measured). So the controller widens step by step: with nothing
@@ -172,6 +175,7 @@ class ControllerConfig:
     prior_half_life_tokens: float = 1024.0 # window of the per-proposer global estimate
     idle_half_life_rounds: float = 32.0    # untested rounds for a request to forget halfway
     cost_ewma: float = 0.1                 # weight of a new timing in its cell's EWMA
+    cost_min_samples: int = 3              # a cell's samples before it is trusted above the bounds
     explore: float = 0.03                  # fraction of rounds that re-measure a neighbour size
     explore_within: float = 0.15           # ... if its estimated rate is within this of the best
 
@@ -191,6 +195,8 @@ class ControllerConfig:
                      "idle_half_life_rounds"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        if not isinstance(self.cost_min_samples, int) or self.cost_min_samples < 1:
+            raise ValueError(f"cost_min_samples must be an int >= 1, got {self.cost_min_samples!r}")
         if not 0.0 < self.cost_ewma <= 1.0:
             raise ValueError(f"cost_ewma must be in (0, 1], got {self.cost_ewma}")
         if not 0.0 <= self.explore < 1.0:
@@ -241,9 +247,10 @@ class CostTable:
     over n draft tokens, n for the draft model's n steps.
     """
 
-    def __init__(self, ewma: float, tokens):
+    def __init__(self, ewma: float, tokens, min_samples: int = 1):
         self._ewma = ewma
         self._tokens = tokens
+        self._min_samples = min_samples
         self._cells: dict[tuple[int, int], list] = {}  # (bucket, size bucket) -> [seconds, stamp, n]
         self._widest: dict[int, int] = {}              # bucket -> largest size measured
 
@@ -276,17 +283,31 @@ class CostTable:
         return -1 if cell is None else cell[1]
 
     def estimate(self, bucket: int, size: int) -> float | None:
-        """Measured EWMA, else the largest lower bound from measured cells, else None."""
+        """Measured EWMA, else the largest lower bound from measured cells, else None.
+
+        A cell with fewer than `min_samples` samples is not trusted above the bound from the
+        other cells: one slow first sample (a page fault, a kernel's first call at a new
+        shape) would otherwise price drafting out for good, since a cell that looks far
+        behind is never re-measured. A roofline run drafted in 0 of ~1500 rounds while its
+        rerun made 1.66 tokens per step; that run kept no controller state, and this is the
+        failure that fits (the test reproduces it with a 5x first sample).
+        """
         size = size_bucket(size)
-        cell = self._cells.get((bucket, size))
-        if cell is not None:
+        key = (bucket, size)
+        cell = self._cells.get(key)
+        if cell is not None and cell[2] >= self._min_samples:
             return cell[0]
         best, work = None, self._tokens(bucket, size)
-        for (b, n), (seconds, _, _) in self._cells.items():
+        for other, (seconds, _, _) in self._cells.items():
+            if other == key:
+                continue
+            b, n = other
             bound = seconds * min(1.0, bucket / b) * min(1.0, work / max(self._tokens(b, n), 1))
             if best is None or bound > best:
                 best = bound
-        return best
+        if cell is None:
+            return best
+        return cell[0] if best is None else min(cell[0], best)
 
     def snapshot(self) -> list[dict]:
         """Measured cells as plain data."""
@@ -312,8 +333,8 @@ class AdaptiveController:
         self._requests: dict[str, _Request] = {}
         self._global = {p: self.estimator_cls(a, cfg.prior_weight_tokens, cfg.prior_half_life_tokens)
                         for p, a in cfg.prior_alpha.items()}
-        self._costs = {"verify": CostTable(cfg.cost_ewma, lambda b, n: b + n),
-                       "draft": CostTable(cfg.cost_ewma, lambda b, n: n)}
+        self._costs = {"verify": CostTable(cfg.cost_ewma, lambda b, n: b + n, cfg.cost_min_samples),
+                       "draft": CostTable(cfg.cost_ewma, lambda b, n: n, cfg.cost_min_samples)}
         self._num_cost_samples = 0
         self._rounds = 0
         self._probes = 0
