@@ -303,7 +303,7 @@ class LLMEngine:
                 self.kv.evict_provisional(r.request_id)
             else:
                 self.kv.commit(r.request_id, base + 1)
-            if k and r.spec_method != "none":
+            if k:  # drafted (a row without speculation never does)
                 self.controller.observe_acceptance(r.request_id, k, accepted)
             self._rollback(r, base, accepted, k)
             r.stats.record_round(k, accepted)
