@@ -487,17 +487,24 @@ def test_drafts_go_to_the_rows_where_they_pay():
     assert all(together[r] == 0 for r in ids[1:])
 
 
-def test_alike_rows_share_the_drafts_evenly():
+@pytest.mark.parametrize("pooled", [True, False], ids=["pooled", "broken: each row's own estimate"])
+def test_alike_rows_share_the_drafts_evenly(pooled, monkeypatch):
+    """Rows whose estimates differ only by window noise get the same k (within 1); each
+    row's raw estimate hands the noisy-best rows more (measured in simulation: -2.6% at
+    batch 8, alpha 0.7)."""
+    if not pooled:
+        monkeypatch.setattr(AdaptiveController, "_pooled_alphas",
+                            lambda self, reqs: [r.estimator.value for r in reqs])
     ctl = AdaptiveController(ControllerConfig(explore=0.0))
     for n in range(0, 65):
         ctl.observe_cost("verify", 8, n, 1.0 + 0.02 * n)
     ids = [f"r{i}" for i in range(8)]
     for j, rid in enumerate(ids):
         ctl.start(rid, "ngram")
-        for i in range(200):   # alpha 0.7 each, with the noise of a real window
-            ctl.observe_acceptance(rid, 1, 1 if (i * 7 + j * 3) % 10 < 7 - (j % 3 == 0) else 0)
+        for i in range(200):   # 0.6, 0.7 or 0.8 over the last window: noise of alike rows
+            ctl.observe_acceptance(rid, 1, 1 if (i * 7 + j * 3) % 10 < 6 + j % 3 else 0)
     ks = list(ctl.choose_k(ids, 8).values())
-    assert max(ks) - min(ks) <= 1, ks
+    assert (max(ks) - min(ks) <= 1) == pooled, ks
 
 
 def test_fixed_mode_returns_fixed_k():
