@@ -256,6 +256,26 @@ def test_duplicate_blocks_are_swapped_for_the_trees_and_freed():
     mgr.check_integrity()
 
 
+def test_draft_kv_is_tracked_through_caching_and_switches_to_the_trees_blocks():
+    mgr = KVCacheManager(num_blocks=16, block_size=2)
+    prompt = [1, 2, 3, 4, 5, 6, 7]
+    for seq_id in (0, 1):  # both prefill before either caches
+        mgr.open_sequence(seq_id, prompt)
+        prefill(mgr, seq_id, prompt)
+    assert mgr.cache_sequence(0, prompt[:6]) == 0          # target KV only
+    # Sequence 1 has draft KV for 5 positions, but its first 3 blocks become the tree's
+    # copies, which lack it: nothing of its draft KV survives the switch.
+    assert mgr.cache_sequence(1, prompt[:6], draft_tokens=5) == 0
+    mgr.open_sequence(2, prompt)
+    assert mgr.num_committed(2) == 6 and mgr.cached_draft_tokens(2) == 0
+    prefill(mgr, 2, prompt + [8, 9])
+    # Sequence 2 shares those blocks and computed draft KV into them: the tree learns it.
+    assert mgr.cache_sequence(2, prompt + [8, 9], draft_tokens=7) == 7
+    mgr.open_sequence(3, prompt + [8, 9, 10])
+    assert mgr.num_committed(3) == 8 and mgr.cached_draft_tokens(3) == 6
+    mgr.check_integrity()
+
+
 @pytest.mark.parametrize("call, error, message", [
     (lambda m: m.open_sequence(1.5, [1]), ValueError, "seq_id must be an int or a str"),
     (lambda m: m.open_sequence(True, [1]), ValueError, "seq_id must be an int or a str"),

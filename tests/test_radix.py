@@ -25,7 +25,7 @@ def cache_path(pool, tree, tokens):
 
 def test_empty_tree_matches_nothing():
     _, tree = make()
-    assert tree.match_prefix([1, 2, 3, 4]) == ([], 0, None)
+    assert tree.match_prefix([1, 2, 3, 4]) == ([], 0, None, 0)
 
 
 def test_match_is_block_aligned():
@@ -193,12 +193,42 @@ def test_integrity_check_catches_a_cached_block_that_was_freed():
         tree.check_integrity()
 
 
+def test_draft_kv_marks_whole_blocks_and_match_reports_the_marked_run():
+    pool, tree = make()
+    blocks = pool.allocate(3)
+    tree.insert([1, 2, 3, 4, 5, 6], blocks, draft_tokens=3)  # 1 whole block of draft KV
+    m = tree.match_prefix([1, 2, 3, 4, 5, 6, 7])
+    assert m.num_tokens == 6 and m.draft_tokens == 2
+    assert tree.match_prefix([1, 2, 3, 9]).draft_tokens == 2
+    # The same blocks inserted again with more draft KV (the sequence that holds them caught
+    # up): the run grows, splitting the node at the new boundary.
+    tree.insert([1, 2, 3, 4, 5, 6], blocks, draft_tokens=4)
+    assert tree.match_prefix([1, 2, 3, 4, 5, 6]).draft_tokens == 4
+    # A partial match splits a marked node; both halves stay marked.
+    assert tree.match_prefix([1, 2, 9, 9]).draft_tokens == 2
+    assert tree.match_prefix([1, 2, 3, 4, 5, 6]).draft_tokens == 4
+    tree.check_integrity()
+
+
+def test_a_duplicate_insert_never_marks_blocks_it_does_not_hold():
+    pool, tree = make()
+    tree.insert([1, 2, 3, 4], pool.allocate(2))  # target KV only
+    other = pool.allocate(2)                     # another sequence's copies, with draft KV
+    assert tree.insert([1, 2, 3, 4], other, draft_tokens=4) == 4
+    assert tree.match_prefix([1, 2, 3, 4]).draft_tokens == 0
+    # Marked blocks under an unmarked parent do not count: the run starts at the root.
+    tree.insert([1, 2, 3, 4, 5, 6], tree.match_prefix([1, 2, 3, 4]).blocks + pool.allocate(1), draft_tokens=6)
+    m = tree.match_prefix([1, 2, 3, 4, 5, 6])
+    assert m.num_tokens == 6 and m.draft_tokens == 6  # the tree's own blocks: marked now
+    tree.check_integrity()
+
+
 def test_no_prefix_cache_shares_nothing():
     pool = BlockPool(4, BS)
     cache = NoPrefixCache(pool)
     blocks = pool.allocate(1)
     assert cache.insert([1, 2], blocks) == 0
-    assert cache.match_prefix([1, 2, 3]) == ([], 0, None)
+    assert cache.match_prefix([1, 2, 3]) == ([], 0, None, 0)
     assert pool.ref_count(blocks[0]) == 1
     assert cache.num_cached_blocks == cache.num_evictable_blocks == cache.evict(4) == 0
     cache.lock(None)

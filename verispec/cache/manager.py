@@ -63,6 +63,12 @@ Why this order and no other:
    the block table and drops the references in one step, so a block is never both in a
    table and on the free list: the use-after-free that silently corrupts another sequence.
 
+The draft model's KV shares the target's slots but is filled lazily (when a request first
+drafts), so it is tracked apart: open_sequence records how many leading prompt tokens the
+cached blocks hold draft KV for (`cached_draft_tokens`), and cache_sequence takes how many
+the sequence has written and returns how many stay valid once it switches to the tree's
+copies of its blocks.
+
 Block accounting: cached = blocks held by the tree (locked or not), in use = blocks held only
 by sequences, free = on the free list; check_integrity() verifies they sum to the total.
 """
@@ -97,6 +103,7 @@ class _SequenceState:
     node: object | None          # deepest locked prefix-tree node (None: nothing shared)
     num_shared_blocks: int       # leading blocks of block_table held by the tree
     provisional: ProvisionalRun | None = None
+    draft_tokens: int = 0        # leading positions of the shared blocks marked as holding draft KV
 
 
 class KVCacheManager:
@@ -130,16 +137,24 @@ class KVCacheManager:
         for block in match.blocks:
             self.pool.incref(block)
         self._seqs[seq_id] = _SequenceState(list(match.blocks), match.num_tokens, match.node,
-                                            len(match.blocks))
+                                            len(match.blocks), draft_tokens=match.draft_tokens)
         self.hit_tokens += match.num_tokens
         self.query_tokens += len(prompt_ids)
         return match.num_tokens
 
-    def cache_sequence(self, seq_id: SeqId, token_ids: Sequence[int]) -> None:
+    def cached_draft_tokens(self, seq_id: SeqId) -> int:
+        """How many leading tokens of the sequence's shared blocks hold draft-model KV (at
+        open: of the prefix it matched)."""
+        return self._state(seq_id).draft_tokens
+
+    def cache_sequence(self, seq_id: SeqId, token_ids: Sequence[int], draft_tokens: int = 0) -> int:
         """Publish the full blocks of `token_ids` (committed positions only) in the prefix tree.
 
         The sequence keeps using them. Where the tree already had a block for the same
         tokens, the sequence switches to the tree's and its own duplicate is dropped.
+        The sequence's blocks hold draft-model KV for its first `draft_tokens` positions;
+        returns how many leading positions still do after the switch (a tree block may
+        hold target KV only).
         """
         state = self._state(seq_id)
         self._require_no_round(seq_id, state, "cache_sequence")
@@ -148,10 +163,11 @@ class KVCacheManager:
                              f"{len(token_ids)} tokens, sequence {seq_id!r} has "
                              f"{state.num_committed} committed")
         num_full = len(token_ids) // self.block_size
-        if num_full <= state.num_shared_blocks:
-            return
+        own = min(draft_tokens, num_full * self.block_size) // self.block_size * self.block_size
+        if num_full <= state.num_shared_blocks and own <= state.draft_tokens:
+            return draft_tokens
         prefix = token_ids[:num_full * self.block_size]
-        self.prefix_cache.insert(prefix, state.block_table[:num_full])
+        self.prefix_cache.insert(prefix, state.block_table[:num_full], draft_tokens)
         match = self.prefix_cache.match_prefix(prefix)
         for i, cached in enumerate(match.blocks):
             if state.block_table[i] != cached:
@@ -161,13 +177,19 @@ class KVCacheManager:
         self.prefix_cache.lock(match.node)  # lock the new path before letting go of the old
         self.prefix_cache.unlock(state.node)
         state.node, state.num_shared_blocks = match.node, len(match.blocks)
+        state.draft_tokens = match.draft_tokens
+        # The insert marked every whole block of the sequence's own draft KV; a shorter
+        # marked run means a block of it is now the tree's copy, without draft KV.
+        return draft_tokens if match.draft_tokens >= own else match.draft_tokens
 
-    def close_sequence(self, seq_id: SeqId, token_ids: Sequence[int] | None = None) -> None:
-        """End a sequence: optionally cache its committed full blocks, then release it."""
+    def close_sequence(self, seq_id: SeqId, token_ids: Sequence[int] | None = None,
+                       draft_tokens: int = 0) -> None:
+        """End a sequence: optionally cache its committed full blocks (with draft-model KV
+        for the first `draft_tokens`), then release it."""
         state = self._state(seq_id)
         self.evict_provisional(seq_id)
         if token_ids is not None:
-            self.cache_sequence(seq_id, token_ids)
+            self.cache_sequence(seq_id, token_ids, draft_tokens)
         self._release_sequence(seq_id, state)
 
     def preempt(self, seq_id: SeqId) -> None:

@@ -28,11 +28,13 @@ class PrefixMatch(NamedTuple):
     blocks: the cached blocks, one per `block_size` tokens of the prefix.
     num_tokens: len(blocks) * block_size.
     node: handle for lock/unlock (None when nothing matched in a cache without nodes).
+    draft_tokens: leading tokens of the prefix whose blocks hold the draft model's KV too.
     """
 
     blocks: list[int]
     num_tokens: int
     node: object | None
+    draft_tokens: int = 0
 
 
 class PrefixCache(ABC):
@@ -47,8 +49,9 @@ class PrefixCache(ABC):
         """The longest cached prefix of `token_ids`, in whole blocks (marks it recently used)."""
 
     @abstractmethod
-    def insert(self, token_ids: Sequence[int], blocks: Sequence[int]) -> int:
-        """Cache `blocks` as the KV of `token_ids` (full blocks only).
+    def insert(self, token_ids: Sequence[int], blocks: Sequence[int], draft_tokens: int = 0) -> int:
+        """Cache `blocks` as the KV of `token_ids` (full blocks only); the blocks hold the
+        draft model's KV for their first `draft_tokens` tokens.
 
         Returns how many leading tokens were already cached: for those the cache keeps its
         own blocks and the caller's are duplicates, which the caller drops.
@@ -99,7 +102,7 @@ class NoPrefixCache(PrefixCache):
     def match_prefix(self, token_ids: Sequence[int]) -> PrefixMatch:
         return PrefixMatch([], 0, None)
 
-    def insert(self, token_ids: Sequence[int], blocks: Sequence[int]) -> int:
+    def insert(self, token_ids: Sequence[int], blocks: Sequence[int], draft_tokens: int = 0) -> int:
         if len(token_ids) != len(blocks) * self.block_size:
             raise ValueError(f"token_ids must be exactly len(blocks) * block_size = "
                              f"{len(blocks) * self.block_size} long, got {len(token_ids)}")

@@ -18,6 +18,13 @@ Only the KV manager inserts, and only full blocks of committed positions: unveri
 tokens live in the manager's per-sequence provisional tier (see manager.py) and can never
 reach this tree, whose contents every other request trusts.
 
+A node also records whether its blocks hold the DRAFT model's KV for its tokens (`draft`):
+the draft model shares the target's slots but fills them lazily, only when a request first
+drafts, so a cached block may hold target KV alone. `match_prefix` reports how many leading
+tokens of the match have draft KV too; the rest the draft model recomputes (into the same
+shared slots: the same tokens at the same positions give the same KV, so a rewrite never
+changes what another reader of the block trusts).
+
 Eviction takes least-recently-used unlocked leaves and trims them from the tail, block by
 block, so it frees exactly what is asked when enough is evictable. Recency is a counter
 bumped by every match and insert, which keeps eviction order deterministic.
@@ -36,7 +43,7 @@ from verispec.cache.prefix import PrefixCache, PrefixMatch
 class RadixNode:
     """One run of full blocks in the tree; also the handle that lock/unlock take."""
 
-    __slots__ = ("key", "blocks", "children", "parent", "lock_ref", "last_access")
+    __slots__ = ("key", "blocks", "children", "parent", "lock_ref", "last_access", "draft")
 
     def __init__(self, key: tuple[int, ...], blocks: list[int], parent: RadixNode | None,
                  last_access: int):
@@ -46,6 +53,7 @@ class RadixNode:
         self.parent = parent
         self.lock_ref = 0  # locks held on this node or any descendant
         self.last_access = last_access
+        self.draft = False  # its blocks hold the draft model's KV too
 
     def __repr__(self) -> str:
         return (f"RadixNode(blocks={self.blocks}, lock_ref={self.lock_ref}, "
@@ -69,7 +77,7 @@ class RadixCache(PrefixCache):
         bs = self.block_size
         tokens = tuple(token_ids[:len(token_ids) - len(token_ids) % bs])
         now = self._tick()
-        node, pos, blocks = self.root, 0, []
+        node, pos, blocks, draft_tokens = self.root, 0, [], 0
         while pos < len(tokens):
             child = node.children.get(tokens[pos:pos + bs])
             if child is None:
@@ -79,27 +87,40 @@ class RadixCache(PrefixCache):
                 child = self._split(child, matched)
             child.last_access = now
             blocks.extend(child.blocks)
+            if child.draft and draft_tokens == pos:
+                draft_tokens += matched * bs
             pos += matched * bs
             node = child
-        return PrefixMatch(blocks, pos, None if node is self.root else node)
+        return PrefixMatch(blocks, pos, None if node is self.root else node, draft_tokens)
 
-    def insert(self, token_ids: Sequence[int], blocks: Sequence[int]) -> int:
-        """Cache `blocks` as the KV of `token_ids`; returns how many tokens were cached already."""
+    def insert(self, token_ids: Sequence[int], blocks: Sequence[int], draft_tokens: int = 0) -> int:
+        """Cache `blocks` as the KV of `token_ids`; returns how many tokens were cached already.
+
+        The caller's blocks hold the draft model's KV for their first `draft_tokens` tokens:
+        the whole blocks among those are marked so, on new nodes and on nodes that already
+        hold these very blocks (the caller's shared prefix, whose draft KV it computed).
+        """
         bs = self.block_size
         if len(token_ids) != len(blocks) * bs:
             raise ValueError(f"token_ids must be exactly len(blocks) * block_size = "
                              f"{len(blocks) * bs} long (full blocks only), got {len(token_ids)}")
         tokens = tuple(token_ids)
+        draft_blocks = min(draft_tokens // bs, len(blocks))
         now = self._tick()
         node, done = self.root, 0  # done: blocks of the path already in the tree
         while done < len(blocks):
             child = node.children.get(tokens[done * bs:(done + 1) * bs])
             if child is None:
-                self._add_leaf(node, tokens[done * bs:], list(blocks[done:]), now)
+                self._add_leaf(node, tokens[done * bs:], list(blocks[done:]), now, draft_blocks - done)
                 break
             matched = self._common_blocks(child.key, tokens, done * bs)
             if matched < len(child.blocks):
                 child = self._split(child, matched)
+            if not child.draft and done < draft_blocks and child.blocks == list(blocks[done:done + matched]):
+                if done + matched > draft_blocks:
+                    matched = draft_blocks - done
+                    child = self._split(child, matched)
+                child.draft = True
             child.last_access = now
             node, done = child, done + matched
         return done * bs
@@ -120,6 +141,7 @@ class RadixCache(PrefixCache):
                           node.last_access)
         # Every lock below or on `node` also pins the new upper half.
         upper.lock_ref = node.lock_ref
+        upper.draft = node.draft
         node.parent.children[upper.key[:bs]] = upper
         node.key = node.key[num_blocks * bs:]
         node.blocks = node.blocks[num_blocks:]
@@ -128,7 +150,8 @@ class RadixCache(PrefixCache):
         return upper
 
     def _add_leaf(self, parent: RadixNode, key: tuple[int, ...], blocks: list[int],
-                  now: int) -> None:
+                  now: int, draft_blocks: int) -> None:
+        """A new leaf; its first `draft_blocks` blocks (if any) marked as holding draft KV."""
         if len(set(blocks)) != len(blocks):
             raise ValueError(f"blocks {blocks} repeat a block id")
         for block in blocks:
@@ -140,6 +163,8 @@ class RadixCache(PrefixCache):
         self._num_evictable += len(blocks)
         leaf = RadixNode(key, blocks, parent, now)
         parent.children[key[:self.block_size]] = leaf
+        if draft_blocks > 0:
+            (self._split(leaf, draft_blocks) if draft_blocks < len(blocks) else leaf).draft = True
 
     def _tick(self) -> int:
         self._clock += 1

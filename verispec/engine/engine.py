@@ -76,7 +76,8 @@ class LLMEngine:
         self.target = ModelRunner(target, num_slots, cache.block_size, vocab_limit)
         self._shared_generator = torch.Generator().manual_seed(config.seed)
         self.drafter = (DraftModelProposer(ModelRunner(draft, num_slots, cache.block_size, vocab_limit),
-                                           self.kv.block_table, self._shared_generator) if draft else None)
+                                           self.kv.block_table, self._shared_generator,
+                                           config.scheduler.max_num_batched_tokens) if draft else None)
         self.scheduler = Scheduler(config.scheduler, self.kv, self.max_model_len, OutOfBlocks)
         self.ngram = NgramProposer(max_n=config.spec.ngram_max, min_n=config.spec.ngram_min)
         self.controller = AdaptiveController(ControllerConfig(
@@ -228,10 +229,13 @@ class LLMEngine:
         draft_rows = [r for r in rows if r.spec_method == "draft" and ks[r.request_id] > 0]
         if draft_rows:
             t0 = time.perf_counter()
+            self.drafter.catch_up(draft_rows)  # one-off: what the rows' KV lacks, prompts included
+            t1 = time.perf_counter()
             proposed = self.drafter.propose(draft_rows, [ks[r.request_id] for r in draft_rows])
             drafts.update({r.request_id: d for r, d in zip(draft_rows, proposed)})
             draft_s = time.perf_counter() - t0
-            self.controller.observe_cost("draft", len(rows), max(ks[r.request_id] for r in draft_rows), draft_s)
+            self.controller.observe_cost("draft", len(rows), max(ks[r.request_id] for r in draft_rows),
+                                         time.perf_counter() - t1)
         return drafts, draft_s
 
     def _verify_and_commit(self, batch: ScheduledBatch, rows: list[Request], drafts) -> list[RequestOutput]:
@@ -249,8 +253,6 @@ class LLMEngine:
             if d_tokens:
                 self.kv.insert_provisional(req.request_id, d_tokens, slots, base + 1)
             inputs.append(RowInput([req.all_ids[-1]] + d_tokens, base, self.kv.block_table(req.request_id), 0))
-        if self.drafter is not None:
-            self.drafter.prefill([(c.request, c.start, c.end) for c in batch.prefill])
         logits = self.target.forward(inputs)
         outputs = self._after_prefill(batch.prefill, logits[: len(batch.prefill)])
         outputs.extend(self._accept(rows, logits[len(batch.prefill):], drafts))
@@ -267,7 +269,8 @@ class LLMEngine:
             if req.is_prefilling or lg.shape[0] == 0:
                 continue
             if self.config.cache.prefix_cache:
-                self.kv.cache_sequence(req.request_id, req.all_ids[: req.num_computed])
+                req.draft_computed = self.kv.cache_sequence(req.request_id, req.all_ids[: req.num_computed],
+                                                            req.draft_computed)
             done.append(req)
             last.append(lg[-1:])
         if not done:
@@ -379,10 +382,8 @@ class LLMEngine:
         req.finish_reason = reason
         self.scheduler.remove(req)
         keep = req.all_ids[: req.num_computed] if cache and self.config.cache.prefix_cache else None
-        if keep is not None and self.drafter is not None:
-            keep = keep[: req.draft_computed]
         if req.request_id in self.kv:  # a request still waiting holds no blocks
-            self.kv.close_sequence(req.request_id, keep)
+            self.kv.close_sequence(req.request_id, keep, req.draft_computed)
         self.ngram.forget(req.request_id)
         if req.spec_method != "none":
             self.controller.finish(req.request_id)

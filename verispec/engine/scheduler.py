@@ -84,7 +84,8 @@ class Scheduler:
                 budget -= self._schedule_prefill(req, budget, batch)
         while self.waiting and budget > 0 and len(self.running) < self.cfg.max_num_seqs:
             req = self.waiting[0]
-            req.num_computed = req.draft_computed = self.kv.open_sequence(req.request_id, req.all_ids)
+            req.num_computed = self.kv.open_sequence(req.request_id, req.all_ids)
+            req.draft_computed = self.kv.cached_draft_tokens(req.request_id)
             used = self._schedule_prefill(req, budget, batch)
             if used == 0:
                 self.kv.close_sequence(req.request_id)

@@ -3,10 +3,16 @@
 Its KV lives in its own preallocated store, indexed by the SAME slots as the target's (the
 same block tables), so it needs no block manager of its own. `Request.draft_computed` is
 the draft's KV length; after a verify round it is rolled back to the verified length
-(O(1): positions past it are rewritten before they are read again). Each propose call
-first catches the draft up on every token it has not seen (the pending token, plus the
-last accepted draft / bonus token after a fully accepted round) in one multi-token pass,
-then drafts autoregressively.
+(O(1): positions past it are rewritten before they are read again).
+
+The draft's KV is filled lazily: prompts are prefilled by the target alone, and a request
+that never drafts (plain rows, n-gram rows, rows the controller keeps at k = 0) never
+runs the draft model at all. When a request drafts, `catch_up` first computes everything
+its draft KV lacks (the prompt on its first draft, the tokens decoded since it last
+drafted), in passes of at most `chunk_tokens`; then each propose call feeds the one or two
+tokens a round leaves unseen (the pending token, plus the last accepted draft after a
+fully accepted round) and drafts autoregressively. The engine times catch-ups apart from
+drafting: they are one-off costs, not the per-round cost the controller weighs.
 """
 from __future__ import annotations
 
@@ -20,20 +26,31 @@ from verispec.sampling import SamplingTensors, sample
 class DraftModelProposer:
     name = "draft"
 
-    def __init__(self, runner: ModelRunner, block_table, shared_generator: torch.Generator | None = None):
+    def __init__(self, runner: ModelRunner, block_table, shared_generator: torch.Generator | None = None,
+                 chunk_tokens: int = 512):
         self.runner = runner
         self.block_table = block_table  # seq_id -> list[int]
         self.shared_generator = shared_generator
+        self.chunk_tokens = chunk_tokens  # most tokens one catch-up pass computes
+        self.catch_up_tokens = 0          # tokens computed by catch-ups so far
 
-    def prefill(self, chunks: list[tuple[Request, int, int]]) -> None:
-        """Compute the same prefill chunks as the target, keeping the KV in lockstep."""
-        rows = []
-        for req, start, end in chunks:
-            if req.draft_computed == start:
-                rows.append(RowInput(req.all_ids[start:end], start, self.block_table(req.request_id), end - start))
+    def catch_up(self, reqs: list[Request]) -> None:
+        """Fill each request's draft KV up to the token before its pending one, where more
+        is missing than a round leaves (one token); no logits are computed."""
+        todo = [r for r in reqs if r.num_tokens - 1 - r.draft_computed > 1]
+        while todo:
+            rows, budget = [], self.chunk_tokens
+            for req in todo:
+                if budget <= 0:
+                    break
+                end = min(req.num_tokens - 1, req.draft_computed + budget)
+                tokens = req.all_ids[req.draft_computed:end]
+                rows.append(RowInput(tokens, req.draft_computed, self.block_table(req.request_id), len(tokens)))
                 req.draft_computed = end
-        if rows:
+                budget -= len(tokens)
             self.runner.forward(rows)
+            self.catch_up_tokens += sum(len(r.token_ids) for r in rows)
+            todo = [r for r in todo if r.draft_computed < r.num_tokens - 1]
 
     def propose(self, reqs: list[Request], ks: list[int]) -> list[tuple[list[int], torch.Tensor | None]]:
         """Draft ks[i] tokens for reqs[i]; returns (tokens, q (k_i, V)) per request.
