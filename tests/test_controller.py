@@ -437,6 +437,46 @@ def test_draft_model_depth_grows_one_step_past_the_deepest_measured(stepwise, mo
     assert (depths == [1, 2, 3, 4]) == stepwise, depths
 
 
+def catch_up_controller(ignore_catch_up: bool, monkeypatch):
+    """Draft model, batch 4, acceptance ~1; verifying 4 drafts per row costs 1.2x plain and
+    the draft steps 0.1 each: drafting pays handsomely once a row is caught up. A broken
+    variant ignores catch-ups (every row free to start drafting at no charge)."""
+    ctl = AdaptiveController(ControllerConfig(explore=0.0, cost_min_samples=1, k_max=4))
+    if ignore_catch_up:
+        monkeypatch.setattr(AdaptiveController, "_catch_up_charges",
+                            lambda self, caps, c, r, a: [0.0] * len(caps))
+    ids = ["a", "b", "c", "d"]
+    for rid in ids:
+        ctl.start(rid, "draft")
+        for _ in range(30):
+            ctl.observe_acceptance(rid, 4, 4)
+    for n in range(0, 17):
+        ctl.observe_cost("verify", 4, n, 1.0 + 0.2 * n / 16)
+    for k in range(1, 5):
+        ctl.observe_cost("draft", 4, k, 0.1 * k)
+    return ctl, ids
+
+
+@pytest.mark.parametrize("broken", [False, True])
+def test_only_one_row_catches_up_before_the_price_is_measured(broken, monkeypatch):
+    ctl, ids = catch_up_controller(broken, monkeypatch)
+    ks = ctl.choose_k(ids, 4, catch_up=[300, 0, 150, 200], remaining=[64] * 4)
+    # Row b needs none, row c the shortest catch-up: only they may draft this round.
+    assert (ks["a"] == 0 and ks["d"] == 0 and ks["b"] > 0 and ks["c"] > 0) != broken, ks
+
+
+@pytest.mark.parametrize("broken", [False, True])
+def test_a_catch_up_dearer_than_drafting_saves_keeps_the_row_plain(broken, monkeypatch):
+    ctl, ids = catch_up_controller(broken, monkeypatch)
+    ctl.observe_cost("catch_up", 4, 100, 10.0)  # 0.1 s a token: 15 s for 150 tokens
+    short = ctl.choose_k(ids, 4, catch_up=[150, 0, 150, 150], remaining=[8, 8, 8, 8])
+    # 8 tokens left: drafting saves at most ~6 rounds of ~1 s, far below the 15 s catch-up.
+    assert (short["a"] == short["c"] == short["d"] == 0 and short["b"] > 0) != broken, short
+    # With 4000 tokens left the same catch-up is worth it (charged ~0.02 s a round).
+    long = ctl.choose_k(ids, 4, catch_up=[150, 0, 150, 150], remaining=[4000] * 4)
+    assert all(long[r] > 0 for r in ids), long
+
+
 @pytest.mark.parametrize("min_samples,recovers", [(3, True), (1, False)],
                          ids=["untrusted until 3 samples", "broken: first sample trusted"])
 def test_one_slow_first_sample_does_not_price_drafting_out_for_good(min_samples, recovers):

@@ -4,7 +4,8 @@
   exactly the tokens its draft KV lacks (the whole prompt on its first draft);
 * after a prefix-cache hit on blocks that hold target KV only, the draft model recomputes
   them: its proposals equal those of a cold engine; blocks that do hold draft KV are reused;
-* the draft cost the controller learns excludes catch-ups (one-off costs).
+* the draft cost the controller learns excludes catch-ups (one-off costs), and the
+  controller is told what each row must catch up on before it drafts.
 Each is shown to fail on an engine that breaks it.
 """
 from __future__ import annotations
@@ -140,3 +141,24 @@ def test_draft_cost_excludes_catch_ups(monkeypatch, broken):
     run_all(eng, [PROMPT, PROMPT[4:]], GREEDY, spec=DRAFT)
     draft = [s for kind, s in costs if kind == "draft"]
     assert draft and (max(draft) >= slow) == broken
+
+
+@pytest.mark.parametrize("broken", [False, True])
+def test_the_controller_is_told_each_rows_catch_up_and_budget(monkeypatch, broken):
+    if broken:  # tells the controller nothing about catch-ups
+        monkeypatch.setattr(DraftModelProposer, "missing", staticmethod(lambda req: 0))
+    eng = engine(adaptive=True)
+    seen, wrong = [], []
+    choose = eng.controller.choose_k
+
+    def logged(ids, batch_size, available=None, catch_up=None, remaining=None):
+        for rid, c, rem in zip(ids, catch_up, remaining):
+            req = eng.requests[rid]
+            lacking = req.num_tokens - 1 - req.draft_computed
+            seen.append(c)
+            wrong.append(c != (lacking if lacking > 1 else 0) or rem != req.params.max_tokens - len(req.output_ids))
+        return choose(ids, batch_size, available, catch_up, remaining)
+    eng.controller.choose_k = logged
+    run_all(eng, [PROMPT, PROMPT[6:]], GREEDY, spec=DRAFT)
+    # Every row's count was exact, and a prompt's catch-up was announced.
+    assert (not any(wrong) and max(seen) >= len(PROMPT) - 6) != broken

@@ -31,8 +31,8 @@ def record(engine):
     ctl = engine.controller
     choose, observe = ctl.choose_k, ctl.observe_cost
 
-    def choose_k(ids, batch_size, available=None):
-        out = choose(ids, batch_size, available)
+    def choose_k(ids, batch_size, available=None, **kw):
+        out = choose(ids, batch_size, available, **kw)
         # What a fresh lookup over each request's history finds, clipped to its budget.
         reqs = [engine.requests[r] for r in ids]
         found = NgramProposer(engine.ngram.max_n, engine.ngram.min_n).lookup(

@@ -14,6 +14,7 @@ SPEC_METHODS = ("none", "ngram", "draft")
 DTYPES = ("bfloat16", "float32")
 # verispec.model.quant.WEIGHT_FORMATS (repeated here: config must not import torch)
 WEIGHT_FORMATS = ("auto", "dense", "int8", "int4")
+KERNELS = ("auto", "on", "off")
 
 
 @dataclass(frozen=True)
@@ -73,6 +74,7 @@ class EngineConfig:
     weight_format: str = "auto"      # "auto" (int4 for a Q4 GGUF, else dense) | "dense" | "int8" | "int4"
     draft_weight_format: str = "auto"  # the draft model's; "auto" = int4 for a Q4 GGUF, else int8 (bf16)
     threads: int | None = None       # torch intra-op threads; None = torch's default (one per core)
+    kernels: str = "auto"            # fused C++ CPU kernels (model/kernels.py): "auto" (if they build) | "on" | "off"
     seed: int = 0
     spec: SpecConfig = field(default_factory=SpecConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
@@ -83,6 +85,8 @@ class EngineConfig:
             raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
         if self.threads is not None and self.threads < 1:
             raise ValueError(f"threads must be >= 1, got {self.threads}")
+        if self.kernels not in KERNELS:
+            raise ValueError(f"kernels must be one of {KERNELS}, got {self.kernels!r}")
         for name in ("weight_format", "draft_weight_format"):
             value = getattr(self, name)
             if value not in WEIGHT_FORMATS:
@@ -134,6 +138,9 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                    help="the draft model's weights: auto (default, in bfloat16: int4 for a Q4_0/Q4_1 GGUF, "
                         "else int8; a draft's precision moves acceptance, never the output), dense, "
                         "int8 or int4")
+    g.add_argument("--kernels", choices=KERNELS,
+                   help="fused C++ CPU kernels for the decode step: auto (default: used when they "
+                        "compile), on (an error if they do not), off (PyTorch ops only)")
     g.add_argument("--spec", choices=SPEC_METHODS, help="speculation method (default ngram)")
     g.add_argument("--num-spec-tokens", type=int, help="k (k_max when adaptive)")
     g.add_argument("--spec-adaptive", action=argparse.BooleanOptionalAction, default=None,
@@ -160,6 +167,7 @@ def config_from_args(args: argparse.Namespace) -> EngineConfig:
     _set(top, "draft_weight_format", getattr(args, "draft_weight_format", None))
     _set(top, "seed", args.seed)
     _set(top, "threads", getattr(args, "threads", None))
+    _set(top, "kernels", getattr(args, "kernels", None))
     _set(spec, "method", args.spec)
     if args.spec is None and args.draft_model and not getattr(args, "config", None):
         spec["method"] = "draft"   # naming a draft model means you want to use it

@@ -23,6 +23,7 @@ from verispec.cache.manager import KVCacheManager, OutOfBlocks
 from verispec.config import EngineConfig
 from verispec.engine.runner import ModelRunner, RowInput
 from verispec.engine.scheduler import ScheduledBatch, Scheduler
+from verispec.model import kernels
 from verispec.model.llama import LlamaModel
 from verispec.model.tokenizer import IncrementalDetokenizer, Tokenizer
 from verispec.outputs import RequestOutput
@@ -60,9 +61,15 @@ class LLMEngine:
 
     def __init__(self, config: EngineConfig, target: LlamaModel, tokenizer: Tokenizer,
                  draft: LlamaModel | None = None, vocab_limit: int | None = None):
-        # The config as run: "auto" weight formats replaced by what the models resolved to.
+        ops = None
+        if config.kernels != "off" and target.embed_tokens.weight.device.type == "cpu":
+            ops = kernels.load(required=config.kernels == "on")
+        for model in (target, draft):
+            if model is not None:
+                model.kernels = ops
+        # The config as run: "auto" weight formats and kernels replaced by what resolved.
         self.config = config = replace(
-            config, weight_format=target.weight_format,
+            config, weight_format=target.weight_format, kernels="on" if ops is not None else "off",
             draft_weight_format=draft.weight_format if draft is not None else config.draft_weight_format)
         self.tokenizer = tokenizer
         self.model_name = config.model
@@ -216,8 +223,11 @@ class LLMEngine:
         n-gram, the lookup's length; the controller picks within that for adaptive rows."""
         limit = {r.request_id: len(lookups[r.request_id]) if r.request_id in lookups
                  else self.scheduler.spec_budget(r) for r in rows if r.spec_method != "none"}
-        adaptive = [r.request_id for r in rows if r.spec_method != "none" and r.adaptive]
-        chosen = self.controller.choose_k(adaptive, len(rows), [limit[i] for i in adaptive]) if adaptive else {}
+        adaptive = [r for r in rows if r.spec_method != "none" and r.adaptive]
+        chosen = self.controller.choose_k(
+            [r.request_id for r in adaptive], len(rows), [limit[r.request_id] for r in adaptive],
+            catch_up=[self.drafter.missing(r) if r.spec_method == "draft" else 0 for r in adaptive],
+            remaining=[r.remaining_tokens for r in adaptive]) if adaptive else {}
         return {r.request_id: chosen.get(r.request_id, limit.get(r.request_id, 0)) for r in rows}
 
     def _propose(self, rows: list[Request], ks: dict[str, int], lookups: dict[str, list[int]]) -> tuple[dict, float]:
@@ -229,8 +239,10 @@ class LLMEngine:
         draft_rows = [r for r in rows if r.spec_method == "draft" and ks[r.request_id] > 0]
         if draft_rows:
             t0 = time.perf_counter()
-            self.drafter.catch_up(draft_rows)  # one-off: what the rows' KV lacks, prompts included
+            caught_up = self.drafter.catch_up(draft_rows)  # one-off: what the rows' KV lacks
             t1 = time.perf_counter()
+            if caught_up:
+                self.controller.observe_cost("catch_up", len(rows), caught_up, t1 - t0)
             proposed = self.drafter.propose(draft_rows, [ks[r.request_id] for r in draft_rows])
             drafts.update({r.request_id: d for r, d in zip(draft_rows, proposed)})
             draft_s = time.perf_counter() - t0

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
-from verispec.model.attention import AttentionMetadata
+from verispec.model.attention import KERNEL_QUERY_LIMIT, AttentionMetadata
 from verispec.model.llama import LlamaModel
 
 
@@ -57,7 +57,8 @@ class ModelRunner:
             ctx_lens.append(r.end)
             logits_index.extend(range(offset + r.logits_from, offset + n))
             offset += n
-        meta = AttentionMetadata.build(q_lens, ctx_lens, positions, slots, ctx_slots, self.device)
+        meta = AttentionMetadata.build(q_lens, ctx_lens, positions, slots, ctx_slots, self.device,
+                                       KERNEL_QUERY_LIMIT if self.model.kernels is not None else 0)
         logits = self.model(torch.tensor(ids, device=self.device), meta, self.kv,
                             torch.tensor(logits_index, dtype=torch.long, device=self.device))  # (N, V)
         if self.vocab_limit is not None:

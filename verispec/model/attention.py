@@ -135,6 +135,30 @@ class AttentionGroup:
     query_len: int
 
 
+# Rows of at most this many tokens (decode rows, verify rows up to k = 31, short prefill
+# chunks) are attended by the fused kernel when the model has it; longer prefill chunks by
+# SDPA, whose blocked kernel is faster over many queries.
+KERNEL_QUERY_LIMIT = 32
+
+
+@dataclass
+class KernelQueries:
+    """Queries attended one by one by the fused kernel (`decode_attention`): each sees its
+    row's context up to its own position, read in place through the slots (no gather, no
+    padding), so verify rows of any length cost only their own queries.
+
+    tokens:        (N,) flat index in T of each query; None when they are all T in order
+    context_slots: (R, C) slots of each of these rows' contexts, in position order, 0-padded
+    rows:          (N,) each query's row in context_slots
+    lens:          (N,) keys each query sees: its position + 1
+    """
+
+    tokens: torch.Tensor | None
+    context_slots: torch.Tensor
+    rows: torch.Tensor
+    lens: torch.Tensor
+
+
 @dataclass
 class AttentionMetadata:
     """Per-forward tensors shared by every layer (built once per step, never global).
@@ -152,6 +176,8 @@ class AttentionMetadata:
                    consecutive (a fresh pool hands out consecutive blocks): attention then
                    reads a view of the pool instead of gathering a copy per layer; else None
     max_position:  max(positions), known on the host (sizing the rotary table needs no sync)
+    kernel:        the queries of rows with at most `kernel_queries` tokens, for the fused
+                   kernel (their rows are then in no group); None without the kernel
     """
 
     positions: torch.Tensor
@@ -162,16 +188,18 @@ class AttentionMetadata:
     out_rows: int
     max_position: int = None
     context_start: int | None = None
+    kernel: KernelQueries | None = None
 
     @classmethod
     def build(cls, query_lens: list[int], context_lens: list[int], positions: list[list[int]],
               slots: list[list[int]], context_slots: list[list[int]],
-              device: torch.device | str = "cpu") -> "AttentionMetadata":
+              device: torch.device | str = "cpu", kernel_queries: int = 0) -> "AttentionMetadata":
         """Build from per-row Python lists (the engine's bookkeeping).
 
         Row b has query_lens[b] new tokens at `positions[b]` written to `slots[b]`, and
         attends over context_lens[b] keys (its whole context including the new tokens),
-        whose slots in position order are `context_slots[b]`.
+        whose slots in position order are `context_slots[b]`. Rows of at most
+        `kernel_queries` tokens go to the fused kernel (`KernelQueries`), the rest to groups.
         """
         num_rows = len(query_lens)
         flat_pos = [p for row in positions for p in row]
@@ -181,8 +209,24 @@ class AttentionMetadata:
         starts = [0]
         for q in query_lens[:-1]:
             starts.append(starts[-1] + q)
-        partition = partition_rows(query_lens, context_lens)
-        one_group = len(partition) == 1
+        short = [b for b, q in enumerate(query_lens) if q <= kernel_queries]
+        kernel = None
+        if short:
+            table = torch.zeros(len(short), max(context_lens[b] for b in short), dtype=torch.long)
+            for i, b in enumerate(short):
+                table[i, : context_lens[b]] = torch.as_tensor(context_slots[b], dtype=torch.long)
+            everyone = len(short) == num_rows
+            kernel = KernelQueries(
+                tokens=None if everyone else torch.tensor(
+                    [starts[b] + j for b in short for j in range(query_lens[b])], dtype=torch.long).to(device),
+                context_slots=table.to(device),
+                rows=torch.tensor([i for i, b in enumerate(short) for _ in range(query_lens[b])],
+                                  dtype=torch.long).to(device),
+                lens=torch.tensor([p + 1 for b in short for p in positions[b]], dtype=torch.long).to(device))
+        long = [b for b in range(num_rows) if query_lens[b] > kernel_queries]
+        partition = [[long[i] for i in rows] for rows in partition_rows(
+            [query_lens[b] for b in long], [context_lens[b] for b in long])] if long else []
+        one_group = len(partition) == 1 and kernel is None
         groups, gather_index, spare = [], None, num_tokens
         for rows in partition:
             q_lens = [query_lens[b] for b in rows]
@@ -221,14 +265,14 @@ class AttentionMetadata:
                 context_slots=ctx.to(device), query_index=None if query_index is None else query_index.to(device),
                 attn_mask=mask, out_index=out_index, num_rows=len(rows), query_len=q_max))
         context_start = None
-        if num_rows == 1:  # `ctx`, `c_max`: the one row's, still on the host
+        if num_rows == 1 and groups:  # `ctx`, `c_max`: the one row's, still on the host
             if int(ctx[0, -1]) - int(ctx[0, 0]) == c_max - 1 and \
                     (c_max == 1 or bool((ctx[0, 1:] - ctx[0, :-1] == 1).all())):
                 context_start = int(ctx[0, 0])
         return cls(
             positions=pos_t.to(device), slot_mapping=torch.tensor(flat_slots, dtype=torch.long).to(device),
             groups=groups, gather_index=gather_index, num_rows=num_rows, out_rows=spare,
-            max_position=max(flat_pos), context_start=context_start)
+            max_position=max(flat_pos), context_start=context_start, kernel=kernel)
 
 
 def _gather(pool: torch.Tensor, g: AttentionGroup) -> torch.Tensor:
@@ -252,17 +296,27 @@ def _sdpa(qp: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torc
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int,
                     kv: KVStore, meta: AttentionMetadata,
-                    context: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+                    context: tuple[torch.Tensor, torch.Tensor] | None = None, ops=None) -> torch.Tensor:
     """Write the new K/V into the pool, then attend each row over its own context.
 
     q: (T, H, D); k, v: (T, Hkv, D) for the new tokens; `context`: `kv.context_views(meta)`
-    (None: gather through each group's context_slots). Returns (T, H * D).
+    (None: gather through each group's context_slots). `meta.kernel`'s queries are attended
+    by the fused kernel (`ops`, see verispec.model.kernels), which reads K/V in place
+    through the slots. Returns (T, H * D).
     """
     k_pool, v_pool = kv.k_layers[layer], kv.v_layers[layer]  # (S, Hkv, D) each
     k_pool.index_copy_(0, meta.slot_mapping, k)
     v_pool.index_copy_(0, meta.slot_mapping, v)
-    heads, groups = q.shape[1], meta.groups
-    if len(groups) == 1:
+    heads, groups, kq = q.shape[1], meta.groups, meta.kernel
+    if kq is not None:
+        if ops is None:
+            raise ValueError("attention metadata was built for the fused kernels, but none were given")
+        o = ops.decode_attention(q if kq.tokens is None else q[kq.tokens], k_pool, v_pool, kq.context_slots,
+                                 kq.rows, kq.lens, q.shape[-1] ** -0.5)  # (N, H, D), SDPA's scale
+        o = o.view(o.shape[0], -1)
+        if not groups:
+            return o
+    if len(groups) == 1 and kq is None:
         g = groups[0]
         if context is not None:  # one row, consecutive slots: views of the pool, no copy
             keys, values = context[0][layer], context[1][layer]             # (1, Hkv, C, D) each
@@ -278,6 +332,8 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: in
     # Several groups: each gathers its own rows' context, attends, and scatters its queries'
     # outputs to their flat rows (padding to spare rows past T).
     out = q.new_empty(meta.out_rows, heads * q.shape[2])  # (T + padding, H*D)
+    if kq is not None:
+        out.index_copy_(0, kq.tokens, o)
     for g in groups:
         keys, values = _gather(k_pool, g), _gather(v_pool, g)  # (Bg, Hkv, Cg, D) each
         qp = q[g.query_index].transpose(1, 2)                 # (Bg, H, Qg, D)

@@ -104,7 +104,8 @@ class Attention(nn.Module):
             self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttentionMetadata,
-                kv: KVStore, context: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+                kv: KVStore, context: tuple[torch.Tensor, torch.Tensor] | None = None, ops=None) -> torch.Tensor:
+        """`ops`: the fused kernels (verispec.model.kernels), or None for PyTorch ops."""
         cfg, heads, kv_heads, d = self.cfg, self.cfg.num_heads, self.cfg.num_kv_heads, self.cfg.head_dim
         qkv = self.qkv_proj.forward(x)                                      # (T, (H + 2 Hkv) D)
         t = qkv.shape[0]
@@ -115,9 +116,12 @@ class Attention(nn.Module):
             qk = torch.cat([q, k], dim=1)                                   # (T, H + Hkv, D)
         else:  # q and k are adjacent in the fused output: rotate them in one go
             qk = per_head[:, : heads + kv_heads]
-        qk = apply_rotary(qk, cos, sin)                                     # (T, H + Hkv, D)
+        if ops is not None:
+            ops.rotary_(qk, cos, sin)                                       # in place: qk is this pass's own
+        else:
+            qk = apply_rotary(qk, cos, sin)                                 # (T, H + Hkv, D)
         v = per_head[:, heads + kv_heads:]                                  # (T, Hkv, D)
-        out = paged_attention(qk[:, :heads], qk[:, heads:], v, self.layer, kv, meta, context)  # (T, H*D)
+        out = paged_attention(qk[:, :heads], qk[:, heads:], v, self.layer, kv, meta, context, ops)  # (T, H*D)
         return self.o_proj.forward(out)
 
 
@@ -147,6 +151,18 @@ class Block(nn.Module):
         x = x + self.self_attn.forward(self.input_layernorm.forward(x), cos, sin, meta, kv, context)
         return x + self.mlp.forward(self.post_attention_layernorm.forward(x))
 
+    def forward_fused(self, x, delta, cos, sin, meta, kv, context, ops):
+        """`forward` with the fused kernels: the residual add of the previous layer's MLP
+        (`delta`, None for the first layer) and of this attention each fused with the norm
+        after it. Returns (x, this MLP's output), the caller adding the last one."""
+        if delta is None:
+            h = self.input_layernorm.forward(x)
+        else:
+            x, h = ops.add_rms_norm(x, delta, self.input_layernorm.weight, self.input_layernorm.eps)
+        a = self.self_attn.forward(h, cos, sin, meta, kv, context, ops)
+        x, h = ops.add_rms_norm(x, a, self.post_attention_layernorm.weight, self.post_attention_layernorm.eps)
+        return x, self.mlp.forward(h)
+
 
 class LlamaModel(nn.Module):
     """forward(token_ids (T,), meta, kv, logits_index (N,)) -> logits (N, V) float32."""
@@ -164,6 +180,7 @@ class LlamaModel(nn.Module):
         # tied embeddings, a float32 copy of the embedding matrix).
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.weight_format = "dense"  # see verispec.model.quant; set by from_state_dict
+        self.kernels = None  # verispec.model.kernels' module when the engine enables them
 
     @torch.inference_mode()
     def forward(self, token_ids: torch.Tensor, meta: AttentionMetadata, kv: KVStore,
@@ -171,8 +188,14 @@ class LlamaModel(nn.Module):
         x = self.embed_tokens(token_ids)  # (T, hidden)
         cos, sin = self.rotary.cos_sin(meta.positions, meta.max_position, x.dtype)  # (T, 1, D), all layers
         context = kv.context_views(meta)  # every layer's K/V context as views, or None (gather)
-        for block in self.layers:
-            x = block.forward(x, cos, sin, meta, kv, context)
+        if self.kernels is not None:
+            delta = None
+            for block in self.layers:
+                x, delta = block.forward_fused(x, delta, cos, sin, meta, kv, context, self.kernels)
+            x = x + delta
+        else:
+            for block in self.layers:
+                x = block.forward(x, cos, sin, meta, kv, context)
         if logits_index is not None:
             x = x[logits_index]           # (N, hidden): only the positions we sample from
         return self.lm_head(self.norm(x.float()))  # (N, V) float32

@@ -106,6 +106,22 @@ re-measures the neighbouring size of the chosen one that was measured longest ag
 estimated rate is within `explore_within` of the best (a far-behind neighbour is not worth a
 round at its price; if acceptance rises, the estimates bring it back into play anyway).
 
+Catch-ups (a draft model's one-off cost)
+----------------------------------------
+The draft model's KV is filled lazily: a row that has not drafted for a while (or ever: its
+prompt) must first catch up on the tokens its draft KV lacks, one multi-token pass whose
+cost is paid once and then enables drafting for the rest of the request. The engine passes
+each row's missing tokens (`catch_up`) and remaining output budget (`remaining`), and
+reports catch-up passes (kind "catch_up", seconds and tokens), from which the controller
+keeps a decayed seconds-per-token. Starting to draft on row r then costs its catch-up,
+charged per round over the rounds it enables: c_r * s_tok * E(alpha_r, cap_r) / remaining_r
+(E at the row's cap: the fewest rounds, the highest charge per round), added to the pass's
+cost when the row's first draft is taken. At 16 in flight with 64-token answers to
+~150-token prompts (Qwen2.5-Coder pair), a draft model that catches every row up paid more
+than drafting saved (0.85x plain at acceptance 0.98). Before any catch-up has been measured
+at most one row that needs one may draft per round (the one missing the fewest tokens): its
+pass measures the price before the other rows pay it.
+
 The batch (one verify pass serves every row)
 --------------------------------------------
 All rows of a step share one verify pass, whose cost follows its total draft tokens D. The
@@ -128,7 +144,7 @@ from dataclasses import asdict, dataclass, field
 
 # Proposers whose drafting is a CPU lookup: no draft pass, no draft cost.
 FREE_DRAFT_PROPOSERS = frozenset({"ngram"})
-COST_KINDS = ("verify", "draft")
+COST_KINDS = ("verify", "draft", "catch_up")
 _MIN_SECONDS = 1e-12  # guards a rate against a measured 0 s (coarse timers)
 
 
@@ -335,6 +351,7 @@ class AdaptiveController:
                         for p, a in cfg.prior_alpha.items()}
         self._costs = {"verify": CostTable(cfg.cost_ewma, lambda b, n: b + n, cfg.cost_min_samples),
                        "draft": CostTable(cfg.cost_ewma, lambda b, n: n, cfg.cost_min_samples)}
+        self._catch_up = [0.0, 0.0]  # decayed (seconds, tokens) of catch-up passes
         self._num_cost_samples = 0
         self._rounds = 0
         self._probes = 0
@@ -394,16 +411,22 @@ class AdaptiveController:
             rows (0 = plain decoding).
         kind "draft": the draft model's whole drafting of one round; size = the deepest row's
             k (it runs that many steps). Not reported for n-gram, whose drafting is free.
+        kind "catch_up": one catch-up of the draft model's KV; size = the tokens computed.
         batch_size: rows in the round.
         """
         if kind not in COST_KINDS:
             raise ValueError(f"kind must be one of {COST_KINDS}, got {kind!r}")
         if not isinstance(batch_size, int) or batch_size < 1:
             raise ValueError(f"batch_size must be an int >= 1, got {batch_size!r}")
-        if not isinstance(size, int) or size < (1 if kind == "draft" else 0):
-            raise ValueError(f"size must be an int >= {1 if kind == 'draft' else 0} for {kind!r}, got {size!r}")
+        least = 0 if kind == "verify" else 1
+        if not isinstance(size, int) or size < least:
+            raise ValueError(f"size must be an int >= {least} for {kind!r}, got {size!r}")
         if not (math.isfinite(seconds) and seconds >= 0.0):
             raise ValueError(f"seconds must be finite and >= 0, got {seconds!r}")
+        if kind == "catch_up":
+            keep = 1.0 - self.config.cost_ewma
+            self._catch_up = [self._catch_up[0] * keep + seconds, self._catch_up[1] * keep + size]
+            return
         self._num_cost_samples += 1
         self._costs[kind].observe(batch_size, size, seconds, self._num_cost_samples)
 
@@ -417,18 +440,25 @@ class AdaptiveController:
         """Seconds of one pass: measured EWMA, else an optimistic bound; None if none measured."""
         if kind not in COST_KINDS:
             raise ValueError(f"kind must be one of {COST_KINDS}, got {kind!r}")
+        if kind == "catch_up":
+            s, n = self._catch_up
+            return s / n * size if n > 0 else None
         return self._costs[kind].estimate(batch_bucket(batch_size), size)
 
     # ---- decisions ---------------------------------------------------------------------
 
     def choose_k(self, request_ids: list[str], batch_size: int,
-                 available: list[int | None] | None = None) -> dict[str, int]:
+                 available: list[int | None] | None = None, catch_up: list[int] | None = None,
+                 remaining: list[int] | None = None) -> dict[str, int]:
         """k in [0, k_max] for each request of this step's batch. Call once per engine step.
 
         batch_size: rows in the step's verify pass (these requests and any others).
         available: per request, the drafts its proposer can deliver this round (an n-gram
             lookup's match length), or None for as many as asked (a draft model); None for
             all: every request unlimited. A request's k never exceeds it.
+        catch_up: per request, the tokens a draft model must catch up on before it drafts
+            (None: none for any request); remaining: per request, its output budget left
+            (None: unknown, the catch-up is then charged as if to a one-token budget).
         """
         if not isinstance(batch_size, int) or batch_size < max(1, len(request_ids)):
             raise ValueError(
@@ -440,6 +470,10 @@ class AdaptiveController:
                 a is not None and (not isinstance(a, int) or a < 0) for a in available):
             raise ValueError(f"available must give an int >= 0 or None for each of the "
                              f"{len(request_ids)} requests, got {available!r}")
+        n = len(request_ids)
+        for name, values in (("catch_up", catch_up), ("remaining", remaining)):
+            if values is not None and (len(values) != n or any(not isinstance(v, int) or v < 0 for v in values)):
+                raise ValueError(f"{name} must give an int >= 0 for each of the {n} requests, got {values!r}")
         reqs = [self._request(r) for r in request_ids]
         if not reqs:
             return {}
@@ -452,7 +486,7 @@ class AdaptiveController:
         if not self.config.adaptive:
             ks = [min(self.config.fixed_k, c) for c in caps]
         else:
-            ks = self._adaptive_ks(reqs, batch_size, caps)
+            ks = self._adaptive_ks(reqs, batch_size, caps, catch_up or [0] * n, remaining or [1] * n)
         for k in ks:
             self._k_counts[k] += 1
         return dict(zip(request_ids, ks))
@@ -462,7 +496,8 @@ class AdaptiveController:
         keep = 0.5 ** (1.0 / self.config.idle_half_life_rounds)
         req.estimator.relax(self._global[req.proposer].value, self.config.prior_weight_tokens, keep)
 
-    def _adaptive_ks(self, reqs: list[_Request], batch_size: int, caps: list[int]) -> list[int]:
+    def _adaptive_ks(self, reqs: list[_Request], batch_size: int, caps: list[int],
+                     catch_up: list[int], remaining: list[int]) -> list[int]:
         """Each row's k: the D largest marginal gains, for the D (and depth) with the best rate."""
         self._rounds += 1
         verify = self._costs["verify"]
@@ -470,9 +505,12 @@ class AdaptiveController:
             return [0] * len(reqs)  # nothing measured: plain decoding, measured by this round
         bucket = batch_bucket(batch_size)
         limit = batch_size + 2 * verify.widest(bucket)  # at most double the tokens measured
+        alphas = self._pooled_alphas(reqs)
+        charge = self._catch_up_charges(caps, catch_up, remaining, alphas)
+        caps = [0 if c is None else cap for cap, c in zip(caps, charge)]
         # (gain, row, position): the position-th draft of a row adds alpha ** position tokens.
         gains, drafters = [], set()
-        for i, (req, cap, a) in enumerate(zip(reqs, caps, self._pooled_alphas(reqs))):
+        for i, (req, cap, a) in enumerate(zip(reqs, caps, alphas)):
             g = 1.0
             for j in range(1, cap + 1):
                 g *= a
@@ -480,19 +518,25 @@ class AdaptiveController:
             if cap and req.proposer not in FREE_DRAFT_PROPOSERS:
                 drafters.add(i)
         gains.sort(key=lambda t: -t[0])  # stable: ties keep row order, and a row's positions in order
+        # The gain order ignores one-off catch-up charges, so the rows that need none are
+        # also tried alone: a caught-up row may draft while the others stay plain.
+        variants = [gains]
+        if any(charge):
+            variants.append([t for t in gains if not charge[t[1]]])
         verify_s: dict[int, float] = {}
 
         def plan(pool: list, draft_s: float) -> list[tuple[float, int]]:
             """(rate, D) for D = 0 and the largest D of every size bucket within the limit."""
             first_drafter = next((n for n, t in enumerate(pool) if t[1] in drafters), len(pool))
-            out, total, taken = [], float(batch_size), 0
+            out, total, one_off, taken = [], float(batch_size), 0.0, 0
             for n in _sizes_upto(min(len(pool), limit)):
                 total += sum(t[0] for t in pool[taken:n])
+                one_off += sum(charge[t[1]] for t in pool[taken:n] if t[2] == 1)  # a row's first draft
                 taken = n
                 b = size_bucket(n)
                 if b not in verify_s:
                     verify_s[b] = self.estimated_cost("verify", batch_size, n)
-                out.append((_rate(total, verify_s[b] + (draft_s if n > first_drafter else 0.0)), n))
+                out.append((_rate(total, verify_s[b] + one_off + (draft_s if n > first_drafter else 0.0)), n))
             return out
 
         if drafters:  # the draft model runs as many steps as the deepest row: try each depth
@@ -502,8 +546,10 @@ class AdaptiveController:
             plans = []
             deepest = min(self.config.k_max, self._costs["draft"].widest(bucket) + 1)
             for depth in range(1, deepest + 1):
-                pool = [t for t in gains if t[2] <= depth or t[1] not in drafters]
-                plans.append((pool, plan(pool, self.estimated_cost("draft", batch_size, depth) or 0.0)))
+                draft_s = self.estimated_cost("draft", batch_size, depth) or 0.0
+                for variant in variants:
+                    pool = [t for t in variant if t[2] <= depth or t[1] not in drafters]
+                    plans.append((pool, plan(pool, draft_s)))
         else:
             plans = [(gains, plan(gains, 0.0))]
         pool, options, i = max(((pool, options, i) for pool, options in plans for i in range(len(options))),
@@ -514,6 +560,20 @@ class AdaptiveController:
         for _, row, _ in pool[: options[i][1]]:
             ks[row] += 1
         return ks
+
+    def _catch_up_charges(self, caps: list[int], catch_up: list[int], remaining: list[int],
+                          alphas: list[float]) -> list[float | None]:
+        """Per row, the seconds per round its catch-up adds if it starts drafting (0 for a
+        row that needs none), or None for a row that may not draft this round: while no
+        catch-up has been measured, every row needing one but the one missing the fewest
+        tokens (whose pass, optimistically free, measures the price)."""
+        s, n = self._catch_up
+        if n == 0:
+            needy = [i for i, (cap, c) in enumerate(zip(caps, catch_up)) if cap and c]
+            first = min(needy, key=lambda i: catch_up[i], default=None)
+            return [None if c and i != first else 0.0 for i, c in enumerate(catch_up)]
+        return [c * s / n * expected_tokens(a, cap) / max(rem, 1) if c else 0.0
+                for c, rem, a, cap in zip(catch_up, remaining, alphas, caps)]
 
     def _pooled_alphas(self, reqs: list[_Request]) -> list[float]:
         """Each row's acceptance, shrunk toward its batch's (rows of the same proposer) by

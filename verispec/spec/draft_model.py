@@ -34,10 +34,18 @@ class DraftModelProposer:
         self.chunk_tokens = chunk_tokens  # most tokens one catch-up pass computes
         self.catch_up_tokens = 0          # tokens computed by catch-ups so far
 
-    def catch_up(self, reqs: list[Request]) -> None:
-        """Fill each request's draft KV up to the token before its pending one, where more
-        is missing than a round leaves (one token); no logits are computed."""
-        todo = [r for r in reqs if r.num_tokens - 1 - r.draft_computed > 1]
+    @staticmethod
+    def missing(req: Request) -> int:
+        """Tokens a catch-up would compute for the request: those its draft KV lacks before
+        the pending token, when more are missing than a round leaves (one); else 0."""
+        n = req.num_tokens - 1 - req.draft_computed
+        return n if n > 1 else 0
+
+    def catch_up(self, reqs: list[Request]) -> int:
+        """Fill each request's draft KV up to the token before its pending one (`missing`);
+        no logits are computed. Returns the tokens computed."""
+        todo = [r for r in reqs if self.missing(r)]
+        done = 0
         while todo:
             rows, budget = [], self.chunk_tokens
             for req in todo:
@@ -49,8 +57,10 @@ class DraftModelProposer:
                 req.draft_computed = end
                 budget -= len(tokens)
             self.runner.forward(rows)
-            self.catch_up_tokens += sum(len(r.token_ids) for r in rows)
+            done += sum(len(r.token_ids) for r in rows)
             todo = [r for r in todo if r.draft_computed < r.num_tokens - 1]
+        self.catch_up_tokens += done
+        return done
 
     def propose(self, reqs: list[Request], ks: list[int]) -> list[tuple[list[int], torch.Tensor | None]]:
         """Draft ks[i] tokens for reqs[i]; returns (tokens, q (k_i, V)) per request.

@@ -1,0 +1,146 @@
+"""The fused C++ kernels (verispec.model.kernels) compute what the PyTorch ops they replace do.
+
+Each kernel is compared with its PyTorch counterpart in float32 and bfloat16 (bfloat16:
+identical except where float32 summation order moves a value across a rounding boundary,
+at most one unit in the last place), and the comparison is shown to fail on a broken call
+(dropping a key, swapping cos and sin, a missing residual add). The model with kernels
+matches the model without them, prefill and decode rows mixed in one pass.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tiny import tiny_config
+from verispec.model import kernels
+from verispec.model.attention import KERNEL_QUERY_LIMIT, AttentionMetadata
+from verispec.model.llama import LlamaModel, apply_rotary
+
+OPS = kernels.load(required=True)
+DTYPES = [torch.float32, torch.bfloat16]
+
+
+def close(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """float32: equal to 1e-5 relative; bfloat16: within one ulp, >= 98% identical."""
+    assert a.shape == b.shape and a.dtype == b.dtype
+    bf16 = a.dtype is torch.bfloat16
+    a, b = a.float(), b.float()
+    err = (a - b).abs() <= b.abs().clamp_min(1e-3) * (2 ** -7 if bf16 else 1e-5) + 1e-6
+    return bool(err.all()) and (not bf16 or float((a == b).float().mean()) >= 0.98)
+
+
+@pytest.fixture(params=DTYPES, ids=["f32", "bf16"])
+def dtype(request):
+    return request.param
+
+
+@pytest.mark.parametrize("broken", [False, True])
+def test_add_rms_norm(dtype, broken):
+    g = torch.Generator().manual_seed(0)
+    x, delta = (torch.randn(5, 576, generator=g).to(dtype) for _ in range(2))
+    w = (1 + 0.1 * torch.randn(576, generator=g)).to(dtype)
+    x0 = x.clone()
+    s, h = OPS.add_rms_norm(x, x * 0 if broken else delta, w, 1e-5)
+    ref = x + delta
+    assert torch.equal(s, ref) != broken
+    assert close(h, F.rms_norm(ref, (576,), w, 1e-5)) != broken
+    assert torch.equal(x, x0)  # the input is not written
+
+
+@pytest.mark.parametrize("broken", [False, True])
+def test_rotary(dtype, broken):
+    g = torch.Generator().manual_seed(1)
+    qkv = torch.randn(7, 6, 64, generator=g).to(dtype)  # (T, heads, D): rotate the first 4 heads
+    model = LlamaModel(tiny_config(hidden=256, max_len=512))
+    cos, sin = model.rotary.cos_sin(torch.tensor([0, 3, 9, 100, 101, 102, 400]), dtype=dtype)
+    ref = apply_rotary(qkv[:, :4], cos, sin)
+    got = qkv.clone()
+    OPS.rotary_(got[:, :4], sin if broken else cos, cos if broken else sin)  # a strided view, in place
+    assert close(got[:, :4], ref) != broken
+    assert torch.equal(got[:, 4:], qkv[:, 4:])  # the other heads untouched
+
+
+@pytest.mark.parametrize("broken", [False, True])
+def test_decode_attention_reads_exactly_each_rows_context(dtype, broken):
+    g = torch.Generator().manual_seed(2)
+    slots, heads, kv_heads, d = 64, 6, 2, 32
+    k_pool, v_pool = (torch.randn(slots, kv_heads, d, generator=g).to(dtype) for _ in range(2))
+    lens = torch.tensor([1, 17, 40])
+    ctx = torch.zeros(3, 40, dtype=torch.long)
+    for b, n in enumerate(lens.tolist()):
+        ctx[b, :n] = torch.randperm(slots - 1, generator=g)[:n] + 1
+    poisoned_k, poisoned_v = k_pool.clone(), v_pool.clone()
+    unused = torch.ones(slots, dtype=torch.bool)
+    for b, n in enumerate(lens.tolist()):
+        unused[ctx[b, :n]] = False
+    poisoned_k[unused] = float("nan")  # a slot past a row's length must never be read
+    poisoned_v[unused] = float("nan")
+    q = torch.randn(3, heads, d, generator=g).to(dtype)
+    short = lens - torch.tensor([0, 1, 1])  # broken: the last key of rows 1 and 2 dropped
+    rows = torch.arange(3)
+    got = OPS.decode_attention(q, poisoned_k, poisoned_v, ctx, rows, short if broken else lens, d ** -0.5)
+    for b, n in enumerate(lens.tolist()):
+        keys = k_pool[ctx[b, :n]].transpose(0, 1).unsqueeze(0)    # (1, Hkv, n, D)
+        values = v_pool[ctx[b, :n]].transpose(0, 1).unsqueeze(0)
+        # The exact result (float64), rounded once: SDPA in bfloat16 rounds intermediates too.
+        ref = F.scaled_dot_product_attention(q[b:b + 1, :, None].double(), keys.double(), values.double(),
+                                             enable_gqa=True)[0, :, 0].to(dtype)
+        assert close(got[b], ref) != (broken and b > 0)
+
+
+def test_decode_attention_refuses_bad_input():
+    q, pool = torch.zeros(1, 2, 8), torch.zeros(4, 1, 8)
+    row = torch.tensor([0])
+    with pytest.raises(RuntimeError, match="slot out of range"):
+        OPS.decode_attention(q, pool, pool, torch.tensor([[5]]), row, torch.tensor([1]), 1.0)
+    with pytest.raises(RuntimeError, match="1..C context slots"):
+        OPS.decode_attention(q, pool, pool, torch.tensor([[1]]), row, torch.tensor([0]), 1.0)
+    with pytest.raises(RuntimeError, match="row_of out of range"):
+        OPS.decode_attention(q, pool, pool, torch.tensor([[1]]), torch.tensor([1]), torch.tensor([1]), 1.0)
+    with pytest.raises(RuntimeError, match="dtypes must match"):
+        OPS.decode_attention(q.bfloat16(), pool, pool, torch.tensor([[1]]), row, torch.tensor([1]), 1.0)
+
+
+@pytest.mark.parametrize("broken", [False, True])
+def test_model_with_kernels_matches_the_model_without(dtype, broken):
+    """A prefill chunk (SDPA), verify and decode rows (the kernel) in one pass."""
+    torch.manual_seed(3)
+    model = LlamaModel(tiny_config(vocab=64, hidden=64, layers=3)).eval()
+    for p in model.parameters():
+        torch.nn.init.normal_(p, 0, 0.2)
+    model.layers.to(dtype)
+    model.embed_tokens.to(dtype)  # the final norm and the head stay float32, as loaded models do
+    rows = [([i % 64 for i in range(40)], 0), ([5], 30), ([1, 2, 3], 12), ([9], 7)]  # (new tokens, start)
+    slots = [list(range(r * 64 + s, r * 64 + s + len(t))) for r, (t, s) in enumerate(rows)]
+    ids = torch.tensor([i for t, _ in rows for i in t])
+
+    def run(ops):
+        meta = AttentionMetadata.build(
+            [len(t) for t, _ in rows], [s + len(t) for t, s in rows],
+            [list(range(s, s + len(t))) for t, s in rows], slots,
+            [list(range(r * 64, r * 64 + s + len(t))) for r, (t, s) in enumerate(rows)],
+            kernel_queries=0 if ops is None else KERNEL_QUERY_LIMIT)
+        assert (meta.kernel is not None and len(meta.groups) == 1) == (ops is not None)
+        kv = model.new_kv_store(4 * 64)
+        g = torch.Generator().manual_seed(4)
+        kv.k.copy_(torch.randn(kv.k.shape, generator=g))  # the context before each row's new tokens
+        kv.v.copy_(torch.randn(kv.v.shape, generator=g))
+        model.kernels = ops
+        return model(ids, meta, kv)
+
+    plain = run(None)
+    fused = run(BrokenOps() if broken else OPS)
+    tol = 1e-4 if dtype is torch.float32 else 0.1
+    assert (bool(((fused - plain).abs() <= tol).all())) != broken
+
+
+class BrokenOps:
+    """The kernels with a bug: the fused norm forgets the residual add."""
+
+    def add_rms_norm(self, x, delta, w, eps):
+        return x, OPS.add_rms_norm(x, torch.zeros_like(x), w, eps)[1]
+
+    def __getattr__(self, name):
+        return getattr(OPS, name)
+
