@@ -444,7 +444,7 @@ def catch_up_controller(ignore_catch_up: bool, monkeypatch):
     ctl = AdaptiveController(ControllerConfig(explore=0.0, cost_min_samples=1, k_max=4))
     if ignore_catch_up:
         monkeypatch.setattr(AdaptiveController, "_catch_up_charges",
-                            lambda self, caps, c, r, a: [0.0] * len(caps))
+                            lambda self, caps, c, r: [0.0] * len(caps))
     ids = ["a", "b", "c", "d"]
     for rid in ids:
         ctl.start(rid, "draft")
@@ -472,9 +472,33 @@ def test_a_catch_up_dearer_than_drafting_saves_keeps_the_row_plain(broken, monke
     short = ctl.choose_k(ids, 4, catch_up=[150, 0, 150, 150], remaining=[8, 8, 8, 8])
     # 8 tokens left: drafting saves at most ~6 rounds of ~1 s, far below the 15 s catch-up.
     assert (short["a"] == short["c"] == short["d"] == 0 and short["b"] > 0) != broken, short
-    # With 4000 tokens left the same catch-up is worth it (charged ~0.02 s a round).
+    # With 4000 tokens left the same catch-up is worth it (~0.02 s a round of 5 tokens).
     long = ctl.choose_k(ids, 4, catch_up=[150, 0, 150, 150], remaining=[4000] * 4)
     assert all(long[r] > 0 for r in ids), long
+
+
+@pytest.mark.parametrize("broken", [False, True])
+def test_a_catch_up_is_spread_over_the_tokens_the_plan_yields(broken, monkeypatch):
+    """Cold at depth 1 (no draft pass measured yet), k_max 8, acceptance ~1, a 3 s catch-up
+    per row against 64 tokens left: a round at depth 1 yields 2 of them, so it carries 2/64
+    of the catch-up and drafting pays (8 tokens for ~1.4 s against plain's 4 for 1 s). The
+    broken variant charges as if each round yielded the row's cap (9 tokens: 4.5x), and a
+    cold controller then never drafts, so never learns that deeper drafts pay."""
+    ctl = AdaptiveController(ControllerConfig(explore=0.0, cost_min_samples=1, k_max=8))
+    if broken:
+        charges = AdaptiveController._catch_up_charges
+        monkeypatch.setattr(AdaptiveController, "_catch_up_charges",
+                            lambda self, caps, c, r: [x * 4.5 if x else x for x in charges(self, caps, c, r)])
+    ids = ["a", "b", "c", "d"]
+    for rid in ids:
+        ctl.start(rid, "draft")
+        for _ in range(30):
+            ctl.observe_acceptance(rid, 4, 4)
+    for n in range(0, 9):
+        ctl.observe_cost("verify", 4, n, 1.0 + 0.2 * n / 16)
+    ctl.observe_cost("catch_up", 4, 100, 2.0)  # 0.02 s a token: 3 s for 150
+    ks = ctl.choose_k(ids, 4, catch_up=[150] * 4, remaining=[64] * 4)
+    assert (all(ks[r] == 1 for r in ids)) != broken, ks
 
 
 @pytest.mark.parametrize("min_samples,recovers", [(3, True), (1, False)],

@@ -62,6 +62,32 @@ def test_rotary(dtype, broken):
 
 
 @pytest.mark.parametrize("broken", [False, True])
+def test_rotary_store_rotates_and_writes_the_pools(dtype, broken):
+    g = torch.Generator().manual_seed(6)
+    qkv = torch.randn(3, 8, 64, generator=g).to(dtype)  # 4 q heads, 2 k heads, 2 v heads
+    model = LlamaModel(tiny_config(hidden=256, max_len=512))
+    cos, sin = model.rotary.cos_sin(torch.tensor([4, 5, 6]), dtype=dtype)
+    k_pool, v_pool = torch.zeros(10, 2, 64, dtype=dtype), torch.zeros(10, 2, 64, dtype=dtype)
+    slots = torch.tensor([7, 2, 9])
+    qk, v = qkv[:, :6], qkv[:, 6:]
+    ref = apply_rotary(qk, cos, sin)
+    OPS.rotary_store_(qk, v, cos, sin, k_pool, v_pool, slots.flip(0) if broken else slots)
+    ok = close(qkv[:, :6], ref) and torch.equal(k_pool[slots], qkv[:, 4:6]) and torch.equal(v_pool[slots], v)
+    assert ok != broken
+    with pytest.raises(RuntimeError, match="slot out of range"):
+        OPS.rotary_store_(qk, v, cos, sin, k_pool, v_pool, torch.tensor([1, 2, 10]))
+
+
+@pytest.mark.parametrize("broken", [False, True])
+def test_silu_mul(dtype, broken):
+    g = torch.Generator().manual_seed(7)
+    gate_up = (3 * torch.randn(4, 2 * 1536, generator=g)).to(dtype)
+    gate, up = gate_up.chunk(2, dim=-1)
+    got = OPS.silu_mul(gate_up.flip(1) if broken else gate_up)  # broken: gate and up swapped
+    assert close(got, F.silu(gate) * up) != broken
+
+
+@pytest.mark.parametrize("broken", [False, True])
 def test_decode_attention_reads_exactly_each_rows_context(dtype, broken):
     g = torch.Generator().manual_seed(2)
     slots, heads, kv_heads, d = 64, 6, 2, 32

@@ -299,14 +299,16 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: in
                     context: tuple[torch.Tensor, torch.Tensor] | None = None, ops=None) -> torch.Tensor:
     """Write the new K/V into the pool, then attend each row over its own context.
 
-    q: (T, H, D); k, v: (T, Hkv, D) for the new tokens; `context`: `kv.context_views(meta)`
+    q: (T, H, D); k, v: (T, Hkv, D) for the new tokens (None: already written, as the fused
+    kernels' `rotary_store_` does); `context`: `kv.context_views(meta)`
     (None: gather through each group's context_slots). `meta.kernel`'s queries are attended
     by the fused kernel (`ops`, see verispec.model.kernels), which reads K/V in place
     through the slots. Returns (T, H * D).
     """
     k_pool, v_pool = kv.k_layers[layer], kv.v_layers[layer]  # (S, Hkv, D) each
-    k_pool.index_copy_(0, meta.slot_mapping, k)
-    v_pool.index_copy_(0, meta.slot_mapping, v)
+    if k is not None:
+        k_pool.index_copy_(0, meta.slot_mapping, k)
+        v_pool.index_copy_(0, meta.slot_mapping, v)
     heads, groups, kq = q.shape[1], meta.groups, meta.kernel
     if kq is not None:
         if ops is None:

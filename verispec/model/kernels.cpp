@@ -78,6 +78,33 @@ void rotary_impl(T* x, int64_t tokens, int64_t heads, int64_t d, int64_t s_tok, 
   });
 }
 
+// out = round(round(silu(gate)) * up) per element, as F.silu(gate) * up rounds;
+// gate_up (rows, 2n) = [gate | up] per row, out (rows, n).
+template <typename T>
+void silu_mul_impl(const T* gu, T* out, int64_t rows, int64_t n) {
+  at::parallel_for(0, rows, 4, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      const T* g = gu + r * 2 * n;
+      const T* u = g + n;
+      T* o = out + r * n;
+      for (int64_t i = 0; i < n; ++i) {
+        const float x = f32(g[i]);
+        const float a = f32(static_cast<T>(x / (1.f + std::exp(-x))));
+        o[i] = static_cast<T>(a * f32(u[i]));
+      }
+    }
+  });
+}
+
+// Rows of (T, heads, D) at slots: pool[slots[t]] <- x[t] (the K/V write of a pass).
+template <typename T>
+void store_impl(const T* x, int64_t s_tok, int64_t s_head, T* pool, const int64_t* slots, int64_t tokens,
+                int64_t heads, int64_t d) {
+  for (int64_t t = 0; t < tokens; ++t)
+    for (int64_t h = 0; h < heads; ++h)
+      std::copy(x + t * s_tok + h * s_head, x + t * s_tok + h * s_head + d, pool + (slots[t] * heads + h) * d);
+}
+
 // Each query i on its own: out[i, h] = softmax(q[i, h] . K[ctx] * scale) @ V[ctx] over the
 // first lens[i] slots of its row's context (row_of[i]), K/V read in place from the pool
 // (no gather copy). A query's result depends on nothing but its q and its keys and values.
@@ -139,6 +166,44 @@ std::vector<at::Tensor> add_rms_norm(at::Tensor x, const at::Tensor& delta, cons
   return {sum, h};
 }
 
+at::Tensor silu_mul(const at::Tensor& gate_up) {
+  check(gate_up.dim() == 2 && gate_up.is_contiguous() && gate_up.size(1) % 2 == 0,
+        "gate_up must be contiguous (T, 2I)");
+  const int64_t n = gate_up.size(1) / 2;
+  at::Tensor out = at::empty({gate_up.size(0), n}, gate_up.options());
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, gate_up.scalar_type(), "silu_mul", [&] {
+    silu_mul_impl<scalar_t>(gate_up.data_ptr<scalar_t>(), out.data_ptr<scalar_t>(), gate_up.size(0), n);
+  });
+  return out;
+}
+
+void rotary_(at::Tensor x, const at::Tensor& cos, const at::Tensor& sin);
+
+// The new tokens' attention inputs in one call: q and k rotated in place (qk: (T, H + Hkv, D)),
+// then k and v (T, Hkv, D) written to the pools (S, Hkv, D) at slots (T,).
+void rotary_store_(at::Tensor qk, const at::Tensor& v, const at::Tensor& cos, const at::Tensor& sin,
+                   at::Tensor k_pool, at::Tensor v_pool, const at::Tensor& slots) {
+  check(v.dim() == 3 && v.stride(2) == 1 && qk.dim() == 3 && qk.size(0) == v.size(0) &&
+        qk.size(2) == v.size(2) && qk.size(1) > v.size(1), "qk must be (T, H + Hkv, D) and v (T, Hkv, D), D contiguous");
+  const int64_t kv_heads = v.size(1), d = v.size(2), tokens = v.size(0);
+  check(k_pool.is_contiguous() && v_pool.is_contiguous() && k_pool.dim() == 3 && k_pool.size(1) == kv_heads &&
+        k_pool.size(2) == d && v_pool.sizes() == k_pool.sizes(), "pools must be contiguous (S, Hkv, D)");
+  check(k_pool.scalar_type() == qk.scalar_type() && v.scalar_type() == qk.scalar_type() &&
+        v_pool.scalar_type() == qk.scalar_type(), "dtypes must match");
+  check(slots.is_contiguous() && slots.scalar_type() == at::kLong && slots.numel() == tokens,
+        "slots must be contiguous int64 (T,)");
+  const int64_t* sp = slots.data_ptr<int64_t>();
+  for (int64_t t = 0; t < tokens; ++t) check(sp[t] >= 0 && sp[t] < k_pool.size(0), "slot out of range");
+  rotary_(qk, cos, sin);
+  const int64_t q_heads = qk.size(1) - kv_heads;
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, qk.scalar_type(), "rotary_store_", [&] {
+    store_impl<scalar_t>(qk.data_ptr<scalar_t>() + q_heads * qk.stride(1), qk.stride(0), qk.stride(1),
+                         k_pool.data_ptr<scalar_t>(), sp, tokens, kv_heads, d);
+    store_impl<scalar_t>(v.data_ptr<scalar_t>(), v.stride(0), v.stride(1), v_pool.data_ptr<scalar_t>(), sp,
+                         tokens, kv_heads, d);
+  });
+}
+
 void rotary_(at::Tensor x, const at::Tensor& cos, const at::Tensor& sin) {
   check(x.dim() == 3 && x.stride(2) == 1, "x must be (T, heads, D) with D contiguous");
   check(cos.is_contiguous() && sin.is_contiguous() && cos.numel() == x.size(0) * x.size(2) &&
@@ -186,5 +251,7 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_pool, const
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("add_rms_norm", &add_rms_norm, "x + delta and rms_norm(x + delta) * weight, in one pass");
   m.def("rotary_", &rotary_, "rotary embedding in place (half-rotation layout, signed sin)");
-  m.def("decode_attention", &decode_attention, "one-query-per-row attention over paged K/V");
+  m.def("decode_attention", &decode_attention, "per-query attention over paged K/V");
+  m.def("silu_mul", &silu_mul, "silu(gate) * up from the fused gate/up output");
+  m.def("rotary_store_", &rotary_store_, "rotate q, k in place and write k, v to the pools at slots");
 }

@@ -2,18 +2,24 @@
 
 At batch 1 a small model's decode step is mostly per-op overhead: measured on the default
 model (2 threads), an RMSNorm costs ~21 us, SDPA over a few hundred keys ~43 us, a rotary
-embedding three ops, for ~1 us of arithmetic each. Three kernels replace them with one
-loop each, rounding exactly where the PyTorch ops do (float32 accumulation, one rounding
-to the activation dtype), so the model computes the same function:
+embedding three ops and the K/V write two more, for ~1 us of arithmetic each. These
+kernels replace them with one loop each, rounding where the PyTorch ops do (float32
+accumulation, one rounding to the activation dtype at the same points):
 
     add_rms_norm(x, delta, w, eps) -> (x + delta, rms_norm(x + delta) * w)
     rotary_(qk, cos, sin)          in place, llama.apply_rotary's layout and rounding
-    decode_attention(q (B, H, D), k_pool, v_pool (S, Hkv, D), slots (B, C), lens (B,), scale)
-                                   one query per row, K/V read in place from the pool
+    rotary_store_(qk, v, cos, sin, k_pool, v_pool, slots)
+                                   rotary_, then k (qk's last Hkv heads) and v written to
+                                   the pools at slots (paged_attention's index_copy_)
+    silu_mul(gate_up) -> silu(gate) * up
+    decode_attention(q (N, H, D), k_pool, v_pool (S, Hkv, D), slots (R, C), rows (N,),
+                     lens (N,), scale)
+                                   each query over the first lens[i] slots of its row,
+                                   K/V read in place from the pool
 
-`load()` compiles them with torch.utils.cpp_extension (a C++ compiler is needed: ~1 min
-once per machine, cached under ~/.cache/torch_extensions, keyed by the source, the flags
-and this CPU's instruction set) and returns the module, or None when compiling fails (the
+`load()` compiles them with torch.utils.cpp_extension (a C++ compiler is needed: ~30 s
+once per machine and source version, cached under ~/.cache/torch_extensions, named by
+the source and this CPU's instruction set) and returns the module, or None when compiling fails (the
 model then runs the PyTorch ops; `EngineConfig.kernels` = "on" makes that an error).
 """
 from __future__ import annotations
@@ -48,8 +54,10 @@ def load(required: bool = False):
         return module
     try:
         from torch.utils.cpp_extension import load as build
-        # -march=native: the build is for this CPU only, so its instruction set is in the name.
-        tag = hashlib.sha1(_cpu_flags().encode()).hexdigest()[:8]
+        # -march=native: the build is for this CPU only, so its instruction set is in the
+        # name, and so is the source: a process still running an older build never sees
+        # its library rebuilt under it.
+        tag = hashlib.sha1(_cpu_flags().encode() + _SOURCE.read_bytes()).hexdigest()[:10]
         module = build(name=f"verispec_kernels_{tag}", sources=[str(_SOURCE)],
                        extra_cflags=["-O3", "-march=native"], verbose=False)
         _loaded.update(module=module, error=None)

@@ -116,12 +116,13 @@ class Attention(nn.Module):
             qk = torch.cat([q, k], dim=1)                                   # (T, H + Hkv, D)
         else:  # q and k are adjacent in the fused output: rotate them in one go
             qk = per_head[:, : heads + kv_heads]
-        if ops is not None:
-            ops.rotary_(qk, cos, sin)                                       # in place: qk is this pass's own
+        v = per_head[:, heads + kv_heads:]                                  # (T, Hkv, D)
+        if ops is not None:  # rotated in place (qk is this pass's own) and K/V written in one call
+            ops.rotary_store_(qk, v, cos, sin, kv.k_layers[self.layer], kv.v_layers[self.layer], meta.slot_mapping)
+            out = paged_attention(qk[:, :heads], None, None, self.layer, kv, meta, context, ops)
         else:
             qk = apply_rotary(qk, cos, sin)                                 # (T, H + Hkv, D)
-        v = per_head[:, heads + kv_heads:]                                  # (T, Hkv, D)
-        out = paged_attention(qk[:, :heads], qk[:, heads:], v, self.layer, kv, meta, context, ops)  # (T, H*D)
+            out = paged_attention(qk[:, :heads], qk[:, heads:], v, self.layer, kv, meta, context)  # (T, H*D)
         return self.o_proj.forward(out)
 
 
@@ -131,7 +132,9 @@ class MLP(nn.Module):
         self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, ops=None) -> torch.Tensor:
+        if ops is not None:
+            return self.down_proj.forward(ops.silu_mul(self.gate_up_proj.forward(x)))
         gate, up = self.gate_up_proj.forward(x).chunk(2, dim=-1)
         return self.down_proj.forward(F.silu(gate) * up)
 
@@ -161,7 +164,7 @@ class Block(nn.Module):
             x, h = ops.add_rms_norm(x, delta, self.input_layernorm.weight, self.input_layernorm.eps)
         a = self.self_attn.forward(h, cos, sin, meta, kv, context, ops)
         x, h = ops.add_rms_norm(x, a, self.post_attention_layernorm.weight, self.post_attention_layernorm.eps)
-        return x, self.mlp.forward(h)
+        return x, self.mlp.forward(h, ops)
 
 
 class LlamaModel(nn.Module):

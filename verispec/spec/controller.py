@@ -114,9 +114,10 @@ cost is paid once and then enables drafting for the rest of the request. The eng
 each row's missing tokens (`catch_up`) and remaining output budget (`remaining`), and
 reports catch-up passes (kind "catch_up", seconds and tokens), from which the controller
 keeps a decayed seconds-per-token. Starting to draft on row r then costs its catch-up,
-charged per round over the rounds it enables: c_r * s_tok * E(alpha_r, cap_r) / remaining_r
-(E at the row's cap: the fewest rounds, the highest charge per round), added to the pass's
-cost when the row's first draft is taken. At 16 in flight with 64-token answers to
+spread over the tokens it enables: a round that yields E(alpha_r, k_r) tokens of the row's
+remaining_r is charged c_r * s_tok * E(alpha_r, k_r) / remaining_r, added to the pass's cost
+for every row the plan gives drafts to (charging at the row's cap instead overcharged a
+plan at depth 1 4x, and a cold controller never drafted at 4 in flight). At 16 in flight with 64-token answers to
 ~150-token prompts (Qwen2.5-Coder pair), a draft model that catches every row up paid more
 than drafting saved (0.85x plain at acceptance 0.98). Before any catch-up has been measured
 at most one row that needs one may draft per round (the one missing the fewest tokens): its
@@ -506,7 +507,7 @@ class AdaptiveController:
         bucket = batch_bucket(batch_size)
         limit = batch_size + 2 * verify.widest(bucket)  # at most double the tokens measured
         alphas = self._pooled_alphas(reqs)
-        charge = self._catch_up_charges(caps, catch_up, remaining, alphas)
+        charge = self._catch_up_charges(caps, catch_up, remaining)
         caps = [0 if c is None else cap for cap, c in zip(caps, charge)]
         # (gain, row, position): the position-th draft of a row adds alpha ** position tokens.
         gains, drafters = [], set()
@@ -531,7 +532,8 @@ class AdaptiveController:
             out, total, one_off, taken = [], float(batch_size), 0.0, 0
             for n in _sizes_upto(min(len(pool), limit)):
                 total += sum(t[0] for t in pool[taken:n])
-                one_off += sum(charge[t[1]] for t in pool[taken:n] if t[2] == 1)  # a row's first draft
+                # a row's share of its catch-up: the tokens this round adds, 1 + alpha at its first draft
+                one_off += sum(charge[t[1]] * (t[0] + (1.0 if t[2] == 1 else 0.0)) for t in pool[taken:n])
                 taken = n
                 b = size_bucket(n)
                 if b not in verify_s:
@@ -561,19 +563,18 @@ class AdaptiveController:
             ks[row] += 1
         return ks
 
-    def _catch_up_charges(self, caps: list[int], catch_up: list[int], remaining: list[int],
-                          alphas: list[float]) -> list[float | None]:
-        """Per row, the seconds per round its catch-up adds if it starts drafting (0 for a
-        row that needs none), or None for a row that may not draft this round: while no
-        catch-up has been measured, every row needing one but the one missing the fewest
-        tokens (whose pass, optimistically free, measures the price)."""
+    def _catch_up_charges(self, caps: list[int], catch_up: list[int], remaining: list[int]) -> list[float | None]:
+        """Per row, the seconds of its catch-up per token of its remaining budget (charged
+        per expected token of each round it drafts; 0 for a row that needs none), or None
+        for a row that may not draft this round: while no catch-up has been measured,
+        every row needing one but the one missing the fewest tokens (whose pass,
+        optimistically free, measures the price)."""
         s, n = self._catch_up
         if n == 0:
             needy = [i for i, (cap, c) in enumerate(zip(caps, catch_up)) if cap and c]
             first = min(needy, key=lambda i: catch_up[i], default=None)
             return [None if c and i != first else 0.0 for i, c in enumerate(catch_up)]
-        return [c * s / n * expected_tokens(a, cap) / max(rem, 1) if c else 0.0
-                for c, rem, a, cap in zip(catch_up, remaining, alphas, caps)]
+        return [c * s / n / max(rem, 1) if c else 0.0 for c, rem in zip(catch_up, remaining)]
 
     def _pooled_alphas(self, reqs: list[_Request]) -> list[float]:
         """Each row's acceptance, shrunk toward its batch's (rows of the same proposer) by
