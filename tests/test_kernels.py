@@ -14,6 +14,7 @@ import torch.nn.functional as F
 
 from tiny import tiny_config
 from verispec.model import kernels
+from verispec.model import attention
 from verispec.model.attention import KERNEL_QUERY_LIMIT, AttentionMetadata
 from verispec.model.llama import LlamaModel, apply_rotary
 
@@ -128,9 +129,13 @@ def test_decode_attention_refuses_bad_input():
         OPS.decode_attention(q.bfloat16(), pool, pool, torch.tensor([[1]]), row, torch.tensor([1]), 1.0)
 
 
+@pytest.mark.parametrize("spill", [False, True], ids=["kernel attention", "over KERNEL_MAX_PAIRS: SDPA"])
 @pytest.mark.parametrize("broken", [False, True])
-def test_model_with_kernels_matches_the_model_without(dtype, broken):
-    """A prefill chunk (SDPA), verify and decode rows (the kernel) in one pass."""
+def test_model_with_kernels_matches_the_model_without(dtype, broken, spill, monkeypatch):
+    """A prefill chunk (SDPA), verify and decode rows (the kernel) in one pass; or, past the
+    kernel's pair limit, every row through SDPA groups."""
+    if spill:
+        monkeypatch.setattr(attention, "KERNEL_MAX_PAIRS", 10)
     torch.manual_seed(3)
     model = LlamaModel(tiny_config(vocab=64, hidden=64, layers=3)).eval()
     for p in model.parameters():
@@ -147,7 +152,7 @@ def test_model_with_kernels_matches_the_model_without(dtype, broken):
             [list(range(s, s + len(t))) for t, s in rows], slots,
             [list(range(r * 64, r * 64 + s + len(t))) for r, (t, s) in enumerate(rows)],
             kernel_queries=0 if ops is None else KERNEL_QUERY_LIMIT)
-        assert (meta.kernel is not None and len(meta.groups) == 1) == (ops is not None)
+        assert (meta.kernel is not None and len(meta.groups) == 1) == (ops is not None and not spill)
         kv = model.new_kv_store(4 * 64)
         g = torch.Generator().manual_seed(4)
         kv.k.copy_(torch.randn(kv.k.shape, generator=g))  # the context before each row's new tokens

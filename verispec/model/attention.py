@@ -139,6 +139,11 @@ class AttentionGroup:
 # chunks) are attended by the fused kernel when the model has it; longer prefill chunks by
 # SDPA, whose blocked kernel is faster over many queries.
 KERNEL_QUERY_LIMIT = 32
+# ... and only while the pass reads at most this many (query, key) pairs through it: the
+# kernel has no blocking, so past that SDPA's gather + blocked kernel wins (measured, default
+# model, 2 threads: batch 1 at ~270 keys, ~2.4k pairs with k = 8, is faster with the kernel;
+# 16 decode rows at ~250 keys, ~4k pairs, were 6% slower a step).
+KERNEL_MAX_PAIRS = 2560
 
 
 @dataclass
@@ -210,6 +215,8 @@ class AttentionMetadata:
         for q in query_lens[:-1]:
             starts.append(starts[-1] + q)
         short = [b for b, q in enumerate(query_lens) if q <= kernel_queries]
+        if sum(p + 1 for b in short for p in positions[b]) > KERNEL_MAX_PAIRS:
+            short = []
         kernel = None
         if short:
             table = torch.zeros(len(short), max(context_lens[b] for b in short), dtype=torch.long)
@@ -223,7 +230,8 @@ class AttentionMetadata:
                 rows=torch.tensor([i for i, b in enumerate(short) for _ in range(query_lens[b])],
                                   dtype=torch.long).to(device),
                 lens=torch.tensor([p + 1 for b in short for p in positions[b]], dtype=torch.long).to(device))
-        long = [b for b in range(num_rows) if query_lens[b] > kernel_queries]
+        in_kernel = set(short)
+        long = [b for b in range(num_rows) if b not in in_kernel]
         partition = [[long[i] for i in rows] for rows in partition_rows(
             [query_lens[b] for b in long], [context_lens[b] for b in long])] if long else []
         one_group = len(partition) == 1 and kernel is None
