@@ -437,24 +437,29 @@ def test_draft_model_depth_grows_one_step_past_the_deepest_measured(stepwise, mo
     assert (depths == [1, 2, 3, 4]) == stepwise, depths
 
 
-def catch_up_controller(ignore_catch_up: bool, monkeypatch):
-    """Draft model, batch 4, acceptance ~1; verifying 4 drafts per row costs 1.2x plain and
-    the draft steps 0.1 each: drafting pays handsomely once a row is caught up. A broken
-    variant ignores catch-ups (every row free to start drafting at no charge)."""
-    ctl = AdaptiveController(ControllerConfig(explore=0.0, cost_min_samples=1, k_max=4))
-    if ignore_catch_up:
-        monkeypatch.setattr(AdaptiveController, "_catch_up_charges",
-                            lambda self, caps, c, r: [0.0] * len(caps))
+def four_draft_rows(k_max: int, verify_upto: int, depth_upto: int):
+    """Draft model, batch 4, acceptance ~1; a verify pass costs 1.0 + 0.2 per 16 drafts
+    (measured up to `verify_upto` drafts) and each draft step 0.1 (up to `depth_upto`)."""
+    ctl = AdaptiveController(ControllerConfig(explore=0.0, cost_min_samples=1, k_max=k_max))
     ids = ["a", "b", "c", "d"]
     for rid in ids:
         ctl.start(rid, "draft")
         for _ in range(30):
             ctl.observe_acceptance(rid, 4, 4)
-    for n in range(0, 17):
+    for n in range(0, verify_upto + 1):
         ctl.observe_cost("verify", 4, n, 1.0 + 0.2 * n / 16)
-    for k in range(1, 5):
+    for k in range(1, depth_upto + 1):
         ctl.observe_cost("draft", 4, k, 0.1 * k)
     return ctl, ids
+
+
+def catch_up_controller(ignore_catch_up: bool, monkeypatch):
+    """`four_draft_rows` at k_max 4, all measured: drafting pays handsomely once a row is
+    caught up. A broken variant ignores catch-ups (every row starts drafting free)."""
+    if ignore_catch_up:
+        monkeypatch.setattr(AdaptiveController, "_catch_up_charges",
+                            lambda self, caps, c, r: [0.0] * len(caps))
+    return four_draft_rows(4, 16, 4)
 
 
 @pytest.mark.parametrize("broken", [False, True])
@@ -484,18 +489,11 @@ def test_a_catch_up_is_spread_over_the_tokens_the_plan_yields(broken, monkeypatc
     of the catch-up and drafting pays (8 tokens for ~1.4 s against plain's 4 for 1 s). The
     broken variant charges as if each round yielded the row's cap (9 tokens: 4.5x), and a
     cold controller then never drafts, so never learns that deeper drafts pay."""
-    ctl = AdaptiveController(ControllerConfig(explore=0.0, cost_min_samples=1, k_max=8))
     if broken:
         charges = AdaptiveController._catch_up_charges
         monkeypatch.setattr(AdaptiveController, "_catch_up_charges",
                             lambda self, caps, c, r: [x * 4.5 if x else x for x in charges(self, caps, c, r)])
-    ids = ["a", "b", "c", "d"]
-    for rid in ids:
-        ctl.start(rid, "draft")
-        for _ in range(30):
-            ctl.observe_acceptance(rid, 4, 4)
-    for n in range(0, 9):
-        ctl.observe_cost("verify", 4, n, 1.0 + 0.2 * n / 16)
+    ctl, ids = four_draft_rows(8, 8, 0)
     ctl.observe_cost("catch_up", 4, 100, 2.0)  # 0.02 s a token: 3 s for 150
     ks = ctl.choose_k(ids, 4, catch_up=[150] * 4, remaining=[64] * 4)
     assert (all(ks[r] == 1 for r in ids)) != broken, ks
