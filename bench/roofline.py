@@ -87,7 +87,7 @@ def bytes_per_step(model: LlamaModel, context_len: int, num_tokens: int = 1) -> 
         elif isinstance(module, Int8Linear):
             linear += _tensor_bytes(module.qweight, module.scales, module.bias)
         elif isinstance(module, Int4Linear):
-            linear += _tensor_bytes(module.packed, module.scales_zeros, module.bias)
+            linear += _tensor_bytes(module.q4, module.scale, module.min, module.bias)
     norms = sum(_tensor_bytes(m.weight) for name, m in model.named_modules() if name.endswith("norm"))
     emb = model.embed_tokens.weight
     embedding = num_tokens * emb.shape[1] * emb.element_size()
@@ -96,7 +96,7 @@ def bytes_per_step(model: LlamaModel, context_len: int, num_tokens: int = 1) -> 
     head = model.lm_head
     head_bytes = (_tensor_bytes(head.weight) if isinstance(head, nn.Linear) else 0)
     return {"linear_bytes": linear, "head_bytes_included": head_bytes if isinstance(head, nn.Linear) else
-            sum(_tensor_bytes(p.packed, p.scales_zeros) if isinstance(p, Int4Linear)
+            sum(_tensor_bytes(p.q4, p.scale, p.min) if isinstance(p, Int4Linear)
                 else _tensor_bytes(p.qweight, p.scales) for p in head.parts),
             "norm_bytes": norms, "embedding_bytes": embedding, "kv_bytes": kv,
             "total_bytes": linear + norms + embedding + kv}

@@ -17,6 +17,7 @@ from verispec.model import kernels
 from verispec.model import attention
 from verispec.model.attention import KERNEL_QUERY_LIMIT, AttentionMetadata
 from verispec.model.llama import LlamaModel, apply_rotary
+from verispec.model.quant import make_int4_linear, quantize_int4, unpack_int4
 
 OPS = kernels.load(required=True)
 DTYPES = [torch.float32, torch.bfloat16]
@@ -127,6 +128,63 @@ def test_decode_attention_refuses_bad_input():
         OPS.decode_attention(q, pool, pool, torch.tensor([[1]]), torch.tensor([1]), torch.tensor([1]), 1.0)
     with pytest.raises(RuntimeError, match="dtypes must match"):
         OPS.decode_attention(q.bfloat16(), pool, pool, torch.tensor([[1]]), row, torch.tensor([1]), 1.0)
+
+
+def _int4_layer(n: int = 40, k: int = 96, bias: bool = True, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(n, k, generator=g) * torch.rand(n, 1, generator=g)
+    return make_int4_linear(quantize_int4(w), torch.randn(n, generator=g) if bias else None, torch.bfloat16)
+
+
+@pytest.mark.skipif(not OPS.int4_avx512, reason="no AVX-512 here: layers use PyTorch's int4 kernel")
+@pytest.mark.parametrize("broken", [False, True], ids=["ok", "nibbles swapped"])
+@pytest.mark.parametrize("bias", [True, False])
+def test_int4_linear_computes_the_stored_weights(bias, broken):
+    """x @ W.T + b against float64 on the weights the layer stores (40 rows: the last block
+    of 16 padded), within the one bf16 rounding of the output; a layout bug is caught."""
+    layer = _int4_layer(bias=bias)
+    w = unpack_int4(layer.q4, layer.scale, layer.min, 40).dequantize().double()
+    q4 = (layer.q4 >> 4) | (layer.q4 << 4) if broken else layer.q4
+    x = torch.randn(13, 96).bfloat16()
+    want = x.double() @ w.t() + (layer.bias.double() if bias else 0)
+    got = OPS.int4_linear(x, q4, layer.scale, layer.min, 40, layer.bias)
+    assert got.shape == (13, 40) and got.dtype == torch.bfloat16
+    ok = (got.double() - want).abs() <= want.abs() * 2 ** -8 + 1e-4
+    assert bool(ok.all()) != broken
+
+
+@pytest.mark.skipif(not OPS.int4_avx512, reason="no AVX-512 here")
+def test_int4_linear_rows_do_not_depend_on_the_pass():
+    """Bit for bit: each token's output is the same alone, in any pass width (the AVX-512
+    path's tiles of 1..8 tokens), and on the portable loop: a verify pass and a plain step
+    compute the same numbers."""
+    layer = _int4_layer(n=72, k=160, seed=1)
+    x = torch.randn(21, 160).bfloat16()
+    full = OPS.int4_linear(x, layer.q4, layer.scale, layer.min, 72, layer.bias)
+    assert torch.equal(full, OPS.int4_linear(x, layer.q4, layer.scale, layer.min, 72, layer.bias, portable=True))
+    for width in (1, 3, 5, 8):
+        parts = [OPS.int4_linear(x[i: i + width].contiguous(), layer.q4, layer.scale, layer.min, 72, layer.bias)
+                 for i in range(0, 21, width)]
+        assert torch.equal(torch.cat(parts), full), width
+    # the check bites: one weight changed moves outputs
+    q4 = layer.q4.clone()
+    q4[0, 0, 0] ^= 1
+    assert not torch.equal(OPS.int4_linear(x, q4, layer.scale, layer.min, 72, layer.bias), full)
+
+
+def test_int4_linear_refuses_bad_input():
+    layer = _int4_layer()
+    x = torch.randn(2, 96).bfloat16()
+    with pytest.raises(RuntimeError, match="x must be contiguous bf16"):
+        OPS.int4_linear(x.float(), layer.q4, layer.scale, layer.min, 40)
+    with pytest.raises(RuntimeError, match="q4 must be contiguous uint8"):
+        OPS.int4_linear(torch.randn(2, 64).bfloat16(), layer.q4, layer.scale, layer.min, 40)
+    with pytest.raises(RuntimeError, match="out_features must fit"):
+        OPS.int4_linear(x, layer.q4, layer.scale, layer.min, 49)
+    with pytest.raises(RuntimeError, match="scale and min must be contiguous fp16"):
+        OPS.int4_linear(x, layer.q4, layer.scale.float(), layer.min, 40)
+    with pytest.raises(RuntimeError, match="bias must be contiguous bf16"):
+        OPS.int4_linear(x, layer.q4, layer.scale, layer.min, 40, torch.zeros(39).bfloat16())
 
 
 @pytest.mark.parametrize("spill", [False, True], ids=["kernel attention", "over KERNEL_MAX_PAIRS: SDPA"])

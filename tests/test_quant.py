@@ -13,7 +13,7 @@ from verispec.model.config import ModelConfig
 from verispec.model.llama import LlamaModel
 from verispec.model.quant import (INT4_GROUP, ApproxHead, Int4Groups, Int4Linear, Int8Linear, RefinedHead,
                                   gguf_q4_tensor, make_int4_linear, make_int8_linear, quantize_int4,
-                                  resolve_weight_format)
+                                  resolve_weight_format, unpack_int4)
 
 Q = gguf.GGMLQuantizationType
 
@@ -24,7 +24,8 @@ def _gguf_blocks(w: np.ndarray, qtype) -> np.ndarray:
 
 @pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_1])
 def test_gguf_q4_blocks_map_onto_int4_groups_exactly(qtype):
-    """With float32 scales, our (q - 8) * scale + zero reproduces gguf's dequantization bit for bit."""
+    """Our q * scale + min reproduces gguf's dequantization bit for bit, also after packing
+    (fp16 scale and min hold the blocks' values exactly)."""
     rng = np.random.default_rng(0)
     w = rng.normal(size=(48, 128)).astype(np.float32) * rng.uniform(0.01, 3, size=(48, 1)).astype(np.float32)
     raw = _gguf_blocks(w, qtype)
@@ -32,6 +33,8 @@ def test_gguf_q4_blocks_map_onto_int4_groups_exactly(qtype):
     assert groups.q.dtype == torch.uint8 and int(groups.q.max()) <= 15
     want = gguf.quants.dequantize(raw, qtype).reshape(w.shape)
     assert np.array_equal(groups.dequantize().numpy(), want)
+    layer = make_int4_linear(groups, None, torch.bfloat16)
+    assert np.array_equal(unpack_int4(layer.q4, layer.scale, layer.min, 48).dequantize().numpy(), want)
 
 
 def test_a_swapped_nibble_order_is_caught():
@@ -41,7 +44,7 @@ def test_a_swapped_nibble_order_is_caught():
     raw = _gguf_blocks(w, Q.Q4_1)
     groups = gguf_q4_tensor(raw, int(Q.Q4_1), w.shape)
     q = groups.q.view(16, 2, 2, 16).flip(2).reshape(16, 64)  # low/high nibbles swapped per block
-    broken = Int4Groups(q, groups.scale, groups.zero)
+    broken = Int4Groups(q, groups.scale, groups.min)
     want = gguf.quants.dequantize(raw, Q.Q4_1).reshape(w.shape)
     assert np.abs(broken.dequantize().numpy() - want).max() > 1e-2
 
@@ -70,20 +73,20 @@ def test_int8_kernel_computes_per_row_scales():
 
 
 def test_q8_0_head_splits_into_two_int4_parts_exactly():
-    """16 d (hi - 8) + 8 d + d (lo - 8) == d q for every int8 code q (float32 scales, up to
-    float32 rounding of the three terms)."""
+    """The two int4 parts of a Q8_0 head, as packed (fp16 scale and min), add up to d q for
+    every int8 code q, bit for bit; the bound PyTorch's kernel gets (bf16 scales) is wider."""
     torch.manual_seed(0)
     codes = torch.randint(-128, 128, (32, 64), dtype=torch.int8)
-    scale = torch.rand(32, 2) * 0.01
-    u = codes.to(torch.int32) + 128
-    high = Int4Groups((u >> 4).to(torch.uint8), 16 * scale, 8 * scale)
-    low = Int4Groups((u & 15).to(torch.uint8), scale, torch.zeros_like(scale))
+    scale = (torch.rand(32, 2) * 0.01).half().float()  # GGUF block scales are fp16
+    head = RefinedHead.q8_0(scale, codes)
+    parts = [unpack_int4(p.q4, p.scale, p.min, 32).dequantize() for p in head.parts]
     want = (codes.float().view(32, 2, INT4_GROUP) * scale[..., None]).view(32, 64)
-    got = high.dequantize() + low.dequantize()
-    assert (got - want).abs().max() <= 4 * torch.finfo(torch.float32).eps * want.abs().max()
-    # a wrong split (nibbles swapped) is off by whole quantization steps:
-    wrong = Int4Groups((u & 15).to(torch.uint8), 16 * scale, 8 * scale).dequantize() + \
-        Int4Groups((u >> 4).to(torch.uint8), scale, torch.zeros_like(scale)).dequantize()
+    assert torch.equal(parts[0] + parts[1], want)
+    assert head.torch_norm_coef > head.norm_coef
+    # a wrong split (the parts' nibbles swapped) is off by whole quantization steps:
+    c = codes.to(torch.int32)
+    wrong = Int4Groups((c & 15).to(torch.uint8), 16 * scale, -128 * scale).dequantize() + \
+        Int4Groups(((c >> 4) + 8).to(torch.uint8), scale, torch.zeros_like(scale)).dequantize()
     assert (wrong - want).abs().max() > 100 * scale.min()
 
 
@@ -213,11 +216,14 @@ def test_default_gguf_int4_groups_equal_its_float32_weights(default_model):
     assert resolve_weight_format("auto", torch.bfloat16, source.path) == "int4"
 
 
-def test_default_model_int4_logits_near_float32(default_model):
-    """int4 (the file's own Q4_1 codes, bf16 scales) stays as close to the float32 model as a
-    bf16 copy does: mean KL on one prompt of the order of bf16's own (~1e-3), argmax kept.
-    (bench/weight_quality.py measures this on 20 prompts; a broken mapping scores KL >> 0.1.)"""
+@pytest.mark.parametrize("own_kernel", [True, False], ids=["verispec int4 kernel", "PyTorch int4 kernel"])
+def test_default_model_int4_logits_near_float32(default_model, own_kernel):
+    """int4 (the file's own Q4_1 codes) stays as close to the float32 model as a bf16 copy
+    does, on either int4 kernel: mean KL on one prompt of the order of bf16's own (~1e-3),
+    argmax kept. (bench/weight_quality.py measures this on 20 prompts; a broken mapping
+    scores KL >> 0.1.)"""
     from verispec.engine.runner import ModelRunner, RowInput
+    from verispec.model import kernels
     source, cfg, state, tokenizer = default_model
     ids = tokenizer.encode_chat([{"role": "user", "content": "Explain in a few sentences why the sky is blue."}])
 
@@ -227,22 +233,32 @@ def test_default_model_int4_logits_near_float32(default_model):
 
     ref = torch.log_softmax(logits(LlamaModel.from_state_dict(cfg, state, dtype=torch.float32)), -1)
     int4 = LlamaModel.from_state_dict(cfg, state, dtype=torch.bfloat16, weight_format="int4", gguf_path=source.path)
+    int4.kernels = kernels.load(required=True) if own_kernel else None
     got = torch.log_softmax(logits(int4), -1)
     kl = float((ref.exp() * (ref - got)).sum(-1).mean())
     assert kl < 0.01
     assert (got.argmax(-1) == ref.argmax(-1)).float().mean() >= 0.9
 
 
-def test_default_q8_0_head_error_bound_holds(default_model):
-    """The two-int4-part Q8_0 head: its real kernel error stays inside the proven bound."""
+@pytest.mark.parametrize("own_kernel", [True, False], ids=["verispec int4 kernel", "PyTorch int4 kernel"])
+def test_default_q8_0_head_error_bound_holds(default_model, own_kernel):
+    """The two-int4-part Q8_0 head: its real kernel error stays inside the proven bound, on
+    either int4 kernel (PyTorch's rounds the scales to bf16 and has its own, wider, bound)."""
+    from verispec.model import kernels
     from verispec.model.quant import gguf_q8_0_head
     source, _, state, _ = default_model
     head = RefinedHead.q8_0(*gguf_q8_0_head(source.path))
     assert torch.equal(head.weight, state["model.embed_tokens.weight"])
+    ops = kernels.load(required=True) if own_kernel else None
+    if own_kernel and not ops.int4_avx512:
+        pytest.skip("no AVX-512 here: the head runs on PyTorch's kernel")
+    for part in head.parts:
+        part.kernels = ops
     g = torch.Generator().manual_seed(0)
     x = 2 * torch.randn(6, head.in_features, generator=g)  # ||x|| ~ 48, like the final norm's output
     xb = x.bfloat16()
     approx = head.parts[0](xb).float() + head.parts[1](xb).float()
     error = (approx - F.linear(x, head.weight)).abs().amax(-1)
-    assert (error <= head.norm_coef * x.norm(dim=-1)).all()
+    coef = head.norm_coef if own_kernel else head.torch_norm_coef
+    assert (error <= coef * x.norm(dim=-1)).all()
     assert (head(x).argmax(-1) == F.linear(x, head.weight).argmax(-1)).all()

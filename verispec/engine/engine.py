@@ -407,13 +407,18 @@ class LLMEngine:
                              new_text, req.finished, req.finish_reason, req.stats, req.error)
 
 
+# The layout of saved runtime weights; bumped whenever a module's buffers change (v3: int4
+# in verispec's kernel layout with fp16 scale and min).
+_RUNTIME_LAYOUT = "v3"
+
+
 def load_model(spec: str, config: EngineConfig, draft: bool = False):
     """(model, ModelConfig, Tokenizer) for a model spec, in the config's dtype and format
     (`draft_weight_format` for a draft model).
 
     Warm starts of a GGUF model in bf16 skip reading the float32 conversion, fusing and
     quantizing it: the runtime weights (fused, converted, packed for the weight format)
-    are saved once next to the converted GGUF (`runtime/bfloat16-<format>-v2.safetensors`,
+    are saved once next to the converted GGUF (`runtime/bfloat16-<format>-v3.safetensors`,
     with what the state dict does not hold in its metadata) and loaded directly afterwards.
     """
     from safetensors import safe_open
@@ -425,7 +430,7 @@ def load_model(spec: str, config: EngineConfig, draft: bool = False):
     runtime = None
     if gguf_path is not None and config.dtype == "bfloat16" and not draft:  # drafts: no cache (ApproxHead)
         # A subfolder: the loader reads every *.safetensors beside model.safetensors.
-        runtime = cache_dir_for(gguf_path) / "runtime" / f"{config.dtype}-{config.weight_format}-v2.safetensors"
+        runtime = cache_dir_for(gguf_path) / "runtime" / f"{config.dtype}-{config.weight_format}-{_RUNTIME_LAYOUT}.safetensors"
     if runtime is not None and runtime.exists():
         mcfg, tokenizer = load_config_and_tokenizer(source)
         with safe_open(str(runtime), framework="pt") as f:
@@ -441,8 +446,9 @@ def load_model(spec: str, config: EngineConfig, draft: bool = False):
         tensors, meta = model.runtime_state()
         save_file(tensors, str(tmp), metadata=meta)
         tmp.replace(runtime)  # atomic: a crash never leaves a half-written cache
-        for stale in runtime.parent.glob("*-v1.safetensors"):  # the previous layout's files
-            stale.unlink(missing_ok=True)
+        for stale in runtime.parent.glob("*.safetensors"):  # earlier layouts' files
+            if not stale.stem.endswith(f"-{_RUNTIME_LAYOUT}"):
+                stale.unlink(missing_ok=True)
     return model, mcfg, tokenizer
 
 

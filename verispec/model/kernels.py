@@ -16,6 +16,11 @@ accumulation, one rounding to the activation dtype at the same points):
                      lens (N,), scale)
                                    each query over the first lens[i] slots of its row,
                                    K/V read in place from the pool
+    int4_linear(x, q4, scale, min, out_features, bias=None, portable=False)
+                                   x @ W.T + bias, W int4 in groups of 32 with fp16 scale
+                                   and min (quant.Int4Linear's layout); AVX-512 where the
+                                   CPU has it (`int4_avx512`), else a portable loop that
+                                   the layer does not use (PyTorch's int4 kernel is faster)
 
 `load()` compiles them with torch.utils.cpp_extension (a C++ compiler is needed: ~30 s
 once per machine and source version, cached under ~/.cache/torch_extensions, named by
@@ -32,6 +37,9 @@ from pathlib import Path
 log = logging.getLogger("verispec")
 
 _SOURCE = Path(__file__).with_name("kernels.cpp")
+# -fopenmp: at::parallel_for splits work across threads only in code compiled with OpenMP
+# (without it every kernel here ran on one thread).
+_CFLAGS = ["-O3", "-march=native", "-fopenmp"]
 _loaded: dict[str, object] = {}
 
 
@@ -57,9 +65,9 @@ def load(required: bool = False):
         # -march=native: the build is for this CPU only, so its instruction set is in the
         # name, and so is the source: a process still running an older build never sees
         # its library rebuilt under it.
-        tag = hashlib.sha1(_cpu_flags().encode() + _SOURCE.read_bytes()).hexdigest()[:10]
+        tag = hashlib.sha1(_cpu_flags().encode() + _SOURCE.read_bytes() + " ".join(_CFLAGS).encode()).hexdigest()[:10]
         module = build(name=f"verispec_kernels_{tag}", sources=[str(_SOURCE)],
-                       extra_cflags=["-O3", "-march=native"], verbose=False)
+                       extra_cflags=_CFLAGS, extra_ldflags=["-fopenmp"], verbose=False)
         _loaded.update(module=module, error=None)
     except Exception as exc:  # no compiler, no headers: the PyTorch ops still work
         _loaded.update(module=None, error=f"{type(exc).__name__}: {exc}")

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 
 from verispec.model.attention import AttentionMetadata, KVStore, paged_attention
 from verispec.model.config import ModelConfig
-from verispec.model.quant import (INT4_GROUP, ApproxHead, RefinedHead, fuse_int4_groups, gguf_int4_groups,
+from verispec.model.quant import (INT4_GROUP, ApproxHead, Int4Linear, RefinedHead, fuse_int4_groups, gguf_int4_groups,
                                   gguf_q8_0_head, quantize_model, quantized_metadata, resolve_weight_format,
                                   restore_quantized)
 
@@ -184,6 +184,18 @@ class LlamaModel(nn.Module):
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.weight_format = "dense"  # see verispec.model.quant; set by from_state_dict
         self.kernels = None  # verispec.model.kernels' module when the engine enables them
+
+    @property
+    def kernels(self):
+        return self._kernels
+
+    @kernels.setter
+    def kernels(self, ops) -> None:
+        """Fused kernels on (the compiled module) or off (None), for every layer at once."""
+        self._kernels = ops
+        for module in self.modules():
+            if isinstance(module, Int4Linear):
+                module.kernels = ops
 
     @torch.inference_mode()
     def forward(self, token_ids: torch.Tensor, meta: AttentionMetadata, kv: KVStore,

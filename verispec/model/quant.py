@@ -1,4 +1,4 @@
-"""Weight formats of the linear layers: dense, int8 and int4 weight-only (PyTorch's CPU kernels).
+"""Weight formats of the linear layers: dense, int8 and int4 weight-only.
 
 A model's format is chosen ONCE, at load time, and every pass of that model uses it: the
 target's distribution is a property of its weights, so plain and verify passes of one
@@ -6,19 +6,23 @@ request must read the same ones (choosing a kernel per pass width would change t
 
     dense  weights in the model dtype (bf16 or float32); the LM head in float32
     int8   w[n, k] = s[n] * q[n, k], q in [-127, 127]        torch._weight_int8pack_mm
-    int4   groups of 32 along k, w = (q - 8) * scale + zero, q in [0, 15]
-                                                            torch._weight_int4pack_mm_for_cpu
+    int4   groups of 32 along k, w = q * scale + min, q in [0, 15], scale and min fp16
+                                  verispec's kernel (kernels.int4_linear), else
+                                  torch._weight_int4pack_mm_for_cpu
     auto   int4 for a GGUF whose linear weights are all Q4_0 / Q4_1 (the mapping below is
-           exact up to bf16 scales, so it is closer to the file than a bf16 copy is), else dense
+           exact, so it is the file's own weights), else dense
 
 GGUF Q4 blocks (32 weights, an fp16 scale d and, for Q4_1, an fp16 minimum m) ARE int4
-groups of 32; only the kernel's (scale, zero) convention differs:
+groups of 32, with fp16 scale and min exactly:
 
-    Q4_1: w = d * q + m        ->  scale = d, zero = m + 8 d
-    Q4_0: w = d * (q - 8)      ->  scale = d, zero = 0
+    Q4_1: w = d * q + m        ->  scale = d, min = m
+    Q4_0: w = d * (q - 8)      ->  scale = d, min = -8 d
 
-The kernels take bf16 activations (their float32 / fp16 paths are 10-30x slower here), so
-scale and zero are rounded to bf16 (relative error <= 2^-9, below the 4-bit step itself).
+verispec's int4 kernel (AVX-512, 1.3-2.3x PyTorch's int4 kernel on this project's layers)
+reads these fp16 values as they are. Without it (kernels off, or a CPU without AVX-512)
+the layer packs its weights for PyTorch's kernel on first use, which wants scales and zero
+points in bf16 (w = (q - 8) * scale + zero): rounded there (relative error <= 2^-9, below
+the 4-bit step itself). Both kernels take bf16 activations.
 
 The LM head of a quantized model (`RefinedHead`) computes approximate logits with the int8
 kernel, then recomputes in float32 every token that could be the argmax given a proven
@@ -41,7 +45,6 @@ log = logging.getLogger("verispec")
 
 WEIGHT_FORMATS = ("auto", "dense", "int8", "int4")
 INT4_GROUP = 32
-_INT4_N_MULTIPLE = 16   # the int4 CPU packing wants the output dimension divisible by 16
 # ggml block types whose blocks are int4 groups of 32 (gguf.GGMLQuantizationType values)
 _GGML_Q4_0, _GGML_Q4_1, _GGML_Q8_0 = 2, 3, 8
 
@@ -64,18 +67,31 @@ class Int8Linear(nn.Module):
 
 
 class Int4Linear(nn.Module):
-    """y = x @ W.T + b with W in int4 groups of 32 along K, packed for the CPU kernel."""
+    """y = x @ W.T + b with W in int4 groups of 32 along K (see `pack_int4` for the layout).
 
-    def __init__(self, packed: torch.Tensor, scales_zeros: torch.Tensor, out_features: int,
+    `kernels`: verispec's compiled kernels (set through `LlamaModel.kernels`); without them,
+    or on a CPU without AVX-512, PyTorch's int4 kernel runs on a copy packed on first use.
+    """
+
+    def __init__(self, q4: torch.Tensor, scale: torch.Tensor, min: torch.Tensor, out_features: int,
                  bias: torch.Tensor | None):
         super().__init__()
-        self.register_buffer("packed", packed)              # (N_pad, K / 2) uint8
-        self.register_buffer("scales_zeros", scales_zeros)  # (K / 32, N_pad, 2) activation dtype
-        self.register_buffer("bias", bias)                  # (N,) or None
-        self.out_features, self.in_features = out_features, 2 * packed.shape[1]
+        self.register_buffer("q4", q4)        # (N_pad / 16, K / 2, 16) uint8
+        self.register_buffer("scale", scale)  # (N_pad / 16, K / 32, 16) fp16
+        self.register_buffer("min", min)      # (N_pad / 16, K / 32, 16) fp16
+        self.register_buffer("bias", bias)    # (N,) activation dtype, or None
+        self.out_features, self.in_features = out_features, 2 * q4.shape[1]
+        self.kernels = None
+        self._torch_packed = None             # (packed, scales_zeros) for PyTorch's kernel
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = torch._weight_int4pack_mm_for_cpu(x, self.packed, INT4_GROUP, self.scales_zeros)  # (T, N_pad)
+        ops = self.kernels
+        if ops is not None and ops.int4_avx512:
+            return ops.int4_linear(x.contiguous(), self.q4, self.scale, self.min, self.out_features, self.bias)
+        if self._torch_packed is None:
+            self._torch_packed = torch_int4_pack(unpack_int4(self.q4, self.scale, self.min, self.out_features), x.dtype)
+        packed, scales_zeros = self._torch_packed
+        y = torch._weight_int4pack_mm_for_cpu(x, packed, INT4_GROUP, scales_zeros)  # (T, N_pad)
         if y.shape[-1] != self.out_features:
             y = y[:, : self.out_features]
         return y if self.bias is None else y + self.bias
@@ -83,22 +99,69 @@ class Int4Linear(nn.Module):
 
 @dataclass
 class Int4Groups:
-    """Int4 weights before packing: w = (q - 8) * scale + zero per group of 32 along K."""
+    """Int4 weights before packing: w = q * scale + min per group of 32 along K."""
 
     q: torch.Tensor      # (N, K) uint8 in [0, 15]
-    scale: torch.Tensor  # (N, K / 32) float32
-    zero: torch.Tensor   # (N, K / 32) float32
+    scale: torch.Tensor  # (N, K / 32) float32 (fp16 values: `make_int4_linear` stores them so)
+    min: torch.Tensor    # (N, K / 32) float32 (fp16 values)
 
     def dequantize(self) -> torch.Tensor:
         """(N, K) float32, the weights these groups stand for."""
         n, k = self.q.shape
-        w = (self.q.float() - 8).view(n, k // INT4_GROUP, INT4_GROUP)
-        return (w * self.scale[..., None] + self.zero[..., None]).view(n, k)
+        w = self.q.float().view(n, k // INT4_GROUP, INT4_GROUP)
+        return (w * self.scale[..., None] + self.min[..., None]).view(n, k)
 
     @staticmethod
     def cat(parts: list["Int4Groups"]) -> "Int4Groups":
         """Stack along N (fusing q/k/v or gate/up keeps every group intact)."""
-        return Int4Groups(*(torch.cat([getattr(p, f) for p in parts]) for f in ("q", "scale", "zero")))
+        return Int4Groups(*(torch.cat([getattr(p, f) for p in parts]) for f in ("q", "scale", "min")))
+
+
+def pack_int4(groups: Int4Groups) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Int4 groups -> (q4, scale, min) in the kernel's layout (kernels.cpp), rows padded to 16:
+
+        q4[b, c, j] = q[16 b + j, 2 c] | q[16 b + j, 2 c + 1] << 4     (N_pad / 16, K / 2, 16) uint8
+        scale[b, g, j], min[b, g, j] of row 16 b + j, group g          (N_pad / 16, K / 32, 16) fp16
+
+    Scales and mins are rounded to fp16 (exact for GGUF blocks, whose values are fp16)."""
+    n, k = groups.q.shape
+    if k % INT4_GROUP:
+        raise ValueError(f"int4 needs in_features divisible by {INT4_GROUP}, got {k}")
+    for name in ("scale", "min"):
+        if not torch.isfinite(getattr(groups, name).half()).all():
+            raise ValueError(f"int4 {name}s out of the fp16 range (|value| > 65504)")
+    pad = -n % 16
+    q, scale, mn = groups.q, groups.scale, groups.min
+    if pad:
+        q = torch.cat([q, q.new_zeros(pad, k)])
+        scale, mn = (torch.cat([t, t.new_zeros(pad, t.shape[1])]) for t in (scale, mn))
+    nb = (n + pad) // 16
+    pairs = q.view(nb, 16, k // 2, 2).permute(0, 2, 3, 1)                   # (nb, K/2, 2, 16)
+    q4 = (pairs[:, :, 0] | (pairs[:, :, 1] << 4)).contiguous()              # (nb, K/2, 16)
+    scale, mn = (t.view(nb, 16, -1).permute(0, 2, 1).half().contiguous() for t in (scale, mn))
+    return q4, scale, mn
+
+
+def unpack_int4(q4: torch.Tensor, scale: torch.Tensor, mn: torch.Tensor, out_features: int) -> Int4Groups:
+    """The inverse of `pack_int4` (padding rows dropped)."""
+    nb, half_k, _ = q4.shape
+    q = torch.stack([q4 & 15, q4 >> 4], dim=2)                              # (nb, K/2, 2, 16)
+    q = q.permute(0, 3, 1, 2).reshape(nb * 16, 2 * half_k)[:out_features]
+    scale, mn = (t.permute(0, 2, 1).reshape(nb * 16, -1)[:out_features].float() for t in (scale, mn))
+    return Int4Groups(q.contiguous(), scale.contiguous(), mn.contiguous())
+
+
+def torch_int4_pack(groups: Int4Groups, dtype: torch.dtype = torch.bfloat16) -> tuple[torch.Tensor, torch.Tensor]:
+    """(packed, scales_zeros) for torch._weight_int4pack_mm_for_cpu: w = (q - 8) * scale + zero,
+    scale and zero rounded to `dtype`; rows padded to a multiple of 16."""
+    n, k = groups.q.shape
+    pad = -n % 16
+    q, scale, zero = groups.q, groups.scale, groups.min + 8 * groups.scale
+    if pad:
+        q = torch.cat([q, torch.full((pad, k), 8, dtype=q.dtype)])
+        scale, zero = (torch.cat([t, t.new_zeros(pad, t.shape[1])]) for t in (scale, zero))
+    packed = torch._convert_weight_to_int4pack_for_cpu(q.to(torch.int32).contiguous(), 1)
+    return packed, torch.stack([scale.t(), zero.t()], dim=-1).to(dtype).contiguous()  # (G, N_pad, 2)
 
 
 def quantize_int8(w: torch.Tensor, dtype: torch.dtype = torch.bfloat16) -> tuple[torch.Tensor, torch.Tensor]:
@@ -111,15 +174,16 @@ def quantize_int8(w: torch.Tensor, dtype: torch.dtype = torch.bfloat16) -> tuple
     return q, scales
 
 
-def quantize_int4(w: torch.Tensor, dtype: torch.dtype = torch.bfloat16) -> Int4Groups:
-    """Round-to-nearest asymmetric int4 in groups of 32 along K (the fallback for non-GGUF weights)."""
+def quantize_int4(w: torch.Tensor) -> Int4Groups:
+    """Round-to-nearest asymmetric int4 in groups of 32 along K (the fallback for non-GGUF
+    weights), scale and min rounded to fp16 first (what the kernel stores)."""
     n, k = w.shape
     g = w.float().view(n, k // INT4_GROUP, INT4_GROUP)
     lo, hi = g.amin(dim=-1), g.amax(dim=-1)                              # (N, G)
-    scale = ((hi - lo) / 15).clamp_min(1e-30).to(dtype).float()
-    zero = (lo + 8 * scale).to(dtype).float()
-    q = torch.round((g - zero[..., None]) / scale[..., None] + 8).clamp_(0, 15)
-    return Int4Groups(q.to(torch.uint8).view(n, k), scale, zero)
+    scale = ((hi - lo) / 15).half().float().clamp_min(2.0 ** -24)         # >= the smallest fp16
+    mn = lo.half().float()
+    q = torch.round((g - mn[..., None]) / scale[..., None]).clamp_(0, 15)
+    return Int4Groups(q.to(torch.uint8).view(n, k), scale, mn)
 
 
 def make_int8_linear(weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype) -> Int8Linear:
@@ -128,19 +192,7 @@ def make_int8_linear(weight: torch.Tensor, bias: torch.Tensor | None, dtype: tor
 
 
 def make_int4_linear(groups: Int4Groups, bias: torch.Tensor | None, dtype: torch.dtype) -> Int4Linear:
-    """Pack int4 groups for the CPU kernel; rows are padded to a multiple of 16 if needed."""
-    n, k = groups.q.shape
-    if k % INT4_GROUP:
-        raise ValueError(f"int4 needs in_features divisible by {INT4_GROUP}, got {k}")
-    pad = -n % _INT4_N_MULTIPLE
-    q, scale, zero = groups.q, groups.scale, groups.zero
-    if pad:
-        q = torch.cat([q, torch.full((pad, k), 8, dtype=q.dtype)])
-        scale = torch.cat([scale, torch.zeros(pad, scale.shape[1])])
-        zero = torch.cat([zero, torch.zeros(pad, zero.shape[1])])
-    packed = torch._convert_weight_to_int4pack_for_cpu(q.to(torch.int32).contiguous(), 1)
-    scales_zeros = torch.stack([scale.t(), zero.t()], dim=-1).to(dtype).contiguous()  # (G, N_pad, 2)
-    return Int4Linear(packed, scales_zeros, n, None if bias is None else bias.to(dtype))
+    return Int4Linear(*pack_int4(groups), groups.q.shape[0], None if bias is None else bias.to(dtype))
 
 
 def quantize_model(model: nn.Module, weights: dict[str, torch.Tensor], fmt: str, dtype: torch.dtype,
@@ -167,7 +219,7 @@ def quantize_model(model: nn.Module, weights: dict[str, torch.Tensor], fmt: str,
             groups = int4_groups.get(name)
             if groups is not None and tuple(groups.q.shape) != tuple(w.shape):
                 raise ValueError(f"{name}: GGUF int4 groups are {tuple(groups.q.shape)}, weight is {tuple(w.shape)}")
-            layer = make_int4_linear(groups if groups is not None else quantize_int4(w, dtype), bias, dtype)
+            layer = make_int4_linear(groups if groups is not None else quantize_int4(w), bias, dtype)
         setattr(parent, attr, layer)
 
 
@@ -186,7 +238,7 @@ class ApproxHead(nn.Module):
     @classmethod
     def quantize(cls, weight: torch.Tensor, fmt: str, dtype: torch.dtype = torch.bfloat16) -> "ApproxHead":
         layer = make_int8_linear(weight, None, dtype) if fmt == "int8" else \
-            make_int4_linear(quantize_int4(weight, dtype), None, dtype)
+            make_int4_linear(quantize_int4(weight), None, dtype)
         return cls(layer, dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -216,12 +268,14 @@ class RefinedHead(nn.Module):
     max_refined_fraction = 0.125  # with more candidates than this, the whole row is recomputed
 
     def __init__(self, weight: torch.Tensor, parts: list[nn.Module], norm_coef: float,
-                 dtype: torch.dtype = torch.bfloat16):
-        """`norm_coef`: B / ||x|| (see `bound_coef`); the constructors below compute it."""
+                 dtype: torch.dtype = torch.bfloat16, torch_norm_coef: float | None = None):
+        """`norm_coef`: B / ||x|| (see `bound_coef`); the constructors below compute it.
+        `torch_norm_coef`: the bound of int4 parts on PyTorch's kernel (other scales)."""
         super().__init__()
         self.register_buffer("weight", weight.float())   # (V, K) float32
         self.parts = nn.ModuleList(parts)
         self.norm_coef = float(norm_coef)
+        self.torch_norm_coef = float(norm_coef if torch_norm_coef is None else torch_norm_coef)
         self.dtype = dtype
         self.out_features, self.in_features = weight.shape
         self.last_num_refined = 0  # logits recomputed by the latest call (for benchmarks)
@@ -246,20 +300,23 @@ class RefinedHead(nn.Module):
     def q8_0(cls, scale: torch.Tensor, codes: torch.Tensor, dtype: torch.dtype = torch.bfloat16) -> "RefinedHead":
         """A GGUF Q8_0 head (w = d * q per block of 32) as the sum of two int4 layers, exactly.
 
-        u = q + 128 = 16 hi + lo with hi, lo in [0, 15], so w = 16 d hi + d lo - 128 d:
-            high part: (hi - 8) * 16 d + 8 d     (scale 16 d, zero 8 d)
-            low part:  (lo - 8) * d              (scale d, zero 0)
-        Only the bf16 rounding of the scales separates the parts' weights from the file's.
+        q = 16 h + l with h = q >> 4 in [-8, 7] (arithmetic shift) and l = q & 15, so
+            high part: (h + 8) * 16 d - 128 d     (scale 16 d, min -128 d)
+            low part:  l * d                       (scale d, min 0)
+        16 d and 128 d are exact in fp16, so on verispec's kernel the parts' weights ARE the
+        file's; PyTorch's kernel rounds scales to bf16 (its own, larger, bound below).
         scale: (V, K / 32) float32 block scales; codes: (V, K) int8.
         """
-        u = codes.to(torch.int32) + 128                                      # (V, K) in [0, 255]
-        high = Int4Groups((u >> 4).to(torch.uint8), 16 * scale, 8 * scale)
-        low = Int4Groups((u & 15).to(torch.uint8), scale, torch.zeros_like(scale))
-        rounded = [Int4Groups(g.q, g.scale.to(dtype).float(), g.zero.to(dtype).float()) for g in (high, low)]
+        c = codes.to(torch.int32)
+        high = Int4Groups(((c >> 4) + 8).to(torch.uint8), 16 * scale, -128 * scale)
+        low = Int4Groups((c & 15).to(torch.uint8), scale, torch.zeros_like(scale))
         weight = (codes.float().view(*scale.shape, INT4_GROUP) * scale[..., None]).view(codes.shape)
-        part_weights = [g.dequantize() for g in rounded]
-        coef = cls.bound_coef(weight, part_weights[0] + part_weights[1], part_weights)
-        return cls(weight, [make_int4_linear(g, None, dtype) for g in (high, low)], coef, dtype)
+        layers = [make_int4_linear(g, None, dtype) for g in (high, low)]
+        stored = [unpack_int4(l.q4, l.scale, l.min, l.out_features) for l in layers]  # fp16 as stored
+        kernel = [g.dequantize() for g in stored]
+        torch_w = [_torch_int4_weights(g, dtype) for g in stored]
+        return cls(weight, layers, cls.bound_coef(weight, kernel[0] + kernel[1], kernel), dtype,
+                   torch_norm_coef=cls.bound_coef(weight, torch_w[0] + torch_w[1], torch_w))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x (N, K) float32 -> logits (N, V) float32."""
@@ -268,7 +325,8 @@ class RefinedHead(nn.Module):
         for part in self.parts:
             a = part.forward(xb)                                                # (N, V) bf16
             logits = a.float() if logits is None else logits.add_(a)           # (N, V) float32
-        bound = self.norm_coef * x.norm(dim=-1) + 1e-3                         # (N,)
+        coef = self.norm_coef if all(_on_own_kernel(p) for p in self.parts) else self.torch_norm_coef
+        bound = coef * x.norm(dim=-1) + 1e-3                                   # (N,)
         candidates = logits >= (logits.amax(dim=-1) - 2 * bound)[:, None]       # (N, V)
         rows, cols = candidates.nonzero(as_tuple=True)                          # (C,), (C,)
         self.last_num_refined = int(rows.numel())
@@ -276,6 +334,19 @@ class RefinedHead(nn.Module):
             return F.linear(x, self.weight)  # a flat distribution: the whole float32 head is cheaper
         logits[rows, cols] = torch.linalg.vecdot(self.weight[cols], x[rows])  # (C,) float32 dot products
         return logits
+
+
+def _on_own_kernel(layer: nn.Module) -> bool:
+    """Whether a head part computes with its stored scales (int8, or int4 on verispec's kernel)."""
+    return not isinstance(layer, Int4Linear) or (layer.kernels is not None and layer.kernels.int4_avx512)
+
+
+def _torch_int4_weights(groups: Int4Groups, dtype: torch.dtype) -> torch.Tensor:
+    """(N, K) float32: the weights PyTorch's int4 kernel computes with (scale, zero in `dtype`)."""
+    n, k = groups.q.shape
+    scale = groups.scale.to(dtype).float()[..., None]
+    zero = (groups.min + 8 * groups.scale).to(dtype).float()[..., None]
+    return ((groups.q.float().view(n, k // INT4_GROUP, INT4_GROUP) - 8) * scale + zero).view(n, k)
 
 
 # --- GGUF Q4 blocks -> int4 groups ------------------------------------------------------------
@@ -292,12 +363,12 @@ def gguf_q4_tensor(data: np.ndarray, qtype: int, shape: tuple[int, int]) -> Int4
     d = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)      # (N, G)
     if qtype == _GGML_Q4_1:
         m = blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32)  # (N, G)
-        zero = m + 8 * d
+        mn = m
     else:
-        zero = np.zeros_like(d)
+        mn = -8 * d
     packed = blocks[..., head:]                                                  # (N, G, 16)
     q = np.concatenate([packed & 0x0F, packed >> 4], axis=-1).reshape(n, k)      # (N, K)
-    return Int4Groups(torch.from_numpy(q.copy()), torch.from_numpy(d), torch.from_numpy(zero))
+    return Int4Groups(torch.from_numpy(q.copy()), torch.from_numpy(d), torch.from_numpy(mn))
 
 
 def gguf_int4_groups(path: Path) -> tuple[dict[str, Int4Groups], list[str]]:
@@ -325,7 +396,7 @@ def gguf_int4_groups(path: Path) -> tuple[dict[str, Int4Groups], list[str]]:
         if meta.arch == "llama" and (".q_proj." in name or ".k_proj." in name):
             n_head = heads if ".q_proj." in name else (kv_heads or heads)
             grp = Int4Groups(*(torch.from_numpy(np.ascontiguousarray(g.unpermute_from_gguf(f.numpy(), n_head)))
-                               for f in (grp.q, grp.scale, grp.zero)))
+                               for f in (grp.q, grp.scale, grp.min)))
         groups[name] = grp
     return groups, others
 
@@ -414,6 +485,7 @@ def quantized_metadata(model: nn.Module) -> dict[str, str]:
             meta[f"{name}.out_features"] = str(mod.out_features)
         elif isinstance(mod, RefinedHead):
             meta[f"{name}.norm_coef"] = repr(mod.norm_coef)
+            meta[f"{name}.torch_norm_coef"] = repr(mod.torch_norm_coef)
     return meta
 
 
@@ -422,14 +494,14 @@ def restore_quantized(model: nn.Module, state: dict[str, torch.Tensor], meta: di
     """Install the quantized modules a saved state dict describes, in place of the skeleton's.
 
     The inverse of saving `model.state_dict()` with `quantized_metadata(model)`: every
-    `<layer>.packed` becomes an Int4Linear, every `<layer>.qweight` an Int8Linear, and a
+    `<layer>.q4` becomes an Int4Linear, every `<layer>.qweight` an Int8Linear, and a
     head with `parts` a RefinedHead. The model's keys then match `state` exactly, so a
     strict load_state_dict(state, assign=True) fills the rest.
     """
     def linear(prefix: str) -> nn.Module:
         bias = state.get(f"{prefix}.bias")
-        if f"{prefix}.packed" in state:
-            return Int4Linear(state[f"{prefix}.packed"], state[f"{prefix}.scales_zeros"],
+        if f"{prefix}.q4" in state:
+            return Int4Linear(state[f"{prefix}.q4"], state[f"{prefix}.scale"], state[f"{prefix}.min"],
                               int(meta[f"{prefix}.out_features"]), bias)
         return Int8Linear(state[f"{prefix}.qweight"], state[f"{prefix}.scales"], bias)
 
@@ -437,11 +509,11 @@ def restore_quantized(model: nn.Module, state: dict[str, torch.Tensor], meta: di
         parent, _, attr = path.rpartition(".")
         setattr(model.get_submodule(parent) if parent else model, attr, module)
 
-    layers = {k.rsplit(".", 1)[0] for k in state if k.endswith((".packed", ".qweight"))}
+    layers = {k.rsplit(".", 1)[0] for k in state if k.endswith((".q4", ".qweight"))}
     heads = {p.split(".parts.")[0] for p in layers if ".parts." in p}
     for head in sorted(heads):
         parts = sorted((p for p in layers if p.startswith(f"{head}.parts.")), key=lambda p: int(p.rsplit(".", 1)[1]))
         install(head, RefinedHead(state[f"{head}.weight"], [linear(p) for p in parts],
-                                  float(meta[f"{head}.norm_coef"]), dtype))
+                                  float(meta[f"{head}.norm_coef"]), dtype, float(meta[f"{head}.torch_norm_coef"])))
     for path in sorted(p for p in layers if ".parts." not in p):
         install(path, linear(path))
