@@ -422,7 +422,7 @@ def test_draft_model_depth_grows_one_step_past_the_deepest_measured(stepwise, mo
     run the draft model only one step deeper than any draft pass it has timed."""
     from verispec.spec import controller as ctl_mod
     if not stepwise:
-        monkeypatch.setattr(ctl_mod.CostTable, "widest", lambda self, bucket: 64)
+        monkeypatch.setattr(ctl_mod.CostTable, "widest", lambda self, bucket=None: 64)
     ctl = AdaptiveController(ControllerConfig(explore=0.0, cost_min_samples=1))
     ctl.start("r", "draft")
     for _ in range(50):
@@ -547,6 +547,52 @@ def test_drafts_go_to_the_rows_where_they_pay():
     together = ctl.choose_k(ids, 4)
     assert alone == 8 and together["high"] == 8
     assert all(together[r] == 0 for r in ids[1:])
+
+
+@pytest.mark.parametrize("keyed_by_round", [False, True], ids=["keyed by drafting rows", "broken: by the round's batch"])
+def test_the_draft_pass_is_priced_at_the_rows_it_drafts_for(keyed_by_round):
+    """Four alike rows (acceptance 0.6), verify flat at 1.0, a draft step 0.05 + 0.2 per
+    drafting row. Neither one row (4.6 / 1.25 = 3.7 tokens/s) nor four (6.4 / 1.85 = 3.5)
+    beats plain (4.0). With passes for one and for four drafting rows both filed under the
+    round's batch, the cell averages them (~0.55) and drafting all four looks like 4.1."""
+    ctl = AdaptiveController(ControllerConfig(explore=0.0, cost_min_samples=1, k_max=1, fixed_k=1))
+    ids = ["a", "b", "c", "d"]
+    for rid in ids:
+        ctl.start(rid, "draft")
+        for i in range(100):
+            ctl.observe_acceptance(rid, 1, 1 if i % 5 < 3 else 0)
+    for n in range(0, 5):
+        ctl.observe_cost("verify", 4, n, 1.0)
+    for _ in range(10):  # rounds that drafted for one row, then for all four
+        for rows in (1, 4):
+            ctl.observe_cost("draft", 4 if keyed_by_round else rows, 1, 0.05 + 0.2 * rows)
+    ks = ctl.choose_k(ids, 4)
+    assert list(ks.values()) == ([1, 1, 1, 1] if keyed_by_round else [0, 0, 0, 0])
+
+
+@pytest.mark.parametrize("subsets", [True, False], ids=["row subsets tried", "broken: gain order only"])
+def test_a_deep_draft_for_one_row_beats_a_shallow_one_for_all(subsets, monkeypatch):
+    """Row a accepts 0.95, rows b-d 0.6; verify flat; each draft step costs 0.1 per drafting
+    row. Row a alone at depth 4 beats every row at depth 1 (true rates 5.3 and 4.7). With
+    a's estimate pooled toward the batch (~0.85), b-d's first drafts rank above a's 3rd and
+    4th, so every prefix of the gain order at depth 4 also pays for other rows' draft steps
+    and the gain order alone settles for depth 1."""
+    from verispec.spec import controller as ctl_mod
+    if not subsets:
+        monkeypatch.setattr(ctl_mod, "_bucket_tops", lambda n: [n] if n else [])
+    ctl = AdaptiveController(ControllerConfig(explore=0.0, cost_min_samples=1))
+    ids, alphas = ["a", "b", "c", "d"], [0.95, 0.6, 0.6, 0.6]
+    for rid, alpha in zip(ids, alphas):
+        ctl.start(rid, "draft")
+        for i in range(400):  # a deterministic sequence with success rate alpha
+            ctl.observe_acceptance(rid, 1, 1 if (i * alpha) % 1 + alpha >= 1 else 0)
+    for n in range(0, 33):
+        ctl.observe_cost("verify", 4, n, 1.0)
+    for rows in range(1, 5):
+        for depth in range(1, 9):
+            ctl.observe_cost("draft", rows, depth, 0.1 * rows * depth)
+    ks = list(ctl.choose_k(ids, 4).values())
+    assert (ks[0] >= 4 and ks[1:] == [0, 0, 0]) == subsets, ks
 
 
 @pytest.mark.parametrize("pooled", [True, False], ids=["pooled", "broken: each row's own estimate"])

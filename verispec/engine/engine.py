@@ -246,7 +246,7 @@ class LLMEngine:
             proposed = self.drafter.propose(draft_rows, [ks[r.request_id] for r in draft_rows])
             drafts.update({r.request_id: d for r, d in zip(draft_rows, proposed)})
             draft_s = time.perf_counter() - t0
-            self.controller.observe_cost("draft", len(rows), max(ks[r.request_id] for r in draft_rows),
+            self.controller.observe_cost("draft", len(draft_rows), max(ks[r.request_id] for r in draft_rows),
                                          time.perf_counter() - t1)
         return drafts, draft_s
 

@@ -76,7 +76,10 @@ drafting look cheaper than it is at batch 16). Linear layers run over the batch'
 flattened (no padding) and attention groups rows by query length, so the pass's work
 follows its total tokens, not its widest row: 15 rows decoding one token and one row
 verifying 4 drafts cost about as much as 20 single-token rows. The draft model's pass is
-reported separately, keyed by the batch size and the deepest row's k (it runs k steps).
+reported separately, keyed by the rows it drafts for (its own batch) and the deepest row's k
+(it runs k steps); a plan is priced at the draft rows it gives drafts to. (Keyed by the
+round's batch instead, one cell mixed passes for 1 and for all 4 drafting rows at 4 in
+flight, and drafting every row looked as cheap as drafting one.)
 Batch sizes are bucketed to the next power of two and draft tokens to 4 buckets per octave
 above 8 (exact up to 8); each cell is a running mean for its first 1 / cost_ewma samples and
 an EWMA after that, so it tracks drift. An unmeasured cell is estimated from the measured
@@ -133,7 +136,8 @@ positions, row r's k being the number of its gains taken. The controller picks
     D = argmax_D (B + sum of the D largest gains) / (T_verify(B, D) + T_draft(B, K)),
 evaluating one D per cost bucket (within a bucket the cost is the same and more gains only
 help), where K is the deepest row's k when a draft model drafts (it runs K steps; each cap
-K in [1, k_max] is tried) and T_draft = 0 for n-gram. A batch of alike requests spreads the
+K in [1, k_max] is tried), T_draft is priced at the rows drafting among the D, and
+T_draft = 0 for n-gram. A batch of alike requests spreads the
 drafts evenly (all rows at the same k when D is a multiple of B); a row whose acceptance is
 low, or whose lookup found nothing, drafts less or not at all while the others draft, and
 costs the pass nothing. At batch 1 this is exactly argmax_k E(alpha, k) / T(1, k).
@@ -290,8 +294,10 @@ class CostTable:
     def empty(self) -> bool:
         return not self._cells
 
-    def widest(self, bucket: int) -> int:
-        """The largest size measured at this batch bucket (0 if none)."""
+    def widest(self, bucket: int | None = None) -> int:
+        """The largest size measured at this batch bucket, or at any (None); 0 if none."""
+        if bucket is None:
+            return max(self._widest.values(), default=0)
         return self._widest.get(bucket, 0)
 
     def stamp(self, bucket: int, size: int) -> int:
@@ -413,7 +419,8 @@ class AdaptiveController:
         kind "draft": the draft model's whole drafting of one round; size = the deepest row's
             k (it runs that many steps). Not reported for n-gram, whose drafting is free.
         kind "catch_up": one catch-up of the draft model's KV; size = the tokens computed.
-        batch_size: rows in the round.
+        batch_size: rows in the pass: the round's rows for "verify", the rows the draft model
+            drafted for for "draft" (its pass's batch, often fewer than the round's).
         """
         if kind not in COST_KINDS:
             raise ValueError(f"kind must be one of {COST_KINDS}, got {kind!r}")
@@ -525,20 +532,25 @@ class AdaptiveController:
         if any(charge):
             variants.append([t for t in gains if not charge[t[1]]])
         verify_s: dict[int, float] = {}
+        draft_cost: dict[tuple[int, int] | None, float] = {}
 
-        def plan(pool: list, draft_s: float) -> list[tuple[float, int]]:
-            """(rate, D) for D = 0 and the largest D of every size bucket within the limit."""
-            first_drafter = next((n for n, t in enumerate(pool) if t[1] in drafters), len(pool))
-            out, total, one_off, taken = [], float(batch_size), 0.0, 0
+        def plan(pool: list, depth: int) -> list[tuple[float, int]]:
+            """(rate, D) for D = 0 and the largest D of every size bucket within the limit;
+            the draft pass (`depth` steps) priced at the rows that draft in the first D."""
+            out, total, one_off, taken, rows = [], float(batch_size), 0.0, 0, set()
             for n in _sizes_upto(min(len(pool), limit)):
                 total += sum(t[0] for t in pool[taken:n])
                 # a row's share of its catch-up: the tokens this round adds, 1 + alpha at its first draft
                 one_off += sum(charge[t[1]] * (t[0] + (1.0 if t[2] == 1 else 0.0)) for t in pool[taken:n])
+                rows.update(t[1] for t in pool[taken:n] if t[1] in drafters)
                 taken = n
                 b = size_bucket(n)
                 if b not in verify_s:
                     verify_s[b] = self.estimated_cost("verify", batch_size, n)
-                out.append((_rate(total, verify_s[b] + one_off + (draft_s if n > first_drafter else 0.0)), n))
+                key = (batch_bucket(len(rows)), depth) if rows else None
+                if key not in draft_cost:
+                    draft_cost[key] = (self.estimated_cost("draft", len(rows), depth) or 0.0) if rows else 0.0
+                out.append((_rate(total, verify_s[b] + one_off + draft_cost[key]), n))
             return out
 
         if drafters:  # the draft model runs as many steps as the deepest row: try each depth
@@ -546,14 +558,24 @@ class AdaptiveController:
             # the draft model, and an unmeasured depth's bound (flat from the measured one)
             # would otherwise send a cold controller straight to k_max
             plans = []
-            deepest = min(self.config.k_max, self._costs["draft"].widest(bucket) + 1)
+            deepest = min(self.config.k_max, self._costs["draft"].widest() + 1)
             for depth in range(1, deepest + 1):
-                draft_s = self.estimated_cost("draft", batch_size, depth) or 0.0
                 for variant in variants:
                     pool = [t for t in variant if t[2] <= depth or t[1] not in drafters]
-                    plans.append((pool, plan(pool, draft_s)))
+                    # The gain order ignores that each drafting row adds to the draft pass,
+                    # so the best m rows are also tried alone, for m at each cost bucket's
+                    # top (a 4th gain from one row may beat a 1st from another, at less cost).
+                    worth: dict[int, float] = {}
+                    for g, row, _ in pool:
+                        if row in drafters:
+                            worth[row] = worth.get(row, 0.0) + g
+                    ranked = sorted(worth, key=lambda r: -worth[r])
+                    for m in _bucket_tops(len(ranked)):
+                        keep = set(ranked[:m])
+                        sub = [t for t in pool if t[1] not in drafters or t[1] in keep]
+                        plans.append((sub, plan(sub, depth)))
         else:
-            plans = [(gains, plan(gains, 0.0))]
+            plans = [(gains, plan(gains, 0))]
         pool, options, i = max(((pool, options, i) for pool, options in plans for i in range(len(options))),
                                key=lambda t: (t[1][t[2]][0], -t[1][t[2]][1]))
         if self._probe_due():
@@ -644,6 +666,15 @@ class AdaptiveController:
 
 def _rate(tokens: float, seconds: float) -> float:
     return tokens / max(seconds, _MIN_SECONDS)
+
+
+def _bucket_tops(n: int) -> list[int]:
+    """The largest member of every batch bucket up to n (1, 2, 4, ...), then n itself."""
+    out, m = [], 1
+    while m < n:
+        out.append(m)
+        m *= 2
+    return out + [n] if n else out
 
 
 def _sizes_upto(n: int) -> list[int]:
