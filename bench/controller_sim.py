@@ -146,7 +146,7 @@ class Simulation:
         available = ([ctl.config.k_max if sc.coverage >= 1.0 or self.rng.random() < sc.coverage else 0
                       for _ in self.ids] if free else None)
         ks = ctl.choose_k(self.ids, sc.batch_size, available)
-        drafted_total, deepest = 0, 0
+        drafted_total, deepest, drafting_rows = 0, 0, 0
         for i, rid in enumerate(self.ids):
             alpha, k = sc.alpha_at(self.committed[i]), ks[rid]
             if available is not None:  # a proposer delivers no more than it has
@@ -154,25 +154,27 @@ class Simulation:
             a = accepted_prefix(self.rng, alpha, k)
             ctl.observe_acceptance(rid, k, a)
             drafted_total += k
+            drafting_rows += k > 0
             res.drafted += k
             deepest = max(deepest, k)
             self.committed[i] += a + 1
             res.tokens += a + 1
             res.expected += expected_tokens(alpha, k)
-        res.seconds += self._play_passes(drafted_total, deepest)
+        res.seconds += self._play_passes(drafted_total, deepest, drafting_rows)
         res.rounds += 1
         res.ks.append(ks[self.ids[0]])
         res.alpha_hat.append(ctl.alpha(self.ids[0]))
         res.committed.append(self.committed[0])
 
-    def _play_passes(self, drafted: int, deepest: int) -> float:
-        """Time the round's passes, report them to the controller, return the seconds."""
+    def _play_passes(self, drafted: int, deepest: int, drafting_rows: int) -> float:
+        """Time the round's passes, report them to the controller (the draft pass under the
+        rows it drafted for, as the engine does), return the seconds."""
         cost, b, rng = self.scenario.cost, self.scenario.batch_size, self.rng
         seconds = _noisy(rng, cost.verify(b, drafted), cost.noise)
         self.controller.observe_cost("verify", b, drafted, seconds)
         if deepest > 0 and self.scenario.proposer not in FREE_DRAFT_PROPOSERS:
             draft = _noisy(rng, cost.draft(b, deepest), cost.noise)
-            self.controller.observe_cost("draft", b, deepest, draft)
+            self.controller.observe_cost("draft", drafting_rows, deepest, draft)
             seconds += draft
         return seconds
 

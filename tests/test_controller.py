@@ -570,6 +570,36 @@ def test_the_draft_pass_is_priced_at_the_rows_it_drafts_for(keyed_by_round):
     assert list(ks.values()) == ([1, 1, 1, 1] if keyed_by_round else [0, 0, 0, 0])
 
 
+@pytest.mark.parametrize("plain_from_plain", [True, False], ids=["plain bounded by plain", "broken: by any round"])
+def test_plain_is_priced_from_plain_rounds_only(plain_from_plain, monkeypatch):
+    """A round that verifies drafts costs 0.06 more than a plain one of as many tokens
+    (verify 0.2 + 0.005 per token, draft 0.03). Plain was measured at batch 2 only. At
+    batch 4, acceptance 0.4, plain (4 / 0.22 = 18.2 tokens/s) beats a draft per row
+    (5.6 / 0.33 = 17.0); bounded by the (2 rows, 2 drafts) round, plain looks like 0.28 s."""
+    from verispec.spec import controller as ctl_mod
+    if not plain_from_plain:
+        real = ctl_mod.CostTable.__init__
+        monkeypatch.setattr(ctl_mod.CostTable, "__init__",
+                            lambda self, *a, bounds=None, **kw: real(self, *a, **kw))
+    ctl = AdaptiveController(ControllerConfig(explore=0.0, cost_min_samples=1, k_max=1, fixed_k=1))
+    ids = ["a", "b", "c", "d"]
+    for rid in ids:
+        ctl.start(rid, "draft")
+        for i in range(100):
+            ctl.observe_acceptance(rid, 1, 1 if i % 5 < 2 else 0)
+
+    def verify(rows, drafts):
+        return 0.2 + 0.005 * (rows + drafts) + (0.06 if drafts else 0.0)
+    for drafts in (0, 1, 2):
+        ctl.observe_cost("verify", 2, drafts, verify(2, drafts))
+    for drafts in (1, 2, 3, 4):
+        ctl.observe_cost("verify", 4, drafts, verify(4, drafts))
+    for rows in (1, 2, 3, 4):
+        ctl.observe_cost("draft", rows, 1, 0.03)
+    ks = list(ctl.choose_k(ids, 4).values())
+    assert (ks == [0, 0, 0, 0]) == plain_from_plain, ks
+
+
 @pytest.mark.parametrize("subsets", [True, False], ids=["row subsets tried", "broken: gain order only"])
 def test_a_deep_draft_for_one_row_beats_a_shallow_one_for_all(subsets, monkeypatch):
     """Row a accepts 0.95, rows b-d 0.6; verify flat; each draft step costs 0.1 per drafting

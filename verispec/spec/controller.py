@@ -88,7 +88,12 @@ the batch or the tokens grow, and cost per row or per token never grows with the
 overhead plus at most linear work). For a measured cell (b', n') with cost c that gives
     cost(b, n) >= c * min(1, b / b') * min(1, size(b, n) / size(b', n')),
 where size is the pass's tokens (b + n for verify, n for the draft model's k steps), and the
-estimate is the largest such bound. Because the estimate is never above the truth it is
+estimate is the largest such bound. A plain round is bounded by plain rounds only: a round
+verifying drafts does more per token (rejection sampling, KV rollback, the drafts'
+bookkeeping), so its time is no lower bound for a plain round of as many tokens. (It was
+taken as one: on Qwen2.5-Coder chat at 4 in flight plain decoding at batch 4 was priced at
+0.28 s from a round of 2 rows verifying 2 drafts, never measured (it takes ~0.23 s), and
+the controller drafted in every round at 0.85x plain.) Because the estimate is never above the truth it is
 optimistic, and optimism is the exploration: an unmeasured size is tried exactly when even
 its optimistic rate beats the best known one, and is measured by that round. A cell with
 fewer than `cost_min_samples` samples counts as no more than that bound either, so one slow
@@ -265,12 +270,14 @@ class CostTable:
     """EWMA seconds of one pass kind per (batch bucket, size bucket), with optimistic estimates.
 
     `tokens(bucket, size)` is the work measure the bounds scale by: b + n for a verify pass
-    over n draft tokens, n for the draft model's n steps.
+    over n draft tokens, n for the draft model's n steps. `bounds(size, other)`: whether a
+    measured cell of size `other` may bound an unmeasured one of size `size` (default all).
     """
 
-    def __init__(self, ewma: float, tokens, min_samples: int = 1):
+    def __init__(self, ewma: float, tokens, min_samples: int = 1, bounds=None):
         self._ewma = ewma
         self._tokens = tokens
+        self._bounds = bounds or (lambda size, other: True)
         self._min_samples = min_samples
         self._cells: dict[tuple[int, int], list] = {}  # (bucket, size bucket) -> [seconds, stamp, n]
         self._widest: dict[int, int] = {}              # bucket -> largest size measured
@@ -313,24 +320,27 @@ class CostTable:
         shape) would otherwise price drafting out for good, since a cell that looks far
         behind is never re-measured. A roofline run drafted in 0 of ~1500 rounds while its
         rerun made 1.66 tokens per step; that run kept no controller state, and this is the
-        failure that fits (the test reproduces it with a 5x first sample).
+        failure that fits (the test reproduces it with a 5x first sample). That distrust
+        takes any cell's bound, `bounds` or not: it only makes the estimate more optimistic.
         """
         size = size_bucket(size)
         key = (bucket, size)
         cell = self._cells.get(key)
         if cell is not None and cell[2] >= self._min_samples:
             return cell[0]
-        best, work = None, self._tokens(bucket, size)
+        best, best_any, work = None, None, self._tokens(bucket, size)
         for other, (seconds, _, _) in self._cells.items():
             if other == key:
                 continue
             b, n = other
             bound = seconds * min(1.0, bucket / b) * min(1.0, work / max(self._tokens(b, n), 1))
-            if best is None or bound > best:
-                best = bound
+            best_any = bound if best_any is None else max(best_any, bound)
+            if self._bounds(size, n):
+                best = bound if best is None else max(best, bound)
         if cell is None:
             return best
-        return cell[0] if best is None else min(cell[0], best)
+        # distrusting a young cell's samples may use any cell: it only lowers the estimate
+        return cell[0] if best_any is None else min(cell[0], best_any)
 
     def snapshot(self) -> list[dict]:
         """Measured cells as plain data."""
@@ -356,7 +366,10 @@ class AdaptiveController:
         self._requests: dict[str, _Request] = {}
         self._global = {p: self.estimator_cls(a, cfg.prior_weight_tokens, cfg.prior_half_life_tokens)
                         for p, a in cfg.prior_alpha.items()}
-        self._costs = {"verify": CostTable(cfg.cost_ewma, lambda b, n: b + n, cfg.cost_min_samples),
+        # A speculative round does more per token than a plain one (drafts to verify, rejection
+        # sampling, KV rollback), so only plain rounds bound a plain one (see the docstring).
+        self._costs = {"verify": CostTable(cfg.cost_ewma, lambda b, n: b + n, cfg.cost_min_samples,
+                                           bounds=lambda n, other: n > 0 or other == 0),
                        "draft": CostTable(cfg.cost_ewma, lambda b, n: n, cfg.cost_min_samples)}
         self._catch_up = [0.0, 0.0]  # decayed (seconds, tokens) of catch-up passes
         self._num_cost_samples = 0
@@ -545,8 +558,8 @@ class AdaptiveController:
                 rows.update(t[1] for t in pool[taken:n] if t[1] in drafters)
                 taken = n
                 b = size_bucket(n)
-                if b not in verify_s:
-                    verify_s[b] = self.estimated_cost("verify", batch_size, n)
+                if b not in verify_s:  # no estimate at all: unmeasured, so optimistic (free)
+                    verify_s[b] = self.estimated_cost("verify", batch_size, n) or 0.0
                 key = (batch_bucket(len(rows)), depth) if rows else None
                 if key not in draft_cost:
                     draft_cost[key] = (self.estimated_cost("draft", len(rows), depth) or 0.0) if rows else 0.0
