@@ -320,8 +320,9 @@ class CostTable:
         shape) would otherwise price drafting out for good, since a cell that looks far
         behind is never re-measured. A roofline run drafted in 0 of ~1500 rounds while its
         rerun made 1.66 tokens per step; that run kept no controller state, and this is the
-        failure that fits (the test reproduces it with a 5x first sample). That distrust
-        takes any cell's bound, `bounds` or not: it only makes the estimate more optimistic.
+        failure that fits (the test reproduces it with a 5x first sample). Without a cell
+        `bounds` allows, that distrust takes any cell's bound: it only makes the estimate
+        more optimistic.
         """
         size = size_bucket(size)
         key = (bucket, size)
@@ -339,8 +340,10 @@ class CostTable:
                 best = bound if best is None else max(best, bound)
         if cell is None:
             return best
-        # distrusting a young cell's samples may use any cell: it only lowers the estimate
-        return cell[0] if best_any is None else min(cell[0], best_any)
+        # a young cell is distrusted down to its bound, or, with no comparable cell, to any
+        # cell's (that only makes the estimate more optimistic)
+        bound = best if best is not None else best_any
+        return cell[0] if bound is None else min(cell[0], bound)
 
     def snapshot(self) -> list[dict]:
         """Measured cells as plain data."""
