@@ -290,8 +290,9 @@ def test_expected_tokens_formula():
     assert AdaptiveController.expected_tokens(0.5, 2) == 1.75
 
 
-def test_batch_bucket_is_next_power_of_two():
-    assert [batch_bucket(b) for b in (1, 2, 3, 4, 5, 8, 9, 100)] == [1, 2, 4, 4, 8, 8, 16, 128]
+def test_batch_buckets_are_exact_to_8_then_4_per_octave():
+    assert [batch_bucket(b) for b in (1, 2, 3, 4, 5, 8, 9, 11, 13, 16, 17, 100)] == \
+        [1, 2, 3, 4, 5, 8, 10, 12, 14, 16, 20, 112]
 
 
 def test_update_counts_one_rejection_and_no_censored_positions():
@@ -373,7 +374,9 @@ def test_unmeasured_cost_is_the_tightest_lower_bound_from_neighbours():
     assert ctl.estimated_cost("verify", 4, 32) == 2.0                      # never falls with tokens
     assert ctl.estimated_cost("verify", 16, 16) == 2.0                     # nor with batch
     assert math.isclose(ctl.estimated_cost("verify", 2, 16), 2.0 * (2 / 4) * (18 / 20))  # per row, per token
-    assert ctl.estimated_cost("verify", 3, 16) == 2.0                      # 3 is bucket 4
+    assert math.isclose(ctl.estimated_cost("verify", 3, 16), 2.0 * (3 / 4) * (19 / 20))  # 3 rows: own bucket
+    assert ctl.estimated_cost("verify", 14, 16) == 2.0                     # 13-14 share bucket 14
+    assert ctl.estimated_cost("verify", 13, 16) == ctl.estimated_cost("verify", 14, 16)
     assert ctl.estimated_cost("verify", 4, 15) == 2.0                      # 15 is size bucket 16
     ctl.observe_cost("draft", 1, 4, 0.4)
     assert ctl.estimated_cost("draft", 1, 2) == 0.2                        # a draft step per k
