@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 
 from verispec.spec.controller import (
-    AcceptanceEstimator, AdaptiveController, ControllerConfig, batch_bucket, expected_tokens, size_bucket)
+    AcceptanceEstimator, AdaptiveController, ControllerConfig, CostTable, batch_bucket, expected_tokens, size_bucket)
 
 ROOT = Path(__file__).resolve().parents[1]
 _spec = importlib.util.spec_from_file_location("controller_sim", ROOT / "bench" / "controller_sim.py")
@@ -487,8 +487,8 @@ def test_a_catch_up_dearer_than_drafting_saves_keeps_the_row_plain(broken, monke
 
 @pytest.mark.parametrize("broken", [False, True])
 def test_a_catch_up_is_spread_over_the_tokens_the_plan_yields(broken, monkeypatch):
-    """Cold at depth 1 (no draft pass measured yet), k_max 8, acceptance ~1, a 3 s catch-up
-    per row against 64 tokens left: a round at depth 1 yields 2 of them, so it carries 2/64
+    """Draft passes measured at depth 1 only, k_max 8, acceptance ~1, a 3 s catch-up per row
+    against 64 tokens left: a round at depth 1 yields 2 of them, so it carries 2/64
     of the catch-up and drafting pays (8 tokens for ~1.4 s against plain's 4 for 1 s). The
     broken variant charges as if each round yielded the row's cap (9 tokens: 4.5x), and a
     cold controller then never drafts, so never learns that deeper drafts pay."""
@@ -496,7 +496,7 @@ def test_a_catch_up_is_spread_over_the_tokens_the_plan_yields(broken, monkeypatc
         charges = AdaptiveController._catch_up_charges
         monkeypatch.setattr(AdaptiveController, "_catch_up_charges",
                             lambda self, caps, c, r: [x * 4.5 if x else x for x in charges(self, caps, c, r)])
-    ctl, ids = four_draft_rows(8, 8, 0)
+    ctl, ids = four_draft_rows(8, 8, 1)
     ctl.observe_cost("catch_up", 4, 100, 2.0)  # 0.02 s a token: 3 s for 150
     ks = ctl.choose_k(ids, 4, catch_up=[150] * 4, remaining=[64] * 4)
     assert (all(ks[r] == 1 for r in ids)) != broken, ks
@@ -605,6 +605,31 @@ def test_plain_is_priced_from_plain_rounds_only(plain_from_plain, slow_first_pla
         ctl.observe_cost("draft", rows, 1, 0.03)
     ks = list(ctl.choose_k(ids, 4).values())
     assert (ks == [0, 0, 0, 0]) == plain_from_plain, ks
+
+
+@pytest.mark.parametrize("guarded", [True, False], ids=["one start per round", "broken: starts on bounds"])
+def test_rows_start_one_per_round_while_the_wide_pass_is_unmeasured(guarded, monkeypatch):
+    """16 rows, acceptance 0.9, each 100 tokens behind its draft KV; plain measured at batch
+    16 and catch-ups priced; no pass verifying drafts measured at 16. The bounds price any
+    verify pass like plain, so many rows would start at once on that optimism."""
+    if not guarded:
+        monkeypatch.setattr(CostTable, "trusted", lambda self, bucket, size: True)
+    ctl = AdaptiveController(ControllerConfig(explore=0.0))
+    ids = [f"r{i}" for i in range(16)]
+    for rid in ids:
+        ctl.start(rid, "draft")
+        for _ in range(30):
+            ctl.observe_acceptance(rid, 1, 1 if rid != "r0" else 0)
+    for _ in range(3):
+        ctl.observe_cost("verify", 16, 0, 0.5)
+        ctl.observe_cost("verify", 2, 2, 0.25)
+        ctl.observe_cost("draft", 2, 1, 0.05)
+    ctl.observe_cost("catch_up", 2, 200, 1.0)
+    ks = ctl.choose_k(ids, 16, catch_up=[100] * 16, remaining=[400] * 16)
+    starting = sum(1 for k in ks.values() if k)
+    assert (starting == 1) == guarded, ks
+    if guarded:
+        assert ks["r0"] == 0  # the one that starts is the best bet, not the first in order
 
 
 @pytest.mark.parametrize("subsets", [True, False], ids=["row subsets tried", "broken: gain order only"])

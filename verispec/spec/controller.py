@@ -128,7 +128,14 @@ plan at depth 1 4x, and a cold controller never drafted at 4 in flight). At 16 i
 ~150-token prompts (Qwen2.5-Coder pair), a draft model that catches every row up paid more
 than drafting saved (0.85x plain at acceptance 0.98). Before any catch-up has been measured
 at most one row that needs one may draft per round (the one missing the fewest tokens): its
-pass measures the price before the other rows pay it.
+pass measures the price before the other rows pay it. And a catch-up is spent for good,
+while exploration runs on optimistic prices (an unmeasured pass is priced at its lower
+bound): so a plan in which more than one row starts drafting (catches up on more than
+k_max tokens) is considered only when its verify and draft cells are measured (trusted);
+otherwise rows start one per round, each start measuring a wider pass. (On Qwen2.5-Coder
+chat at 16 in flight, a cold controller started 8 rows on the bound of a 16-row pass
+verifying 16 drafts, 0.52 s, that took 0.9 s: 723 tokens of catch-up, 5.2 s, bought on a
+price that was off by 2x, and again for 13 rows a few rounds later.)
 
 The batch (one verify pass serves every row)
 --------------------------------------------
@@ -308,6 +315,12 @@ class CostTable:
         if bucket is None:
             return max(self._widest.values(), default=0)
         return self._widest.get(bucket, 0)
+
+    def trusted(self, bucket: int, size: int) -> bool:
+        """Whether the size's cell has been measured `min_samples` times (its estimate is
+        then its own samples, not an optimistic bound)."""
+        cell = self._cells.get((bucket, size_bucket(size)))
+        return cell is not None and cell[2] >= self._min_samples
 
     def stamp(self, bucket: int, size: int) -> int:
         """When the size's cell was last measured (-1: never)."""
@@ -547,8 +560,16 @@ class AdaptiveController:
         # The gain order ignores one-off catch-up charges, so the rows that need none are
         # also tried alone: a caught-up row may draft while the others stay plain.
         variants = [gains]
+        # Rows that would start drafting (catch up on more than a round's worth of tokens):
+        # their catch-ups are spent for good, so while the plan's costs are unmeasured
+        # (optimistic bounds) at most one may start per round (see the docstring).
+        k_max = self.config.k_max
+        starters = {i for i in drafters if catch_up[i] > k_max}
         if any(charge):
             variants.append([t for t in gains if not charge[t[1]]])
+            if starters:
+                first = min(starters, key=lambda i: (-alphas[i], catch_up[i]))
+                variants.append([t for t in gains if not charge[t[1]] or t[1] == first])
         verify_s: dict[int, float] = {}
         draft_cost: dict[tuple[int, int] | None, float] = {}
 
@@ -566,6 +587,9 @@ class AdaptiveController:
                 if b not in verify_s:  # no estimate at all: unmeasured, so optimistic (free)
                     verify_s[b] = self.estimated_cost("verify", batch_size, n) or 0.0
                 key = (batch_bucket(len(rows)), depth) if rows else None
+                if len(rows & starters) > 1 and not (self._costs["verify"].trusted(bucket, n) and
+                                                     self._costs["draft"].trusted(key[0], depth)):
+                    continue  # several catch-ups bought on optimistic prices
                 if key not in draft_cost:
                     draft_cost[key] = (self.estimated_cost("draft", len(rows), depth) or 0.0) if rows else 0.0
                 out.append((_rate(total, verify_s[b] + one_off + draft_cost[key]), n))
