@@ -104,7 +104,7 @@ def deepest_round(method: str, broken: bool = False) -> int:
     target, draft = PAIR
     engine = tiny_engine(target, draft if method == "draft" else None, method=method, k=8, adaptive=True)
     ctl = engine.controller  # drafting looks free, so the controller drafts all it may
-    for b in (1, 2, 4):
+    for b in range(1, 9):  # every batch bucket the run can reach
         for n in range(0, 40):
             ctl.observe_cost("verify", b, n, 1.0)
             ctl.observe_cost("draft", b, n + 1, 0.0)
