@@ -552,18 +552,24 @@ def test_drafts_go_to_the_rows_where_they_pay():
     assert all(together[r] == 0 for r in ids[1:])
 
 
+def four_alike_draft_rows(accepted_of_5: int, min_samples: int) -> tuple[AdaptiveController, list[str]]:
+    """Batch 4, draft model, k_max 1, no probes; every row accepts `accepted_of_5` in 5."""
+    ctl = AdaptiveController(ControllerConfig(explore=0.0, cost_min_samples=min_samples, k_max=1, fixed_k=1))
+    ids = ["a", "b", "c", "d"]
+    for rid in ids:
+        ctl.start(rid, "draft")
+        for i in range(100):
+            ctl.observe_acceptance(rid, 1, 1 if i % 5 < accepted_of_5 else 0)
+    return ctl, ids
+
+
 @pytest.mark.parametrize("keyed_by_round", [False, True], ids=["keyed by drafting rows", "broken: by the round's batch"])
 def test_the_draft_pass_is_priced_at_the_rows_it_drafts_for(keyed_by_round):
     """Four alike rows (acceptance 0.6), verify flat at 1.0, a draft step 0.05 + 0.2 per
     drafting row. Neither one row (4.6 / 1.25 = 3.7 tokens/s) nor four (6.4 / 1.85 = 3.5)
     beats plain (4.0). With passes for one and for four drafting rows both filed under the
     round's batch, the cell averages them (~0.55) and drafting all four looks like 4.1."""
-    ctl = AdaptiveController(ControllerConfig(explore=0.0, cost_min_samples=1, k_max=1, fixed_k=1))
-    ids = ["a", "b", "c", "d"]
-    for rid in ids:
-        ctl.start(rid, "draft")
-        for i in range(100):
-            ctl.observe_acceptance(rid, 1, 1 if i % 5 < 3 else 0)
+    ctl, ids = four_alike_draft_rows(3, min_samples=1)
     for n in range(0, 5):
         ctl.observe_cost("verify", 4, n, 1.0)
     for _ in range(10):  # rounds that drafted for one row, then for all four
@@ -586,12 +592,7 @@ def test_plain_is_priced_from_plain_rounds_only(plain_from_plain, slow_first_pla
         real = ctl_mod.CostTable.__init__
         monkeypatch.setattr(ctl_mod.CostTable, "__init__",
                             lambda self, *a, bounds=None, **kw: real(self, *a, **kw))
-    ctl = AdaptiveController(ControllerConfig(explore=0.0, cost_min_samples=3, k_max=1, fixed_k=1))
-    ids = ["a", "b", "c", "d"]
-    for rid in ids:
-        ctl.start(rid, "draft")
-        for i in range(100):
-            ctl.observe_acceptance(rid, 1, 1 if i % 5 < 2 else 0)
+    ctl, ids = four_alike_draft_rows(2, min_samples=3)
 
     def verify(rows, drafts):
         return 0.2 + 0.005 * (rows + drafts) + (0.06 if drafts else 0.0)
