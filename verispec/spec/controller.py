@@ -81,23 +81,24 @@ reported separately, keyed by the rows it drafts for (its own batch) and the dee
 round's batch instead, one cell mixed passes for 1 and for all 4 drafting rows at 4 in
 flight, and drafting every row looked as cheap as drafting one.)
 Batch sizes and draft tokens are bucketed alike: exact up to 8, then 4 buckets per octave;
-each cell is a running mean for its first 1 / cost_ewma samples and an EWMA after that, so it tracks drift. An unmeasured cell is estimated from the measured
-ones as the tightest lower bound implied by two physical assumptions: cost never falls when
-the batch or the tokens grow, and cost per row or per token never grows with them (a fixed
-overhead plus at most linear work). For a measured cell (b', n') with cost c that gives
+each cell is a running mean for its first 1 / cost_ewma samples and an EWMA after that, so
+it tracks drift. An unmeasured cell is estimated from the measured ones as the tightest
+lower bound implied by two physical assumptions: cost never falls when the batch or the
+tokens grow, and cost per row or per token never grows with them (a fixed overhead plus at
+most linear work). For a measured cell (b', n') with cost c that gives
     cost(b, n) >= c * min(1, b / b') * min(1, size(b, n) / size(b', n')),
-where size is the pass's tokens (b + n for verify, n for the draft model's k steps), and the
-estimate is the largest such bound. A plain round is bounded by plain rounds only: a round
-verifying drafts does more per token (rejection sampling, KV rollback, the drafts'
+where size is the pass's tokens (b + n for verify, n for the draft model's k steps), and
+the estimate is the largest such bound. A plain round is bounded by plain rounds only: a
+round verifying drafts does more per token (rejection sampling, KV rollback, the drafts'
 bookkeeping), so its time is no lower bound for a plain round of as many tokens. (It was
 taken as one: on Qwen2.5-Coder chat at 4 in flight plain decoding at batch 4 was priced at
 0.28 s from a round of 2 rows verifying 2 drafts, never measured (it takes ~0.23 s), and
-the controller drafted in every round at 0.85x plain.) Because the estimate is never above the truth it is
-optimistic, and optimism is the exploration: an unmeasured size is tried exactly when even
-its optimistic rate beats the best known one, and is measured by that round. A cell with
-fewer than `cost_min_samples` samples counts as no more than that bound either, so one slow
-first timing (a page fault, a kernel's first call at a new shape) cannot price a size out
-for good.
+the controller drafted in every round at 0.85x plain.) Because the estimate is never above
+the truth it is optimistic, and optimism is the exploration: an unmeasured size is tried
+exactly when even its optimistic rate beats the best known one, and is measured by that
+round. A cell with fewer than `cost_min_samples` samples counts as no more than that bound
+either, so one slow first timing (a page fault, a kernel's first call at a new shape)
+cannot price a size out for good.
 
 Exploring from a cold start costs real rounds, and at batch 16 one round of 8 drafts per
 row costs ~4 plain steps (measured). So the controller widens step by step: with nothing
@@ -450,8 +451,8 @@ class AdaptiveController:
         kind "draft": the draft model's whole drafting of one round; size = the deepest row's
             k (it runs that many steps). Not reported for n-gram, whose drafting is free.
         kind "catch_up": one catch-up of the draft model's KV; size = the tokens computed.
-        batch_size: rows in the pass: the round's rows for "verify", the rows the draft model
-            drafted for for "draft" (its pass's batch, often fewer than the round's).
+        batch_size: rows in the pass: for "verify" the round's rows; for "draft" the rows the
+            draft model drafted for (its pass's batch, often fewer than the round's).
         """
         if kind not in COST_KINDS:
             raise ValueError(f"kind must be one of {COST_KINDS}, got {kind!r}")
@@ -605,8 +606,8 @@ class AdaptiveController:
                 for variant in variants:
                     pool = [t for t in variant if t[2] <= depth or t[1] not in drafters]
                     # The gain order ignores that each drafting row adds to the draft pass,
-                    # so the best m rows are also tried alone, for m at each cost bucket's
-                    # top (a 4th gain from one row may beat a 1st from another, at less cost).
+                    # so the best m rows are also tried alone, m = 1, 2, 4, ... (a 4th gain
+                    # from one row may beat a 1st from another, at less cost).
                     worth: dict[int, float] = {}
                     for g, row, _ in pool:
                         if row in drafters:
