@@ -642,7 +642,7 @@ def test_a_deep_draft_for_one_row_beats_a_shallow_one_for_all(subsets, monkeypat
     and the gain order alone settles for depth 1."""
     from verispec.spec import controller as ctl_mod
     if not subsets:
-        monkeypatch.setattr(ctl_mod, "_bucket_tops", lambda n: [n] if n else [])
+        monkeypatch.setattr(ctl_mod, "_subset_sizes", lambda n: [n] if n else [])
     ctl = AdaptiveController(ControllerConfig(explore=0.0, cost_min_samples=1))
     ids, alphas = ["a", "b", "c", "d"], [0.95, 0.6, 0.6, 0.6]
     for rid, alpha in zip(ids, alphas):

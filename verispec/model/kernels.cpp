@@ -178,10 +178,10 @@ struct Int4Args {
   int64_t K, N, groups;
 };
 
-void int4_block_portable(const Int4Args& a, int64_t blk, int64_t t0, int64_t tokens) {
+void int4_block_portable(const Int4Args& a, int64_t blk, int64_t tokens) {
   const int64_t n0 = blk * kInt4Block;
   const uint8_t* qb = a.q4 + blk * (a.K / 2) * kInt4Block;
-  for (int64_t t = t0; t < t0 + tokens; ++t)
+  for (int64_t t = 0; t < tokens; ++t)
     for (int64_t j = 0; j < kInt4Block && n0 + j < a.N; ++j) {
       float total = a.bias ? static_cast<float>(a.bias[n0 + j]) : 0.f;
       for (int64_t g = 0; g < a.groups; ++g) {
@@ -401,7 +401,7 @@ at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& q4, const at::Tens
   at::parallel_for(0, blocks, 4, [&](int64_t b0, int64_t b1) {
     for (int64_t b = b0; b < b1; ++b) {
       if (vector) int4_block_avx512(args, b, tokens);
-      else int4_block_portable(args, b, 0, tokens);
+      else int4_block_portable(args, b, tokens);
     }
   });
   return y;

@@ -24,11 +24,11 @@ the layer packs its weights for PyTorch's kernel on first use, which wants scale
 points in bf16 (w = (q - 8) * scale + zero): rounded there (relative error <= 2^-9, below
 the 4-bit step itself). Both kernels take bf16 activations.
 
-The LM head of a quantized model (`RefinedHead`) computes approximate logits with the int8
-kernel, then recomputes in float32 every token that could be the argmax given a proven
-bound on the approximation error: greedy decoding is exactly the float32 head's, and the
-other logits differ from it by about the int8 rounding of the head (measured in
-docs/benchmarks.md).
+The LM head of a quantized model (`RefinedHead`) computes approximate logits with packed
+kernels (a GGUF Q8_0 head: two int4 layers that add up to it exactly; any other head: int8),
+then recomputes in float32 every token that could be the argmax given a proven bound on the
+approximation error: greedy decoding is exactly the float32 head's, and the other logits
+differ from it by about the approximation's rounding (measured in docs/benchmarks.md).
 """
 from __future__ import annotations
 
@@ -151,12 +151,18 @@ def unpack_int4(q4: torch.Tensor, scale: torch.Tensor, mn: torch.Tensor, out_fea
     return Int4Groups(q.contiguous(), scale.contiguous(), mn.contiguous())
 
 
+def _torch_scale_zero(groups: Int4Groups, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """(scale, zero) (N, K / 32) float32 as PyTorch's int4 kernel holds them: its convention
+    w = (q - 8) * scale + zero, both rounded to `dtype`."""
+    return groups.scale.to(dtype).float(), (groups.min + 8 * groups.scale).to(dtype).float()
+
+
 def torch_int4_pack(groups: Int4Groups, dtype: torch.dtype = torch.bfloat16) -> tuple[torch.Tensor, torch.Tensor]:
-    """(packed, scales_zeros) for torch._weight_int4pack_mm_for_cpu: w = (q - 8) * scale + zero,
-    scale and zero rounded to `dtype`; rows padded to a multiple of 16."""
+    """(packed, scales_zeros) for torch._weight_int4pack_mm_for_cpu (see `_torch_scale_zero`);
+    rows padded to a multiple of 16."""
     n, k = groups.q.shape
     pad = -n % 16
-    q, scale, zero = groups.q, groups.scale, groups.min + 8 * groups.scale
+    q, (scale, zero) = groups.q, _torch_scale_zero(groups, dtype)
     if pad:
         q = torch.cat([q, torch.full((pad, k), 8, dtype=q.dtype)])
         scale, zero = (torch.cat([t, t.new_zeros(pad, t.shape[1])]) for t in (scale, zero))
@@ -344,9 +350,9 @@ def _on_own_kernel(layer: nn.Module) -> bool:
 def _torch_int4_weights(groups: Int4Groups, dtype: torch.dtype) -> torch.Tensor:
     """(N, K) float32: the weights PyTorch's int4 kernel computes with (scale, zero in `dtype`)."""
     n, k = groups.q.shape
-    scale = groups.scale.to(dtype).float()[..., None]
-    zero = (groups.min + 8 * groups.scale).to(dtype).float()[..., None]
-    return ((groups.q.float().view(n, k // INT4_GROUP, INT4_GROUP) - 8) * scale + zero).view(n, k)
+    scale, zero = _torch_scale_zero(groups, dtype)
+    q = groups.q.float().view(n, k // INT4_GROUP, INT4_GROUP) - 8
+    return (q * scale[..., None] + zero[..., None]).view(n, k)
 
 
 # --- GGUF Q4 blocks -> int4 groups ------------------------------------------------------------

@@ -613,7 +613,7 @@ class AdaptiveController:
                         if row in drafters:
                             worth[row] = worth.get(row, 0.0) + g
                     ranked = sorted(worth, key=lambda r: -worth[r])
-                    for m in _bucket_tops(len(ranked)):
+                    for m in _subset_sizes(len(ranked)):
                         keep = set(ranked[:m])
                         sub = [t for t in pool if t[1] not in drafters or t[1] in keep]
                         plans.append((sub, plan(sub, depth)))
@@ -711,7 +711,7 @@ def _rate(tokens: float, seconds: float) -> float:
     return tokens / max(seconds, _MIN_SECONDS)
 
 
-def _bucket_tops(n: int) -> list[int]:
+def _subset_sizes(n: int) -> list[int]:
     """1, 2, 4, ... below n, then n itself (subset sizes worth a plan of their own)."""
     out, m = [], 1
     while m < n:
