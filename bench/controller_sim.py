@@ -167,16 +167,17 @@ class Simulation:
         res.committed.append(self.committed[0])
 
     def _play_passes(self, drafted: int, deepest: int, drafting_rows: int) -> float:
-        """Time the round's passes, report them to the controller (the draft pass under the
-        rows it drafted for, as the engine does), return the seconds."""
+        """Time the round's passes, report them to the controller as the engine does (the
+        draft pass first, under the rows it drafted for, then the verify pass), return the
+        seconds."""
         cost, b, rng = self.scenario.cost, self.scenario.batch_size, self.rng
-        seconds = _noisy(rng, cost.verify(b, drafted), cost.noise)
-        self.controller.observe_cost("verify", b, drafted, seconds)
+        seconds = 0.0
         if deepest > 0 and self.scenario.proposer not in FREE_DRAFT_PROPOSERS:
-            draft = _noisy(rng, cost.draft(b, deepest), cost.noise)
-            self.controller.observe_cost("draft", drafting_rows, deepest, draft)
-            seconds += draft
-        return seconds
+            seconds = _noisy(rng, cost.draft(b, deepest), cost.noise)
+            self.controller.observe_cost("draft", drafting_rows, deepest, seconds)
+        verify = _noisy(rng, cost.verify(b, drafted), cost.noise)
+        self.controller.observe_cost("verify", b, drafted, verify)
+        return seconds + verify
 
     def finish(self) -> SimResult:
         for rid in self.ids:

@@ -201,6 +201,30 @@ def test_plain_decoding_when_drafting_costs_more_than_it_saves(scenario):
     assert throughput_ratio(AdaptiveController, scenario) >= 0.98
 
 
+# 16 short answers (64 tokens) from a cold controller, on a CPU where drafting never pays
+# at batch 16: every exploring round is a loss, and nothing amortises it.
+SHORT_COLD = sim.Scenario("draft a=0.6 b=16 64 tokens", (0.6,), sim.CPU_BATCH, batch_size=16, tokens=64)
+
+
+@pytest.mark.parametrize("budget,loses", [(0.03, False), (math.inf, True)],
+                         ids=["budget 3%", "broken: no exploration budget"])
+def test_exploration_budget_bounds_the_cold_start_loss(budget, loses):
+    """Exploring rounds may cost at most `explore_budget` of the measured time beyond what
+    the best trusted plan would have taken: a cold controller then stays within a few
+    percent of plain decoding in a cell too short to amortise its exploration."""
+    ctl_cls = lambda: AdaptiveController(ControllerConfig(explore_budget=budget))  # noqa: E731
+    rates, debts = [], []
+    for seed in range(4):
+        ctl = ctl_cls()
+        rates.append(sim.simulate(ctl, SHORT_COLD, seed).expected_rate)
+        debts.append(ctl.snapshot()["explore_debt_s"] / ctl.snapshot()["elapsed_s"])
+    ratio = statistics.mean(rates) / best_fixed_rate(SHORT_COLD)
+    assert SHORT_COLD.oracle_k(0.6) == 0
+    assert (ratio < 0.95) == loses, ratio
+    if not loses:  # one exploring round past the budget at most (~1.5% of this run each)
+        assert max(debts) <= budget + 0.015, debts
+
+
 def test_assumed_cost_controller_drafts_when_it_should_not():
     sc = sim.SCENARIOS["costly draft a=0.6"]
     assert run(sc, 0, AssumedCostController).drafted_per_row_round(1) > 0.1
@@ -398,8 +422,10 @@ def test_cost_cell_is_a_mean_then_an_ewma():
 
 def test_cold_start_plays_plain_then_widens_one_doubling_at_a_time():
     """At batch 16 one round of 8 drafts per row costs ~4 plain steps: a cold controller
-    starts plain and at most doubles the tokens of the widest pass it has measured."""
-    ctl = AdaptiveController(ControllerConfig(explore=0.0, cost_min_samples=1))
+    starts plain and at most doubles the tokens of the widest pass it has measured. (No
+    acceptance is reported, so the exploration budget is lifted: the rounds yield nothing.)"""
+    cfg = ControllerConfig(explore=0.0, cost_min_samples=1, explore_budget=math.inf)
+    ctl = AdaptiveController(cfg)
     ids = [f"r{i}" for i in range(16)]
     for rid in ids:
         ctl.start(rid, "ngram")
@@ -410,7 +436,7 @@ def test_cold_start_plays_plain_then_widens_one_doubling_at_a_time():
         sizes.append(n)
         ctl.observe_cost("verify", 16, n, cost(n))
     assert sizes == [0, 16, 48]                        # tokens 16 -> 32 -> 64
-    one = AdaptiveController(ControllerConfig(explore=0.0, cost_min_samples=1))
+    one = AdaptiveController(cfg)
     one.start("r", "ngram")
     ks = []
     for _ in range(5):
@@ -519,9 +545,9 @@ def test_one_slow_first_sample_does_not_price_drafting_out_for_good(min_samples,
         k = ctl.choose_k(["r"], 1, [4])["r"]
         seconds = true_cost[k] * (5.0 if k and first else 1.0)
         first = first and not k
-        ctl.observe_cost("verify", 1, k, seconds)
         if k:
             ctl.observe_acceptance("r", k, k)
+        ctl.observe_cost("verify", 1, k, seconds)
         drafted.append(k)
     assert (sum(drafted[-100:]) > 100) == recovers, drafted[-20:]
 
@@ -699,7 +725,8 @@ def test_snapshot_is_plain_json():
     (dict(k_max=-1), "k_max"), (dict(fixed_k=9), "fixed_k"), (dict(prior_alpha={}), "prior_alpha"),
     (dict(prior_alpha={"draft": 1.0}), "prior_alpha"), (dict(alpha_half_life_tokens=0), "alpha_half_life"),
     (dict(cost_ewma=0.0), "cost_ewma"), (dict(explore=1.0), "explore"), (dict(cost_min_samples=0), "cost_min_samples"),
-    (dict(idle_half_life_rounds=-1), "idle_half_life_rounds")])
+    (dict(idle_half_life_rounds=-1), "idle_half_life_rounds"), (dict(explore_budget=-0.1), "explore_budget"),
+    (dict(explore_budget=float("nan")), "explore_budget")])
 def test_config_rejects_out_of_range_fields(kwargs, field):
     with pytest.raises(ValueError, match=field):
         ControllerConfig(**kwargs)
