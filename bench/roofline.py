@@ -38,7 +38,7 @@ from verispec.bench.provenance import git_info, machine_info, software_versions 
 from verispec.config import CacheConfig, EngineConfig, SpecConfig  # noqa: E402
 from verispec.engine.engine import LLMEngine, SpecOverride  # noqa: E402
 from verispec.model.llama import LlamaModel  # noqa: E402
-from verispec.model.quant import Int4Linear, Int8Linear, RefinedHead  # noqa: E402
+from verispec.model.quant import Bf16Linear, Int4Linear, Int8Linear, RefinedHead  # noqa: E402
 from verispec.sampling import SamplingParams  # noqa: E402
 
 RESULTS = REPO / "bench" / "results"
@@ -88,6 +88,8 @@ def bytes_per_step(model: LlamaModel, context_len: int, num_tokens: int = 1) -> 
             linear += _tensor_bytes(module.qweight, module.scales, module.bias)
         elif isinstance(module, Int4Linear):
             linear += _tensor_bytes(module.q4, module.scale, module.min, module.bias)
+        elif isinstance(module, Bf16Linear):
+            linear += _tensor_bytes(module.w16, module.bias)
     norms = sum(_tensor_bytes(m.weight) for name, m in model.named_modules() if name.endswith("norm"))
     emb = model.embed_tokens.weight
     embedding = num_tokens * emb.shape[1] * emb.element_size()

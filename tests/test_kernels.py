@@ -17,7 +17,7 @@ from verispec.model import kernels
 from verispec.model import attention
 from verispec.model.attention import KERNEL_QUERY_LIMIT, AttentionMetadata
 from verispec.model.llama import LlamaModel, apply_rotary
-from verispec.model.quant import make_int4_linear, quantize_int4, unpack_int4
+from verispec.model.quant import Bf16Linear, make_int4_linear, pack_bf16, quantize_int4, unpack_bf16, unpack_int4
 
 OPS = kernels.load(required=True)
 DTYPES = [torch.float32, torch.bfloat16]
@@ -185,6 +185,122 @@ def test_int4_linear_refuses_bad_input():
         OPS.int4_linear(x, layer.q4, layer.scale.float(), layer.min, 40)
     with pytest.raises(RuntimeError, match="bias must be contiguous bf16"):
         OPS.int4_linear(x, layer.q4, layer.scale, layer.min, 40, torch.zeros(39).bfloat16())
+
+
+def _bf16_weights(n: int, k: int, bias: bool = True, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    w = (torch.randn(n, k, generator=g) * torch.rand(n, 1, generator=g)).bfloat16()
+    return w, (torch.randn(n, generator=g).bfloat16() if bias else None)
+
+
+def _cancelling(x: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x, w with a large first pair, x[0] = x[1] = 256 and w[1] = -w[0] = 256 w[0]: the two
+    float32 chains carry +-P (~2^16) through the sum, rounding every later product at P's
+    precision, and cancel at the end. Any change in the order of the float32 operations then
+    shows through the output's bf16 rounding (on random data it hides almost all of them)."""
+    x, w = x.clone(), w.clone()
+    x[:, :2] = 256
+    w[:, 0] *= 256
+    w[:, 1] = -w[:, 0]
+    return x, w
+
+
+def _pairs_swapped(w16: torch.Tensor) -> torch.Tensor:
+    """A layout bug: each 64-byte line's (k, k + 1) halves exchanged."""
+    return w16.view(*w16.shape[:2], 16, 2).flip(-1).reshape(w16.shape).contiguous()
+
+
+# N: one block, a padded last block; K: one pair, odd (the last pair padded), not a multiple of 16
+BF16_SHAPES = [(16, 2), (40, 97), (33, 160), (72, 1538)]
+
+
+@pytest.mark.skipif(not OPS.bf16_avx512, reason="no AVX-512 here: layers use PyTorch's matmul")
+@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize("n,k", BF16_SHAPES)
+@pytest.mark.parametrize("data", ["random", "cancelling"])
+def test_bf16_linear_avx512_and_portable_are_bit_identical(n, k, bias, data):
+    """Every pass width 1..40 (tiles of 8 and every remainder): the vector path does the
+    portable loop's operations in its order; a pair-swapped layout is caught."""
+    w, b = _bf16_weights(n, k, bias)
+    x = torch.randn(40, k).bfloat16()
+    if data == "cancelling":
+        x, w = _cancelling(x, w)
+    w16 = pack_bf16(w)
+    for t in range(1, 41):
+        xt = x[:t].contiguous()
+        assert torch.equal(OPS.bf16_linear(xt, w16, n, b), OPS.bf16_linear(xt, w16, n, b, portable=True)), t
+    if k > 2:  # (16, 2)'s single pair of random values can round alike either way round
+        swapped = OPS.bf16_linear(x, _pairs_swapped(w16), n, b, portable=True)
+        assert not torch.equal(OPS.bf16_linear(x, w16, n, b), swapped)
+
+
+@pytest.mark.parametrize("broken", [False, True], ids=["ok", "pairs swapped"])
+@pytest.mark.parametrize("n,k", BF16_SHAPES)
+def test_bf16_linear_computes_the_weights(n, k, broken):
+    """Against float64 on the same bf16 weights: within the one bf16 rounding of the output
+    (float32 accumulation adds ~k 2^-24); against PyTorch's bf16 linear: within 2 ulps."""
+    w, b = _bf16_weights(n, k, seed=3)
+    w16 = _pairs_swapped(pack_bf16(w)) if broken else pack_bf16(w)
+    x = torch.randn(7, k).bfloat16()
+    want = x.double() @ w.double().t() + b.double()
+    got = OPS.bf16_linear(x, w16, n, b)
+    assert got.shape == (7, n) and got.dtype == torch.bfloat16
+    scale = (x.double().abs() @ w.double().abs().t() + b.double().abs()) * k * 2 ** -24  # the sum's own error
+    exact = (got.double() - want).abs() <= want.abs() * 2 ** -8 + scale + 1e-6
+    near_torch = (got.float() - F.linear(x, w, b).float()).abs() <= want.abs().float() * 2 ** -6 + scale.float() + 1e-5
+    assert bool(exact.all()) != broken and bool(near_torch.all()) != broken
+
+
+@pytest.mark.skipif(not OPS.bf16_avx512, reason="no AVX-512 here")
+def test_bf16_linear_rows_do_not_depend_on_the_pass():
+    """Bit for bit: token i's output alone, in passes of 3 and 7, and in one pass of 21 (the
+    AVX-512 path's tiles of 1..8 tokens): a verify pass and a plain step compute the same numbers."""
+    w, b = _bf16_weights(72, 160, seed=1)
+    x, w = _cancelling(torch.randn(21, 160).bfloat16(), w)
+    w16 = pack_bf16(w)
+    full = OPS.bf16_linear(x, w16, 72, b)
+    for width in (1, 3, 7):
+        parts = [OPS.bf16_linear(x[i: i + width].contiguous(), w16, 72, b) for i in range(0, 21, width)]
+        assert torch.equal(torch.cat(parts), full), width
+    # the check bites: one weight changed moves outputs
+    w16 = w16.clone()
+    w16[0, 0, 0] += 1
+    assert not torch.equal(OPS.bf16_linear(x, w16, 72, b), full)
+
+
+def test_bf16_linear_refuses_bad_input():
+    w, b = _bf16_weights(40, 96)
+    w16, x = pack_bf16(w), torch.randn(2, 96).bfloat16()
+    with pytest.raises(RuntimeError, match="x must be contiguous bf16"):
+        OPS.bf16_linear(x.float(), w16, 40)
+    with pytest.raises(RuntimeError, match="x must be contiguous bf16"):
+        OPS.bf16_linear(torch.randn(96, 2).bfloat16().t(), w16, 40)
+    with pytest.raises(RuntimeError, match="w16 must be contiguous bf16"):
+        OPS.bf16_linear(torch.randn(2, 64).bfloat16(), w16, 40)
+    with pytest.raises(RuntimeError, match="w16 must be contiguous bf16"):
+        OPS.bf16_linear(x, w16.float(), 40)
+    with pytest.raises(RuntimeError, match="out_features must fit"):
+        OPS.bf16_linear(x, w16, 49)
+    with pytest.raises(RuntimeError, match="out_features must fit"):
+        OPS.bf16_linear(x, w16, 32)
+    with pytest.raises(RuntimeError, match="bias must be contiguous bf16"):
+        OPS.bf16_linear(x, w16, 40, b[:39])
+    with pytest.raises(RuntimeError, match="bias must be contiguous bf16"):
+        OPS.bf16_linear(x, w16, 40, b.float())
+
+
+@pytest.mark.parametrize("n,k", BF16_SHAPES)
+def test_bf16_layer_unpacks_exactly_and_matches_pytorch_without_kernels(n, k):
+    """pack/unpack round trip (padding dropped); kernels off: PyTorch's matmul on the same
+    weights exactly; on: within bf16 rounding of it."""
+    w, b = _bf16_weights(n, k, seed=2)
+    layer = Bf16Linear(pack_bf16(w), n, k, b)
+    assert torch.equal(unpack_bf16(layer.w16, n, k), w)
+    x = torch.randn(5, k).bfloat16()
+    assert torch.equal(layer.forward(x), F.linear(x, w, b))
+    layer.kernels = OPS
+    got, want = layer.forward(x).float(), F.linear(x.float(), w.float(), b.float())
+    assert ((got - want).abs() <= want.abs() * 2 ** -7 + 1e-2).all()
 
 
 @pytest.mark.parametrize("spill", [False, True], ids=["kernel attention", "over KERNEL_MAX_PAIRS: SDPA"])

@@ -11,9 +11,9 @@ from test_model import run_rows, tiny_hf_model
 from verispec.config import EngineConfig
 from verispec.model.config import ModelConfig
 from verispec.model.llama import LlamaModel
-from verispec.model.quant import (INT4_GROUP, ApproxHead, Int4Groups, Int4Linear, Int8Linear, RefinedHead,
-                                  gguf_q4_tensor, make_int4_linear, make_int8_linear, quantize_int4,
-                                  resolve_weight_format, unpack_int4)
+from verispec.model.quant import (INT4_GROUP, ApproxHead, Bf16Linear, Int4Groups, Int4Linear, Int8Linear,
+                                  RefinedHead, gguf_q4_tensor, make_int4_linear, make_int8_linear, pack_bf16,
+                                  quantize_int4, resolve_weight_format, unpack_int4)
 
 Q = gguf.GGMLQuantizationType
 
@@ -122,6 +122,18 @@ def test_refined_head_error_bound_holds():
     assert ((approx - exact).abs().amax(-1) <= bound).all()
 
 
+def test_refined_head_bound_covers_worst_case_bf16_roundings():
+    """x = 1 + 2^-8 rounds to bf16 1 (relative error 2^-8, bf16's unit roundoff) and the sum
+    514 to 512 (2^-8 again): an error of 4.0 that a bound built on 2^-9 (3.0) missed."""
+    k = 514
+    weight = torch.ones(3, k)
+    coef = RefinedHead.bound_coef(weight, weight, [weight])
+    head = RefinedHead(weight, [Bf16Linear(pack_bf16(weight), 3, k, None)], coef)
+    x = torch.full((1, k), 1 + 2 ** -8)
+    error = (head.parts[0](x.bfloat16()).float() - F.linear(x, weight)).abs().amax()
+    assert error >= 4.0 and error <= head.norm_coef * x.norm()
+
+
 def test_a_refined_head_without_its_bound_is_caught():
     """Refining only the approximate argmax (bound 0) changes greedy choices: the test above bites."""
     weight = _near_tie_head()
@@ -157,6 +169,26 @@ def test_quantized_tiny_model_logits_close_to_float32(fmt):
             scale = want.abs().max().item()
             tol = 0.05 if fmt == "int8" else 0.25  # int4 round-to-nearest of random weights
             assert (got - want).abs().max().item() < tol * scale
+
+
+def test_dense_bf16_model_packs_its_linears_and_kernels_stay_close():
+    """Dense bf16 on the CPU: every body linear a Bf16Linear (the head float32); verispec's
+    bf16 kernel and PyTorch's matmul differ only by bf16 rounding, both near float32."""
+    from verispec.model import kernels
+    hf = tiny_hf_model("qwen2")  # q/k/v bias
+    cfg = ModelConfig.from_hf(hf.config.to_dict())
+    ref = LlamaModel.from_state_dict(cfg, hf.state_dict(), dtype=torch.float32)
+    ours = LlamaModel.from_state_dict(cfg, hf.state_dict(), dtype=torch.bfloat16, weight_format="dense")
+    assert {type(m) for n, m in ours.named_modules() if n.endswith("_proj")} == {Bf16Linear}
+    assert type(ours.lm_head) is torch.nn.Linear and ours.lm_head.weight.dtype == torch.float32
+    rows = [list(range(3, 40)), list(range(50, 61))]
+    off = run_rows(ours, rows, None)
+    ours.kernels = kernels.load(required=True)
+    assert ours.layers[0].mlp.down_proj.kernels is ours.kernels
+    for got, torch_ops, want in zip(run_rows(ours, rows, None), off, run_rows(ref, rows, None)):
+        scale = want.abs().max().item()
+        assert (got - torch_ops).abs().max().item() < 0.05 * scale
+        assert (got - want).abs().max().item() < 0.05 * scale
 
 
 def test_a_draft_model_defaults_to_int8_with_an_unrefined_head():

@@ -263,6 +263,108 @@ void int4_block_avx512(const Int4Args&, int64_t, int64_t) {}
 constexpr bool kInt4Avx512 = false;
 #endif
 
+// --- bf16 linear layer ----------------------------------------------------------------------
+//
+// Weights bf16, outputs in blocks of 16 (the last one zero-padded), k in pairs (an odd K's
+// last pair zero-padded):
+//   w16 (N/16, K/2, 32) bf16: w16[b, c, 2 j + e] = w[16 b + j, 2 c + e]
+// so one 64-byte line holds two k of a block's 16 outputs, and a block's weights are one
+// contiguous stream. For each token and output:
+//   even = sum over c of w[2c] x[2c], odd = sum of w[2c + 1] x[2c + 1] (in c order, each step one
+//   fused multiply-add, exact products of bf16 values), total = bias + (even + odd)
+// then one rounding to bf16 (round to nearest even, as c10::BFloat16 rounds). Widening bf16
+// to float32 is a shift, so the AVX-512 path does exactly the portable loop's operations
+// (bit-identical); _mm512_dpbf16_ps would save the widening but flushes denormals and is not
+// needed: a decode step streams its weights from memory, one 64-byte line per two FMAs a token.
+constexpr int64_t kBf16Block = 16;
+constexpr int64_t kBf16Prefetch = 8192;  // bytes ahead, as for int4
+
+struct Bf16Args {
+  const c10::BFloat16* w16;
+  const c10::BFloat16* bias;  // (N,), or nullptr
+  const float* x;      // (T, K_pad) float32 (the bf16 activations, exactly; zero past K)
+  c10::BFloat16* y;    // (T, N)
+  int64_t pairs, N;    // K_pad / 2
+};
+
+void bf16_block_portable(const Bf16Args& a, int64_t blk, int64_t tokens) {
+  const int64_t n0 = blk * kBf16Block;
+  const c10::BFloat16* wb = a.w16 + blk * a.pairs * 2 * kBf16Block;
+  for (int64_t t = 0; t < tokens; ++t)
+    for (int64_t j = 0; j < kBf16Block && n0 + j < a.N; ++j) {
+      float even = 0.f, odd = 0.f;
+      const float* xt = a.x + t * 2 * a.pairs;
+      for (int64_t c = 0; c < a.pairs; ++c) {
+        even = std::fma(static_cast<float>(wb[(c * kBf16Block + j) * 2]), xt[2 * c], even);
+        odd = std::fma(static_cast<float>(wb[(c * kBf16Block + j) * 2 + 1]), xt[2 * c + 1], odd);
+      }
+      const float bias = a.bias ? static_cast<float>(a.bias[n0 + j]) : 0.f;
+      a.y[t * a.N + n0 + j] = c10::BFloat16(bias + (even + odd));
+    }
+}
+
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+// float32 -> bf16 bits in the low half of each lane, exactly as c10::BFloat16(float) rounds
+// (nearest even, no flush of denormals, NaN -> 0x7FC0); _mm512_cvtneps_pbh flushes denormals.
+inline __m256i round_bf16(__m512 v) {
+  const __m512i u = _mm512_castps_si512(v);
+  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+  const __m512i up = _mm512_add_epi32(u, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7FFF)));
+  const __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+  return _mm512_cvtepi32_epi16(_mm512_mask_mov_epi32(_mm512_srli_epi32(up, 16), nan, _mm512_set1_epi32(0x7FC0)));
+}
+
+// The same for TT tokens at once (each weight line loaded and widened once for all of them).
+template <int TT>
+void bf16_tile_avx512(const Bf16Args& a, int64_t blk, int64_t t0) {
+  const int64_t n0 = blk * kBf16Block;
+  const __mmask16 mask = a.N - n0 >= kBf16Block ? 0xFFFF : static_cast<__mmask16>((1u << (a.N - n0)) - 1);
+  const char* wb = reinterpret_cast<const char*>(a.w16 + blk * a.pairs * 2 * kBf16Block);
+  const __m512i high = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
+  __m512 even[TT], odd[TT];
+  for (int t = 0; t < TT; ++t) even[t] = odd[t] = _mm512_setzero_ps();
+  const float* xt = a.x + t0 * 2 * a.pairs;
+  for (int64_t c = 0; c < a.pairs; ++c) {
+    _mm_prefetch(wb + c * 64 + kBf16Prefetch, _MM_HINT_T0);
+    const __m512i w = _mm512_loadu_si512(wb + c * 64);
+    const __m512 w0 = _mm512_castsi512_ps(_mm512_slli_epi32(w, 16));      // w[2c]: the low halves
+    const __m512 w1 = _mm512_castsi512_ps(_mm512_and_si512(w, high));     // w[2c + 1]
+    for (int t = 0; t < TT; ++t) {
+      even[t] = _mm512_fmadd_ps(w0, _mm512_set1_ps(xt[t * 2 * a.pairs + 2 * c]), even[t]);
+      odd[t] = _mm512_fmadd_ps(w1, _mm512_set1_ps(xt[t * 2 * a.pairs + 2 * c + 1]), odd[t]);
+    }
+  }
+  __m512 bias = _mm512_setzero_ps();
+  if (a.bias) {
+    const __m256i b16 = _mm256_maskz_loadu_epi16(mask, a.bias + n0);
+    bias = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(b16), 16));
+  }
+  for (int t = 0; t < TT; ++t) {
+    const __m512 total = _mm512_add_ps(bias, _mm512_add_ps(even[t], odd[t]));
+    _mm256_mask_storeu_epi16(a.y + (t0 + t) * a.N + n0, mask, round_bf16(total));
+  }
+}
+
+void bf16_block_avx512(const Bf16Args& a, int64_t blk, int64_t tokens) {
+  int64_t t = 0;
+  for (; t + 8 <= tokens; t += 8) bf16_tile_avx512<8>(a, blk, t);
+  switch (tokens - t) {
+    case 7: bf16_tile_avx512<7>(a, blk, t); break;
+    case 6: bf16_tile_avx512<6>(a, blk, t); break;
+    case 5: bf16_tile_avx512<5>(a, blk, t); break;
+    case 4: bf16_tile_avx512<4>(a, blk, t); break;
+    case 3: bf16_tile_avx512<3>(a, blk, t); break;
+    case 2: bf16_tile_avx512<2>(a, blk, t); break;
+    case 1: bf16_tile_avx512<1>(a, blk, t); break;
+    default: break;
+  }
+}
+constexpr bool kBf16Avx512 = true;
+#else
+void bf16_block_avx512(const Bf16Args&, int64_t, int64_t) {}
+constexpr bool kBf16Avx512 = false;
+#endif
+
 void check(bool ok, const char* what) { TORCH_CHECK(ok, "verispec kernels: ", what); }
 
 }  // namespace
@@ -407,6 +509,40 @@ at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& q4, const at::Tens
   return y;
 }
 
+// x (T, K) bf16 @ W.T + bias -> (T, N) bf16, W bf16 in the layout above. `portable`: the
+// plain C++ loop even where AVX-512 is available (tests compare the two bit for bit).
+at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& w16, int64_t out_features,
+                       const c10::optional<at::Tensor>& bias, bool portable) {
+  check(x.dim() == 2 && x.is_contiguous() && x.scalar_type() == at::kBFloat16, "x must be contiguous bf16 (T, K)");
+  const int64_t tokens = x.size(0), K = x.size(1), blocks = w16.size(0), pairs = (K + 1) / 2;
+  check(w16.dim() == 3 && w16.is_contiguous() && w16.scalar_type() == at::kBFloat16 && w16.size(1) == pairs &&
+        w16.size(2) == 2 * kBf16Block, "w16 must be contiguous bf16 (N/16, ceil(K/2), 32)");
+  check(out_features > (blocks - 1) * kBf16Block && out_features <= blocks * kBf16Block,
+        "out_features must fit w16's blocks");
+  const c10::BFloat16* bias_p = nullptr;
+  if (bias.has_value() && bias->defined()) {
+    check(bias->dim() == 1 && bias->is_contiguous() && bias->numel() == out_features &&
+          bias->scalar_type() == at::kBFloat16, "bias must be contiguous bf16 (N,)");
+    bias_p = bias->data_ptr<c10::BFloat16>();
+  }
+  thread_local std::vector<float> xf;  // x in float32, rows padded to whole pairs (reused across calls)
+  xf.assign(tokens * 2 * pairs, 0.f);
+  const c10::BFloat16* xp = x.data_ptr<c10::BFloat16>();
+  for (int64_t t = 0; t < tokens; ++t)
+    for (int64_t k = 0; k < K; ++k) xf[t * 2 * pairs + k] = static_cast<float>(xp[t * K + k]);
+  at::Tensor y = at::empty({tokens, out_features}, x.options());
+  const Bf16Args args{w16.data_ptr<c10::BFloat16>(), bias_p, xf.data(), y.data_ptr<c10::BFloat16>(), pairs,
+                      out_features};
+  const bool vector = kBf16Avx512 && !portable;
+  at::parallel_for(0, blocks, 4, [&](int64_t b0, int64_t b1) {
+    for (int64_t b = b0; b < b1; ++b) {
+      if (vector) bf16_block_avx512(args, b, tokens);
+      else bf16_block_portable(args, b, tokens);
+    }
+  });
+  return y;
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("add_rms_norm", &add_rms_norm, "x + delta and rms_norm(x + delta) * weight, in one pass");
   m.def("rotary_", &rotary_, "rotary embedding in place (half-rotation layout, signed sin)");
@@ -417,4 +553,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("x"), py::arg("q4"), py::arg("scale"), py::arg("min"), py::arg("out_features"),
         py::arg("bias") = py::none(), py::arg("portable") = false);
   m.attr("int4_avx512") = kInt4Avx512;
+  m.def("bf16_linear", &bf16_linear, "x @ W.T + bias with W bf16 (blocks of 16 outputs, k in pairs)",
+        py::arg("x"), py::arg("w16"), py::arg("out_features"), py::arg("bias") = py::none(),
+        py::arg("portable") = false);
+  m.attr("bf16_avx512") = kBf16Avx512;
 }

@@ -21,6 +21,11 @@ accumulation, one rounding to the activation dtype at the same points):
                                    and min (quant.Int4Linear's layout); AVX-512 where the
                                    CPU has it (`int4_avx512`), else a portable loop that
                                    the layer does not use (PyTorch's int4 kernel is faster)
+    bf16_linear(x, w16, out_features, bias=None, portable=False)
+                                   x @ W.T + bias, W bf16 in blocks of 16 rows, k in pairs
+                                   (quant.Bf16Linear's layout); AVX-512 where the CPU has it
+                                   (`bf16_avx512`), else a portable loop (layers then use
+                                   PyTorch's matmul)
 
 `load()` compiles them with torch.utils.cpp_extension (a C++ compiler is needed: ~30 s
 once per machine and source version, cached under ~/.cache/torch_extensions, named by

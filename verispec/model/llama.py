@@ -17,9 +17,9 @@ import torch.nn.functional as F
 
 from verispec.model.attention import AttentionMetadata, KVStore, paged_attention
 from verispec.model.config import ModelConfig
-from verispec.model.quant import (INT4_GROUP, ApproxHead, Int4Linear, RefinedHead, fuse_int4_groups, gguf_int4_groups,
-                                  gguf_q8_0_head, quantize_model, quantized_metadata, resolve_weight_format,
-                                  restore_quantized)
+from verispec.model.quant import (INT4_GROUP, ApproxHead, Bf16Linear, Int4Linear, RefinedHead, fuse_int4_groups,
+                                  gguf_int4_groups, gguf_q8_0_head, make_bf16_linear, quantize_model,
+                                  quantized_metadata, resolve_weight_format, restore_quantized)
 
 log = logging.getLogger("verispec")
 
@@ -194,7 +194,7 @@ class LlamaModel(nn.Module):
         """Fused kernels on (the compiled module) or off (None), for every layer at once."""
         self._kernels = ops
         for module in self.modules():
-            if isinstance(module, Int4Linear):
+            if isinstance(module, (Int4Linear, Bf16Linear)):
                 module.kernels = ops
 
     @torch.inference_mode()
@@ -225,9 +225,10 @@ class LlamaModel(nn.Module):
                         gguf_path: Path | None = None, draft: bool = False) -> "LlamaModel":
         """Build on the meta device, then fill with fused weights (no double allocation).
 
-        `weight_format` (see `verispec.model.quant`): "dense" keeps every weight in `dtype`;
-        "int8" / "int4" quantize the linear layers (int4 from `gguf_path`'s Q4 blocks when
-        it has them) and give the head a `RefinedHead`; "auto" picks from `gguf_path`. The
+        `weight_format` (see `verispec.model.quant`): "dense" keeps every weight in `dtype`
+        (bf16 linear layers on the CPU packed as `Bf16Linear`s); "int8" / "int4" quantize
+        the linear layers (int4 from `gguf_path`'s Q4 blocks when it has them) and give the
+        head a `RefinedHead`; "auto" picks from `gguf_path`. The
         resolved format is `model.weight_format`. A `draft` model's quantized head is an
         `ApproxHead` (no float32 refinement), and its "auto" is int8 (int4 for a Q4 GGUF).
         """
@@ -269,6 +270,8 @@ class LlamaModel(nn.Module):
                 q8_0 = gguf_q8_0_head(gguf_path) if gguf_path else None
                 head = RefinedHead.q8_0(*q8_0, dtype) if q8_0 is not None else None
             quantize_model(model, quantized, fmt, dtype, int4_groups, head)
+        elif dtype == torch.bfloat16 and torch.device(device).type == "cpu":
+            _pack_bf16_linears(model)
         model.rotary = Rotary(cfg).to(device)  # buffers computed on the real device, not meta
         model.weight_format = fmt
         return model.eval()
@@ -287,8 +290,7 @@ class LlamaModel(nn.Module):
         with torch.device("meta"), _skip_init():
             model = cls(cfg)
         dtype = getattr(torch, meta["dtype"].removeprefix("torch."))
-        if meta["weight_format"] != "dense":
-            restore_quantized(model, state, meta, dtype)
+        restore_quantized(model, state, meta, dtype)  # quantized or packed bf16 layers
         model.load_state_dict(state, strict=True, assign=True)
         model.rotary = Rotary(cfg).to(state["embed_tokens.weight"].device)
         model.weight_format = meta["weight_format"]
@@ -297,6 +299,14 @@ class LlamaModel(nn.Module):
 
 # Linear layers a quantized weight format replaces (the last name component).
 _QUANTIZED_LINEARS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
+
+
+def _pack_bf16_linears(model: LlamaModel) -> None:
+    """Dense bf16 on the CPU: the body's linear layers in verispec's bf16 kernel layout."""
+    for name, module in list(model.named_modules()):
+        parent, _, attr = name.rpartition(".")
+        if attr in _QUANTIZED_LINEARS:
+            setattr(model.get_submodule(parent), attr, make_bf16_linear(module))
 
 
 def _gguf_int4_groups(cfg: ModelConfig, gguf_path: Path) -> dict:

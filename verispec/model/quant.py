@@ -4,7 +4,10 @@ A model's format is chosen ONCE, at load time, and every pass of that model uses
 target's distribution is a property of its weights, so plain and verify passes of one
 request must read the same ones (choosing a kernel per pass width would change the output).
 
-    dense  weights in the model dtype (bf16 or float32); the LM head in float32
+    dense  weights in the model dtype (bf16 or float32); the LM head in float32. bf16 linear
+           layers on the CPU are `Bf16Linear`s: verispec's kernel (kernels.bf16_linear,
+           2.1x PyTorch's bf16 matmul on the default model's layers at batch 1), else
+           PyTorch's matmul
     int8   w[n, k] = s[n] * q[n, k], q in [-127, 127]        torch._weight_int8pack_mm
     int4   groups of 32 along k, w = q * scale + min, q in [0, 15], scale and min fp16
                                   verispec's kernel (kernels.int4_linear), else
@@ -21,7 +24,7 @@ groups of 32, with fp16 scale and min exactly:
 verispec's int4 kernel (AVX-512, 1.3-2.3x PyTorch's int4 kernel on this project's layers)
 reads these fp16 values as they are. Without it (kernels off, or a CPU without AVX-512)
 the layer packs its weights for PyTorch's kernel on first use, which wants scales and zero
-points in bf16 (w = (q - 8) * scale + zero): rounded there (relative error <= 2^-9, below
+points in bf16 (w = (q - 8) * scale + zero): rounded there (relative error <= 2^-8, below
 the 4-bit step itself). Both kernels take bf16 activations.
 
 The LM head of a quantized model (`RefinedHead`) computes approximate logits with packed
@@ -95,6 +98,51 @@ class Int4Linear(nn.Module):
         if y.shape[-1] != self.out_features:
             y = y[:, : self.out_features]
         return y if self.bias is None else y + self.bias
+
+
+class Bf16Linear(nn.Module):
+    """y = x @ W.T + b with W bf16 in verispec's kernel layout (see `pack_bf16`).
+
+    `kernels`: verispec's compiled kernels (set through `LlamaModel.kernels`); without them,
+    or on a CPU without AVX-512, PyTorch's matmul runs on a copy unpacked on first use.
+    """
+
+    def __init__(self, w16: torch.Tensor, out_features: int, in_features: int, bias: torch.Tensor | None):
+        super().__init__()
+        self.register_buffer("w16", w16)    # (N_pad / 16, ceil(K / 2), 32) bf16
+        self.register_buffer("bias", bias)  # (N,) bf16, or None
+        self.out_features, self.in_features = out_features, in_features
+        self.kernels = None
+        self._torch_weight = None           # (N, K) for PyTorch's matmul
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        ops = self.kernels
+        if ops is not None and ops.bf16_avx512:
+            return ops.bf16_linear(x.contiguous(), self.w16, self.out_features, self.bias)
+        if self._torch_weight is None:
+            self._torch_weight = unpack_bf16(self.w16, self.out_features, self.in_features)
+        return F.linear(x, self._torch_weight, self.bias)
+
+
+def pack_bf16(weight: torch.Tensor) -> torch.Tensor:
+    """(N, K) -> w16 in the kernel's layout (kernels.cpp), rows padded to 16, K to even:
+
+        w16[b, c, 2 j + e] = w[16 b + j, 2 c + e]      (N_pad / 16, K_pad / 2, 32) bf16"""
+    n, k = weight.shape
+    w = F.pad(weight.to(torch.bfloat16), (0, k % 2, 0, -n % 16))              # (N_pad, K_pad)
+    return w.view(-1, 16, w.shape[1] // 2, 2).permute(0, 2, 1, 3).reshape(w.shape[0] // 16, -1, 32).contiguous()
+
+
+def unpack_bf16(w16: torch.Tensor, out_features: int, in_features: int) -> torch.Tensor:
+    """The inverse of `pack_bf16` (padding dropped): (N, K) bf16."""
+    nb, pairs, _ = w16.shape
+    w = w16.view(nb, pairs, 16, 2).permute(0, 2, 1, 3).reshape(nb * 16, 2 * pairs)
+    return w[:out_features, :in_features].contiguous()
+
+
+def make_bf16_linear(linear: nn.Linear) -> Bf16Linear:
+    bias = None if linear.bias is None else linear.bias.detach().to(torch.bfloat16)
+    return Bf16Linear(pack_bf16(linear.weight.detach()), linear.out_features, linear.in_features, bias)
 
 
 @dataclass
@@ -263,10 +311,12 @@ class RefinedHead(nn.Module):
     head's. Other logits keep the approximation (their error is measured in
     docs/benchmarks.md). B adds worst cases, not estimates (W_a: the parts' weights):
 
-      x, and W_a inside the kernel, rounded to bf16:   2 * 2^-9 * ||x|| * max_v ||W_a[v]||
+      x, and W_a inside the kernel, rounded to bf16:   2 * 2^-8 * ||x|| * max_v ||W_a[v]||
       float32 accumulation over K terms:               K * 2^-24 * ||x|| * max_v ||W_a[v]||
       W_a != W (int8 re-quantization, bf16 scales):    ||x|| * max_v ||W[v] - W_a[v]||   (Cauchy-Schwarz)
-      each part's output rounded to bf16:              2^-9 * ||x|| * max_v ||W_part[v]||, per part
+      each part's output rounded to bf16:              2^-8 * ||x|| * max_v ||W_part[v]||, per part
+    2^-8 is bf16's unit roundoff (8 significant bits, round to nearest: |fl(v) - v| <= 2^-8 |v|);
+    the sum is scaled by 1 + 2^-7 for the products of these terms (second order).
     All are ||x|| times a constant of the weights, so the bound costs one norm per row and
     no pass over the logits (a looser output term only adds a few refined tokens).
     """
@@ -291,9 +341,9 @@ class RefinedHead(nn.Module):
         """The class docstring's bound B divided by ||x||: a constant of the weights."""
         k = weight.shape[1]
         w_norm = float(approx_weight.norm(dim=1).max())
-        return (2 * 2.0 ** -9 + k * 2.0 ** -24) * w_norm + \
-            float((weight.float() - approx_weight).norm(dim=1).max()) + \
-            2.0 ** -9 * sum(float(w.norm(dim=1).max()) for w in part_weights)
+        return (1 + 2.0 ** -7) * ((2 * 2.0 ** -8 + k * 2.0 ** -24) * w_norm +
+                                  float((weight.float() - approx_weight).norm(dim=1).max()) +
+                                  2.0 ** -8 * sum(float(w.norm(dim=1).max()) for w in part_weights))
 
     @classmethod
     def int8(cls, weight: torch.Tensor, dtype: torch.dtype = torch.bfloat16) -> "RefinedHead":
@@ -489,6 +539,9 @@ def quantized_metadata(model: nn.Module) -> dict[str, str]:
     for name, mod in model.named_modules():
         if isinstance(mod, Int4Linear):
             meta[f"{name}.out_features"] = str(mod.out_features)
+        elif isinstance(mod, Bf16Linear):
+            meta[f"{name}.out_features"] = str(mod.out_features)
+            meta[f"{name}.in_features"] = str(mod.in_features)
         elif isinstance(mod, RefinedHead):
             meta[f"{name}.norm_coef"] = repr(mod.norm_coef)
             meta[f"{name}.torch_norm_coef"] = repr(mod.torch_norm_coef)
@@ -500,22 +553,25 @@ def restore_quantized(model: nn.Module, state: dict[str, torch.Tensor], meta: di
     """Install the quantized modules a saved state dict describes, in place of the skeleton's.
 
     The inverse of saving `model.state_dict()` with `quantized_metadata(model)`: every
-    `<layer>.q4` becomes an Int4Linear, every `<layer>.qweight` an Int8Linear, and a
-    head with `parts` a RefinedHead. The model's keys then match `state` exactly, so a
-    strict load_state_dict(state, assign=True) fills the rest.
+    `<layer>.q4` becomes an Int4Linear, every `<layer>.qweight` an Int8Linear, every
+    `<layer>.w16` a Bf16Linear, and a head with `parts` a RefinedHead. The model's keys
+    then match `state` exactly, so a strict load_state_dict(state, assign=True) fills the rest.
     """
     def linear(prefix: str) -> nn.Module:
         bias = state.get(f"{prefix}.bias")
         if f"{prefix}.q4" in state:
             return Int4Linear(state[f"{prefix}.q4"], state[f"{prefix}.scale"], state[f"{prefix}.min"],
                               int(meta[f"{prefix}.out_features"]), bias)
+        if f"{prefix}.w16" in state:
+            return Bf16Linear(state[f"{prefix}.w16"], int(meta[f"{prefix}.out_features"]),
+                              int(meta[f"{prefix}.in_features"]), bias)
         return Int8Linear(state[f"{prefix}.qweight"], state[f"{prefix}.scales"], bias)
 
     def install(path: str, module: nn.Module) -> None:
         parent, _, attr = path.rpartition(".")
         setattr(model.get_submodule(parent) if parent else model, attr, module)
 
-    layers = {k.rsplit(".", 1)[0] for k in state if k.endswith((".q4", ".qweight"))}
+    layers = {k.rsplit(".", 1)[0] for k in state if k.endswith((".q4", ".qweight", ".w16"))}
     heads = {p.split(".parts.")[0] for p in layers if ".parts." in p}
     for head in sorted(heads):
         parts = sorted((p for p in layers if p.startswith(f"{head}.parts.")), key=lambda p: int(p.rsplit(".", 1)[1]))
