@@ -172,6 +172,21 @@ def test_int4_linear_rows_do_not_depend_on_the_pass():
     assert not torch.equal(OPS.int4_linear(x, q4, layer.scale, layer.min, 72, layer.bias), full)
 
 
+@pytest.mark.skipif(not (OPS.int4_avx512 and OPS.bf16_avx512), reason="no AVX-512 here")
+def test_vector_paths_round_subnormal_outputs_like_the_portable_loops():
+    """Outputs below float32's normal range (|y| < 2^-126) round to bf16 subnormals, as
+    c10::BFloat16 rounds them: _mm512_cvtneps_pbh would flush them to zero and the two
+    paths would differ (the check bites: every output is subnormal, and not all are 0)."""
+    x = (torch.randn(9, 160) * 1e-40).bfloat16()
+    layer = _int4_layer(n=40, k=160, bias=False, seed=2)
+    w, _ = _bf16_weights(40, 160, bias=False)
+    for run in (lambda portable: OPS.int4_linear(x, layer.q4, layer.scale, layer.min, 40, portable=portable),
+                lambda portable: OPS.bf16_linear(x, pack_bf16(w), 40, portable=portable)):
+        want = run(True)
+        assert bool((want.float().abs() < 2.0 ** -126).all()) and bool((want != 0).any())
+        assert torch.equal(run(False), want)
+
+
 def test_int4_linear_refuses_bad_input():
     layer = _int4_layer()
     x = torch.randn(2, 96).bfloat16()

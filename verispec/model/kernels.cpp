@@ -201,6 +201,16 @@ void int4_block_portable(const Int4Args& a, int64_t blk, int64_t tokens) {
 }
 
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
+// float32 -> bf16 bits in the low half of each lane, exactly as c10::BFloat16(float) rounds
+// (nearest even, no flush of denormals, NaN -> 0x7FC0); _mm512_cvtneps_pbh flushes denormals.
+inline __m256i round_bf16(__m512 v) {
+  const __m512i u = _mm512_castps_si512(v);
+  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+  const __m512i up = _mm512_add_epi32(u, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7FFF)));
+  const __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+  return _mm512_cvtepi32_epi16(_mm512_mask_mov_epi32(_mm512_srli_epi32(up, 16), nan, _mm512_set1_epi32(0x7FC0)));
+}
+
 // The same for TT tokens at once (the weights unpacked once for all of them).
 template <int TT>
 void int4_tile_avx512(const Int4Args& a, int64_t blk, int64_t t0) {
@@ -240,7 +250,7 @@ void int4_tile_avx512(const Int4Args& a, int64_t blk, int64_t t0) {
     }
   }
   for (int t = 0; t < TT; ++t)
-    _mm256_mask_storeu_epi16(a.y + (t0 + t) * a.N + n0, mask, reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(total[t])));
+    _mm256_mask_storeu_epi16(a.y + (t0 + t) * a.N + n0, mask, round_bf16(total[t]));
 }
 
 void int4_block_avx512(const Int4Args& a, int64_t blk, int64_t tokens) {
@@ -304,16 +314,6 @@ void bf16_block_portable(const Bf16Args& a, int64_t blk, int64_t tokens) {
 }
 
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
-// float32 -> bf16 bits in the low half of each lane, exactly as c10::BFloat16(float) rounds
-// (nearest even, no flush of denormals, NaN -> 0x7FC0); _mm512_cvtneps_pbh flushes denormals.
-inline __m256i round_bf16(__m512 v) {
-  const __m512i u = _mm512_castps_si512(v);
-  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-  const __m512i up = _mm512_add_epi32(u, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7FFF)));
-  const __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
-  return _mm512_cvtepi32_epi16(_mm512_mask_mov_epi32(_mm512_srli_epi32(up, 16), nan, _mm512_set1_epi32(0x7FC0)));
-}
-
 // The same for TT tokens at once (each weight line loaded and widened once for all of them).
 template <int TT>
 void bf16_tile_avx512(const Bf16Args& a, int64_t blk, int64_t t0) {
