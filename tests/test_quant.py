@@ -9,6 +9,7 @@ import torch.nn.functional as F
 
 from test_model import run_rows, tiny_hf_model
 from verispec.config import EngineConfig
+from verispec.model import kernels
 from verispec.model.config import ModelConfig
 from verispec.model.llama import LlamaModel
 from verispec.model.quant import (INT4_GROUP, ApproxHead, Bf16Linear, Int4Groups, Int4Linear, Int8Linear,
@@ -104,22 +105,41 @@ def _refined_argmax_mismatches(head: RefinedHead, weight: torch.Tensor, n: int =
     return int((head(x).argmax(-1) != F.linear(x, weight).argmax(-1)).sum())
 
 
-def test_refined_head_greedy_equals_float32_head():
+def _refined_head(kind: str, weight: torch.Tensor) -> RefinedHead:
+    """int8, or bf16 on verispec's kernel (the dense bf16 target's head)."""
+    if kind == "int8":
+        return RefinedHead.int8(weight)
+    head = RefinedHead.bf16(weight)
+    head.parts[0].kernels = kernels.load(required=True)
+    return head
+
+
+@pytest.mark.parametrize("kind", ["int8", "bf16"])
+def test_refined_head_greedy_equals_float32_head(kind):
     weight = _near_tie_head()
-    head = RefinedHead.int8(weight)
+    head = _refined_head(kind, weight)
     assert _refined_argmax_mismatches(head, weight) == 0
     assert 0 < head.last_num_refined < 400 * weight.shape[0] // 8  # refined some, not everything
 
 
-def test_refined_head_error_bound_holds():
+@pytest.mark.parametrize("kind", ["int8", "bf16"])
+def test_refined_head_error_bound_holds(kind):
     """The proven bound covers the real approximation error (the argmax guarantee rests on it)."""
     weight = _near_tie_head(seed=2)
-    head = RefinedHead.int8(weight)
+    head = _refined_head(kind, weight)
     x = 3 * torch.randn(200, weight.shape[1])
     approx = head.parts[0](x.bfloat16()).float()
     exact = F.linear(x, weight)
     bound = head.norm_coef * x.norm(dim=-1)
     assert ((approx - exact).abs().amax(-1) <= bound).all()
+
+
+def test_bf16_head_without_the_kernel_is_the_float32_head():
+    """PyTorch's bf16 matmul has no bound proven for it: every logit is recomputed."""
+    weight = _near_tie_head()
+    head = RefinedHead.bf16(weight)
+    x = 3 * torch.randn(7, weight.shape[1])
+    assert torch.equal(head(x), F.linear(x, weight))
 
 
 def test_refined_head_bound_covers_worst_case_bf16_roundings():
@@ -134,10 +154,11 @@ def test_refined_head_bound_covers_worst_case_bf16_roundings():
     assert error >= 4.0 and error <= head.norm_coef * x.norm()
 
 
-def test_a_refined_head_without_its_bound_is_caught():
+@pytest.mark.parametrize("kind", ["int8", "bf16"])
+def test_a_refined_head_without_its_bound_is_caught(kind):
     """Refining only the approximate argmax (bound 0) changes greedy choices: the test above bites."""
     weight = _near_tie_head()
-    head = RefinedHead.int8(weight)
+    head = _refined_head(kind, weight)
     head.norm_coef = 0.0
     forward = head.forward
 
@@ -172,15 +193,17 @@ def test_quantized_tiny_model_logits_close_to_float32(fmt):
 
 
 def test_dense_bf16_model_packs_its_linears_and_kernels_stay_close():
-    """Dense bf16 on the CPU: every body linear a Bf16Linear (the head float32); verispec's
-    bf16 kernel and PyTorch's matmul differ only by bf16 rounding, both near float32."""
-    from verispec.model import kernels
+    """Dense bf16 on the CPU: every body linear a Bf16Linear, the head a RefinedHead over
+    its bf16 copy (a draft keeps the float32 head); verispec's bf16 kernel and PyTorch's
+    matmul differ only by bf16 rounding, both near float32."""
     hf = tiny_hf_model("qwen2")  # q/k/v bias
     cfg = ModelConfig.from_hf(hf.config.to_dict())
     ref = LlamaModel.from_state_dict(cfg, hf.state_dict(), dtype=torch.float32)
     ours = LlamaModel.from_state_dict(cfg, hf.state_dict(), dtype=torch.bfloat16, weight_format="dense")
     assert {type(m) for n, m in ours.named_modules() if n.endswith("_proj")} == {Bf16Linear}
-    assert type(ours.lm_head) is torch.nn.Linear and ours.lm_head.weight.dtype == torch.float32
+    assert type(ours.lm_head) is RefinedHead and ours.lm_head.weight.dtype == torch.float32
+    draft = LlamaModel.from_state_dict(cfg, hf.state_dict(), dtype=torch.bfloat16, weight_format="dense", draft=True)
+    assert type(draft.lm_head) is torch.nn.Linear
     rows = [list(range(3, 40)), list(range(50, 61))]
     off = run_rows(ours, rows, None)
     ours.kernels = kernels.load(required=True)
@@ -255,7 +278,6 @@ def test_default_model_int4_logits_near_float32(default_model, own_kernel):
     argmax kept. (bench/weight_quality.py measures this on 20 prompts; a broken mapping
     scores KL >> 0.1.)"""
     from verispec.engine.runner import ModelRunner, RowInput
-    from verispec.model import kernels
     source, cfg, state, tokenizer = default_model
     ids = tokenizer.encode_chat([{"role": "user", "content": "Explain in a few sentences why the sky is blue."}])
 
@@ -276,7 +298,6 @@ def test_default_model_int4_logits_near_float32(default_model, own_kernel):
 def test_default_q8_0_head_error_bound_holds(default_model, own_kernel):
     """The two-int4-part Q8_0 head: its real kernel error stays inside the proven bound, on
     either int4 kernel (PyTorch's rounds the scales to bf16 and has its own, wider, bound)."""
-    from verispec.model import kernels
     from verispec.model.quant import gguf_q8_0_head
     source, _, state, _ = default_model
     head = RefinedHead.q8_0(*gguf_q8_0_head(source.path))

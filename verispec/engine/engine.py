@@ -408,8 +408,9 @@ class LLMEngine:
 
 
 # The layout of saved runtime weights; bumped whenever a module's buffers change (v3: int4
-# in verispec's kernel layout with fp16 scale and min; v4: dense bf16 linears packed too).
-_RUNTIME_LAYOUT = "v4"
+# in verispec's kernel layout with fp16 scale and min; v5: dense bf16 linears packed too,
+# and a bf16 target's head refined from a bf16 copy).
+_RUNTIME_LAYOUT = "v5"
 
 
 def load_model(spec: str, config: EngineConfig, draft: bool = False):
@@ -418,7 +419,7 @@ def load_model(spec: str, config: EngineConfig, draft: bool = False):
 
     Warm starts of a GGUF model in bf16 skip reading the float32 conversion, fusing and
     quantizing it: the runtime weights (fused, converted, packed for the weight format)
-    are saved once next to the converted GGUF (`runtime/bfloat16-<format>-v4.safetensors`,
+    are saved once next to the converted GGUF (`runtime/bfloat16-<format>-v5.safetensors`,
     with what the state dict does not hold in its metadata) and loaded directly afterwards.
     """
     from safetensors import safe_open

@@ -180,7 +180,9 @@ class LlamaModel(nn.Module):
         # The final norm and the LM head run in float32 whatever the body's dtype: bf16
         # logits are spaced 0.125 apart near 25, which manufactures ties between the top
         # two tokens and flips greedy choices. The head has its own float32 weight (for
-        # tied embeddings, a float32 copy of the embedding matrix).
+        # tied embeddings, a float32 copy of the embedding matrix). Quantized and bf16 CPU
+        # targets replace it by a RefinedHead: approximate logits from a packed copy, the
+        # ones that could be the argmax recomputed with this float32 weight.
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.weight_format = "dense"  # see verispec.model.quant; set by from_state_dict
         self.kernels = None  # verispec.model.kernels' module when the engine enables them
@@ -226,7 +228,8 @@ class LlamaModel(nn.Module):
         """Build on the meta device, then fill with fused weights (no double allocation).
 
         `weight_format` (see `verispec.model.quant`): "dense" keeps every weight in `dtype`
-        (bf16 linear layers on the CPU packed as `Bf16Linear`s); "int8" / "int4" quantize
+        (bf16 on the CPU: linear layers packed as `Bf16Linear`s, and a target's head a
+        `RefinedHead` over its bf16 rounding); "int8" / "int4" quantize
         the linear layers (int4 from `gguf_path`'s Q4 blocks when it has them) and give the
         head a `RefinedHead`; "auto" picks from `gguf_path`. The
         resolved format is `model.weight_format`. A `draft` model's quantized head is an
@@ -272,6 +275,8 @@ class LlamaModel(nn.Module):
             quantize_model(model, quantized, fmt, dtype, int4_groups, head)
         elif dtype == torch.bfloat16 and torch.device(device).type == "cpu":
             _pack_bf16_linears(model)
+            if not draft:  # greedy stays the float32 head's; half its bytes a step
+                model.lm_head = RefinedHead.bf16(model.lm_head.weight.detach())
         model.rotary = Rotary(cfg).to(device)  # buffers computed on the real device, not meta
         model.weight_format = fmt
         return model.eval()

@@ -7,7 +7,8 @@ request must read the same ones (choosing a kernel per pass width would change t
     dense  weights in the model dtype (bf16 or float32); the LM head in float32. bf16 linear
            layers on the CPU are `Bf16Linear`s: verispec's kernel (kernels.bf16_linear,
            2.1x PyTorch's bf16 matmul on the default model's layers at batch 1), else
-           PyTorch's matmul
+           PyTorch's matmul; a bf16 target's head there is a `RefinedHead` over the head
+           rounded to bf16 (greedy exactly the float32 head's, half its bytes a step)
     int8   w[n, k] = s[n] * q[n, k], q in [-127, 127]        torch._weight_int8pack_mm
     int4   groups of 32 along k, w = q * scale + min, q in [0, 15], scale and min fp16
                                   verispec's kernel (kernels.int4_linear), else
@@ -36,6 +37,7 @@ differ from it by about the approximation's rounding (measured in docs/benchmark
 from __future__ import annotations
 
 import logging
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -374,6 +376,18 @@ class RefinedHead(nn.Module):
         return cls(weight, layers, cls.bound_coef(weight, kernel[0] + kernel[1], kernel), dtype,
                    torch_norm_coef=cls.bound_coef(weight, torch_w[0] + torch_w[1], torch_w))
 
+    @classmethod
+    def bf16(cls, weight: torch.Tensor) -> "RefinedHead":
+        """Approximation: the head rounded to bf16, on verispec's bf16 kernel (a dense bf16
+        model's head: half the float32 head's bytes a step). Without the kernel the bound
+        is infinite (PyTorch's bf16 matmul promises no accumulation order to bound), so
+        every logit is recomputed: the float32 head itself."""
+        w = weight.to(torch.bfloat16)
+        approx = w.float()
+        part = Bf16Linear(pack_bf16(w), *w.shape, None)
+        return cls(weight, [part], cls.bound_coef(weight, approx, [approx]), torch.bfloat16,
+                   torch_norm_coef=math.inf)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x (N, K) float32 -> logits (N, V) float32."""
         xb = x.to(self.dtype)
@@ -393,8 +407,13 @@ class RefinedHead(nn.Module):
 
 
 def _on_own_kernel(layer: nn.Module) -> bool:
-    """Whether a head part computes with its stored scales (int8, or int4 on verispec's kernel)."""
-    return not isinstance(layer, Int4Linear) or (layer.kernels is not None and layer.kernels.int4_avx512)
+    """Whether a head part runs the computation its bound was proven for: int8, or int4 /
+    bf16 on verispec's kernels (int4 on PyTorch's has its own bound, bf16 on PyTorch's none)."""
+    if isinstance(layer, Int4Linear):
+        return layer.kernels is not None and layer.kernels.int4_avx512
+    if isinstance(layer, Bf16Linear):
+        return layer.kernels is not None and layer.kernels.bf16_avx512
+    return True
 
 
 def _torch_int4_weights(groups: Int4Groups, dtype: torch.dtype) -> torch.Tensor:
