@@ -74,32 +74,34 @@ def _tensor_bytes(*tensors) -> int:
     return sum(t.numel() * t.element_size() for t in tensors if t is not None)
 
 
+def _linear_bytes(module: nn.Module) -> int | None:
+    """Bytes a linear layer streams per pass (its packed weights), None if not a linear."""
+    if isinstance(module, nn.Linear):
+        return _tensor_bytes(module.weight, module.bias)
+    if isinstance(module, Int8Linear):
+        return _tensor_bytes(module.qweight, module.scales, module.bias)
+    if isinstance(module, Int4Linear):
+        return _tensor_bytes(module.q4, module.scale, module.min, module.bias)
+    if isinstance(module, Bf16Linear):
+        return _tensor_bytes(module.w16, module.bias)
+    return None
+
+
 def bytes_per_step(model: LlamaModel, context_len: int, num_tokens: int = 1) -> dict:
     """Bytes one pass of `num_tokens` new tokens reads: weights once, KV of the context.
 
     The float32 copy a `RefinedHead` keeps is not streamed (only its few refined rows are
     read) and counts as zero; the embedding table contributes one row per token.
     """
-    linear = 0
-    for module in model.modules():
-        if isinstance(module, nn.Linear):
-            linear += _tensor_bytes(module.weight, module.bias)
-        elif isinstance(module, Int8Linear):
-            linear += _tensor_bytes(module.qweight, module.scales, module.bias)
-        elif isinstance(module, Int4Linear):
-            linear += _tensor_bytes(module.q4, module.scale, module.min, module.bias)
-        elif isinstance(module, Bf16Linear):
-            linear += _tensor_bytes(module.w16, module.bias)
+    linear = sum(b for b in map(_linear_bytes, model.modules()) if b is not None)
     norms = sum(_tensor_bytes(m.weight) for name, m in model.named_modules() if name.endswith("norm"))
     emb = model.embed_tokens.weight
     embedding = num_tokens * emb.shape[1] * emb.element_size()
     cfg = model.cfg
     kv = 2 * cfg.num_layers * context_len * cfg.num_kv_heads * cfg.head_dim * emb.element_size()
     head = model.lm_head
-    head_bytes = (_tensor_bytes(head.weight) if isinstance(head, nn.Linear) else 0)
-    return {"linear_bytes": linear, "head_bytes_included": head_bytes if isinstance(head, nn.Linear) else
-            sum(_tensor_bytes(p.q4, p.scale, p.min) if isinstance(p, Int4Linear)
-                else _tensor_bytes(p.qweight, p.scales) for p in head.parts),
+    parts = [head] if isinstance(head, nn.Linear) else list(head.parts)
+    return {"linear_bytes": linear, "head_bytes_included": sum(map(_linear_bytes, parts)),
             "norm_bytes": norms, "embedding_bytes": embedding, "kv_bytes": kv,
             "total_bytes": linear + norms + embedding + kv}
 

@@ -1,0 +1,37 @@
+"""bench/roofline.py's byte count: what one decode step streams, per weight format."""
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from test_model import tiny_hf_model
+from verispec.model.config import ModelConfig
+from verispec.model.llama import LlamaModel
+
+ROOT = Path(__file__).resolve().parents[1]
+_spec = importlib.util.spec_from_file_location("roofline", ROOT / "bench" / "roofline.py")
+roofline = importlib.util.module_from_spec(_spec)
+sys.modules["roofline"] = roofline
+_spec.loader.exec_module(roofline)
+
+
+@pytest.mark.parametrize("fmt", ["dense", "int8", "int4"])
+def test_bytes_per_step_counts_every_packed_layer_and_the_head(fmt):
+    """Body linears as packed (bf16 blocks, int8 + scales, int4 + fp16 scale and min), the
+    refined head's approximate parts (its float32 copy is read a few rows at a time: 0)."""
+    hf = tiny_hf_model("qwen2")  # q/k/v bias
+    cfg = ModelConfig.from_hf(hf.config.to_dict())
+    model = LlamaModel.from_state_dict(cfg, hf.state_dict(), dtype=torch.bfloat16, weight_format=fmt)
+    got = roofline.bytes_per_step(model, context_len=10)
+    packed = {"w16", "qweight", "scales", "q4", "scale", "min", "bias"}  # every layer kind's buffers
+    sizes = {name: t.numel() * t.element_size() for name, t in model.named_buffers()
+             if name.rsplit(".", 1)[-1] in packed}
+    want_linear = sum(sizes.values())
+    want_head = sum(b for name, b in sizes.items() if name.startswith("lm_head.parts."))
+    assert want_head > 0 and got["head_bytes_included"] == want_head
+    assert got["linear_bytes"] == want_linear
+    assert got["kv_bytes"] == 2 * cfg.num_layers * 10 * cfg.num_kv_heads * cfg.head_dim * 2
