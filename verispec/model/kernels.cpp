@@ -253,19 +253,22 @@ void int4_tile_avx512(const Int4Args& a, int64_t blk, int64_t t0) {
     _mm256_mask_storeu_epi16(a.y + (t0 + t) * a.N + n0, mask, round_bf16(total[t]));
 }
 
-void int4_block_avx512(const Int4Args& a, int64_t blk, int64_t tokens) {
+// A block's tokens in tiles of 8, then one tile of the rest (tile[n] runs n tokens).
+template <typename Args>
+using TileFn = void (*)(const Args&, int64_t, int64_t);
+
+template <typename Args>
+void run_tiles(const TileFn<Args> (&tile)[9], const Args& a, int64_t blk, int64_t tokens) {
   int64_t t = 0;
-  for (; t + 8 <= tokens; t += 8) int4_tile_avx512<8>(a, blk, t);
-  switch (tokens - t) {
-    case 7: int4_tile_avx512<7>(a, blk, t); break;
-    case 6: int4_tile_avx512<6>(a, blk, t); break;
-    case 5: int4_tile_avx512<5>(a, blk, t); break;
-    case 4: int4_tile_avx512<4>(a, blk, t); break;
-    case 3: int4_tile_avx512<3>(a, blk, t); break;
-    case 2: int4_tile_avx512<2>(a, blk, t); break;
-    case 1: int4_tile_avx512<1>(a, blk, t); break;
-    default: break;
-  }
+  for (; t + 8 <= tokens; t += 8) tile[8](a, blk, t);
+  if (tokens > t) tile[tokens - t](a, blk, t);
+}
+
+void int4_block_avx512(const Int4Args& a, int64_t blk, int64_t tokens) {
+  static const TileFn<Int4Args> tile[9] = {nullptr, int4_tile_avx512<1>, int4_tile_avx512<2>, int4_tile_avx512<3>,
+                                           int4_tile_avx512<4>, int4_tile_avx512<5>, int4_tile_avx512<6>,
+                                           int4_tile_avx512<7>, int4_tile_avx512<8>};
+  run_tiles(tile, a, blk, tokens);
 }
 constexpr bool kInt4Avx512 = true;
 #else
@@ -346,18 +349,10 @@ void bf16_tile_avx512(const Bf16Args& a, int64_t blk, int64_t t0) {
 }
 
 void bf16_block_avx512(const Bf16Args& a, int64_t blk, int64_t tokens) {
-  int64_t t = 0;
-  for (; t + 8 <= tokens; t += 8) bf16_tile_avx512<8>(a, blk, t);
-  switch (tokens - t) {
-    case 7: bf16_tile_avx512<7>(a, blk, t); break;
-    case 6: bf16_tile_avx512<6>(a, blk, t); break;
-    case 5: bf16_tile_avx512<5>(a, blk, t); break;
-    case 4: bf16_tile_avx512<4>(a, blk, t); break;
-    case 3: bf16_tile_avx512<3>(a, blk, t); break;
-    case 2: bf16_tile_avx512<2>(a, blk, t); break;
-    case 1: bf16_tile_avx512<1>(a, blk, t); break;
-    default: break;
-  }
+  static const TileFn<Bf16Args> tile[9] = {nullptr, bf16_tile_avx512<1>, bf16_tile_avx512<2>, bf16_tile_avx512<3>,
+                                           bf16_tile_avx512<4>, bf16_tile_avx512<5>, bf16_tile_avx512<6>,
+                                           bf16_tile_avx512<7>, bf16_tile_avx512<8>};
+  run_tiles(tile, a, blk, tokens);
 }
 constexpr bool kBf16Avx512 = true;
 #else
