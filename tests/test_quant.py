@@ -135,11 +135,13 @@ def test_refined_head_error_bound_holds(kind):
 
 
 def test_bf16_head_without_the_kernel_is_the_float32_head():
-    """PyTorch's bf16 matmul has no bound proven for it: every logit is recomputed."""
+    """PyTorch's bf16 matmul has no bound proven for it: the float32 head is computed, and
+    the approximation is not (it was once computed and thrown away, with an unpacked copy)."""
     weight = _near_tie_head()
     head = RefinedHead.bf16(weight)
     x = 3 * torch.randn(7, weight.shape[1])
     assert torch.equal(head(x), F.linear(x, weight))
+    assert head.parts[0]._torch_weight is None
 
 
 def test_refined_head_bound_covers_worst_case_bf16_roundings():

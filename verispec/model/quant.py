@@ -29,7 +29,8 @@ points in bf16 (w = (q - 8) * scale + zero): rounded there (relative error <= 2^
 the 4-bit step itself). Both kernels take bf16 activations.
 
 The LM head of a quantized model (`RefinedHead`) computes approximate logits with packed
-kernels (a GGUF Q8_0 head: two int4 layers that add up to it exactly; any other head: int8),
+kernels (a GGUF Q8_0 head: two int4 layers that add up to it exactly; any other head: int8;
+a dense bf16 target's head: its bf16 rounding on the bf16 kernel),
 then recomputes in float32 every token that could be the argmax given a proven bound on the
 approximation error: greedy decoding is exactly the float32 head's, and the other logits
 differ from it by about the approximation's rounding (measured in docs/benchmarks.md).
@@ -301,10 +302,10 @@ class ApproxHead(nn.Module):
         return self.layer.forward(x.to(self.dtype)).float()
 
 
-# --- the LM head of a quantized model ---------------------------------------------------------
+# --- the refined LM head (quantized and dense bf16 targets) ------------------------------------
 
 class RefinedHead(nn.Module):
-    """Approximate logits from packed int kernels, recomputed in float32 where the argmax could be.
+    """Approximate logits from packed kernels, recomputed in float32 where the argmax could be.
 
     Let a = approximate logits (the sum of `parts`, bf16 in, bf16 out), y = x @ W.T the
     float32 head, and B a bound with |a - y| <= B for every token of a row. The exact
@@ -390,12 +391,14 @@ class RefinedHead(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x (N, K) float32 -> logits (N, V) float32."""
+        coef = self.norm_coef if all(_on_own_kernel(p) for p in self.parts) else self.torch_norm_coef
+        if math.isinf(coef):
+            return F.linear(x, self.weight)  # no bound for these kernels: the float32 head itself
         xb = x.to(self.dtype)
         logits = None
         for part in self.parts:
             a = part.forward(xb)                                                # (N, V) bf16
             logits = a.float() if logits is None else logits.add_(a)           # (N, V) float32
-        coef = self.norm_coef if all(_on_own_kernel(p) for p in self.parts) else self.torch_norm_coef
         bound = coef * x.norm(dim=-1) + 1e-3                                   # (N,)
         candidates = logits >= (logits.amax(dim=-1) - 2 * bound)[:, None]       # (N, V)
         rows, cols = candidates.nonzero(as_tuple=True)                          # (C,), (C,)
