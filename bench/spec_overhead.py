@@ -83,6 +83,7 @@ def main(argv=None) -> int:
     items = common.encode(models.tokenizer, measured_prompts, args.task)
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens)
     rates = {name: [] for name in CONTENDERS}
+    controllers = []  # adaptive's controller after each measured round (k histogram, ledger)
     timers, seconds = {"choose_k": 0.0, "lookup": 0.0}, {"adaptive": 0.0}
     for r in range(args.rounds):
         measured = [r > 0]
@@ -97,6 +98,8 @@ def main(argv=None) -> int:
                 rates[name].append(run.tokens_per_s)
                 if name == "adaptive":
                     seconds["adaptive"] += run.seconds
+                    snap = engine.controller.snapshot()
+                    controllers.append({k: snap[k] for k in ("rounds", "k_counts", "explore_debt_s", "elapsed_s")})
             print(f"[spec_overhead] round {r} {name:12s} {run.tokens_per_s:7.1f} tok/s "
                   f"load={common.load_average():.2f} others={run.others_cpu_share}", file=sys.stderr, flush=True)
     med = {name: statistics.median(v) for name, v in rates.items()}
@@ -105,6 +108,9 @@ def main(argv=None) -> int:
           f"explore_budget {budget}, median of {args.rounds - 1} rounds (tokens/s):")
     for name in CONTENDERS:
         print(f"  {name:12s} {med[name]:7.1f}  ({med[name] / med['none']:.3f}x none)")
+    for snap in controllers:
+        print(f"  adaptive's controller: k counts {snap['k_counts']}, exploration debt "
+              f"{snap['explore_debt_s']:.3f} s of {snap['elapsed_s']:.2f} s")
     share = {k: v / seconds["adaptive"] for k, v in timers.items()}
     print(f"  adaptive's host time: choose_k {share['choose_k']:.1%}, lookups {share['lookup']:.1%} of its run")
     header = common.finish_run(header, t0)
@@ -114,7 +120,8 @@ def main(argv=None) -> int:
                      "num_prompts": args.num_prompts, "max_tokens": args.max_tokens, "rounds": args.rounds,
                      "controller": engine.controller.config.to_dict()},
         "engine_config": common.resolved(models, replace(base, spec=SpecConfig(method="ngram"))).to_dict(),
-        "tokens_per_s": rates, "median_tokens_per_s": med, "host_seconds": timers})
+        "tokens_per_s": rates, "median_tokens_per_s": med, "host_seconds": timers,
+        "adaptive_controllers": controllers})
     return 0
 
 

@@ -411,13 +411,47 @@ def test_size_buckets_are_exact_to_8_then_4_per_octave():
     assert [size_bucket(n) for n in (11, 12, 13, 16, 17, 20, 21, 33, 129)] == [12, 12, 14, 16, 20, 20, 24, 40, 160]
 
 
-def test_cost_cell_is_a_mean_then_an_ewma():
-    ctl = AdaptiveController(ControllerConfig(cost_ewma=0.25))
+def test_cost_cell_is_a_windowed_mean_without_stalls():
+    ctl = AdaptiveController(ControllerConfig(cost_window=4, cost_min_samples=1))
     for s in (1.0, 2.0, 3.0, 4.0):
         ctl.observe_cost("verify", 1, 2, s)
     assert math.isclose(ctl.estimated_cost("verify", 1, 2), 2.5)
-    ctl.observe_cost("verify", 1, 2, 6.5)
-    assert math.isclose(ctl.estimated_cost("verify", 1, 2), 2.5 + 0.25 * 4.0)
+    ctl.observe_cost("verify", 1, 2, 5.0)                    # the window drops 1.0
+    assert math.isclose(ctl.estimated_cost("verify", 1, 2), 3.5)
+    for s in (5.0, 5.0, 5.0):                                # drift: the window follows
+        ctl.observe_cost("verify", 1, 2, s)
+    assert math.isclose(ctl.estimated_cost("verify", 1, 2), 5.0)
+
+
+def test_a_stall_does_not_move_a_cost_cell():
+    """Bug (chat at 4 in flight, n-gram): one plain round of 3.3x the others raised the plain
+    cell's EWMA by a quarter and drafting, 2-3x a plain step, looked cheaper than plain."""
+    ctl = AdaptiveController(ControllerConfig(cost_min_samples=1))
+    for _ in range(20):
+        ctl.observe_cost("verify", 4, 0, 0.020)
+    ctl.observe_cost("verify", 4, 0, 0.068)
+    assert ctl.estimated_cost("verify", 4, 0) == 0.020
+    ctl.observe_cost("verify", 4, 0, 0.039)                  # under 2x the median: a real timing
+    assert ctl.estimated_cost("verify", 4, 0) > 0.020
+
+
+def _choice_after_a_stall(cost_outlier: float) -> int:
+    ctl = AdaptiveController(ControllerConfig(cost_min_samples=1, cost_outlier=cost_outlier))
+    ids = ["a", "b", "c", "d"]
+    for rid in ids:
+        ctl.start(rid, "ngram")                              # acceptance 0.5 (the prior)
+    for _ in range(20):
+        ctl.observe_cost("verify", 4, 0, 0.020)              # plain: 4 tokens, 200 tokens/s
+    for _ in range(3):  # D drafts yield 4 + D / 2 tokens (up to 4), then 7 at 8: 185-194 tokens/s
+        for drafts, seconds in ((1, 0.024), (2, 0.027), (3, 0.029), (4, 0.031), (8, 0.045)):
+            ctl.observe_cost("verify", 4, drafts, seconds)
+    ctl.observe_cost("verify", 4, 0, 0.068)                  # one stall
+    return sum(ctl.choose_k(ids, 4).values())
+
+
+def test_one_stall_does_not_make_drafting_look_cheaper_than_plain():
+    assert _choice_after_a_stall(cost_outlier=2.0) == 0
+    assert _choice_after_a_stall(cost_outlier=math.inf) == 4  # negative: the stall kept, it drafts
 
 
 def test_cold_start_plays_plain_then_widens_one_doubling_at_a_time():
@@ -724,7 +758,7 @@ def test_snapshot_is_plain_json():
 @pytest.mark.parametrize("kwargs, field", [
     (dict(k_max=-1), "k_max"), (dict(fixed_k=9), "fixed_k"), (dict(prior_alpha={}), "prior_alpha"),
     (dict(prior_alpha={"draft": 1.0}), "prior_alpha"), (dict(alpha_half_life_tokens=0), "alpha_half_life"),
-    (dict(cost_ewma=0.0), "cost_ewma"), (dict(explore=1.0), "explore"), (dict(cost_min_samples=0), "cost_min_samples"),
+    (dict(cost_window=0), "cost_window"), (dict(cost_outlier=0.5), "cost_outlier"), (dict(explore=1.0), "explore"), (dict(cost_min_samples=0), "cost_min_samples"),
     (dict(idle_half_life_rounds=-1), "idle_half_life_rounds"), (dict(explore_budget=-0.1), "explore_budget"),
     (dict(explore_budget=float("nan")), "explore_budget")])
 def test_config_rejects_out_of_range_fields(kwargs, field):

@@ -81,8 +81,13 @@ reported separately, keyed by the rows it drafts for (its own batch) and the dee
 round's batch instead, one cell mixed passes for 1 and for all 4 drafting rows at 4 in
 flight, and drafting every row looked as cheap as drafting one.)
 Batch sizes and draft tokens are bucketed alike: exact up to 8, then 4 buckets per octave;
-each cell is a running mean for its first 1 / cost_ewma samples and an EWMA after that, so
-it tracks drift. An unmeasured cell is estimated from the measured ones as the tightest
+each cell keeps its last `cost_window` timings and estimates the pass by their mean, leaving
+out any timing above `cost_outlier` times their median: a stall (another process, a page
+fault) is not the pass's cost, and it lands in one cell only. (With an EWMA, one plain
+round at batch 4 that took 3.3x the others, 0.068 s against ~0.020 s, raised the plain
+cell by a quarter; drafting then looked cheaper than plain, and the controller drafted
+in 10 of the next 13 rounds at 2-3x a plain step each: chat at 4 in flight, default model, n-gram.) The
+window tracks drift within half its length, as the median moves. An unmeasured cell is estimated from the measured ones as the tightest
 lower bound implied by two physical assumptions: cost never falls when the batch or the
 tokens grow, and cost per row or per token never grows with them (a fixed overhead plus at
 most linear work). For a measured cell (b', n') with cost c that gives
@@ -179,6 +184,7 @@ costs the pass nothing. At batch 1 this is exactly argmax_k E(alpha, k) / T(1, k
 from __future__ import annotations
 
 import math
+from collections import deque
 from dataclasses import asdict, dataclass, field
 
 # Proposers whose drafting is a CPU lookup: no draft pass, no draft cost.
@@ -232,7 +238,8 @@ class ControllerConfig:
     prior_weight_tokens: float = 8.0       # trials a new request's prior is worth
     prior_half_life_tokens: float = 1024.0 # window of the per-proposer global estimate
     idle_half_life_rounds: float = 32.0    # untested rounds for a request to forget halfway
-    cost_ewma: float = 0.1                 # weight of a new timing in its cell's EWMA
+    cost_window: int = 16                  # timings a cost cell keeps (its robust mean's window)
+    cost_outlier: float = 2.0              # a timing above this times its cell's median is a stall
     cost_min_samples: int = 3              # a cell's samples before it is trusted above the bounds
     explore: float = 0.03                  # fraction of rounds that re-measure a neighbour size
     explore_within: float = 0.15           # ... if its estimated rate is within this of the best
@@ -257,8 +264,10 @@ class ControllerConfig:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
         if not isinstance(self.cost_min_samples, int) or self.cost_min_samples < 1:
             raise ValueError(f"cost_min_samples must be an int >= 1, got {self.cost_min_samples!r}")
-        if not 0.0 < self.cost_ewma <= 1.0:
-            raise ValueError(f"cost_ewma must be in (0, 1], got {self.cost_ewma}")
+        if not isinstance(self.cost_window, int) or self.cost_window < 1:
+            raise ValueError(f"cost_window must be an int >= 1, got {self.cost_window!r}")
+        if not self.cost_outlier >= 1.0:
+            raise ValueError(f"cost_outlier must be >= 1, got {self.cost_outlier}")
         if not 0.0 <= self.explore < 1.0:
             raise ValueError(f"explore must be in [0, 1), got {self.explore}")
         if not 0.0 <= self.explore_within <= 1.0:
@@ -303,20 +312,23 @@ class AcceptanceEstimator:
 
 
 class CostTable:
-    """EWMA seconds of one pass kind per (batch bucket, size bucket), with optimistic estimates.
+    """Seconds of one pass kind per (batch bucket, size bucket), with optimistic estimates.
 
+    A cell keeps its last `window` timings; its estimate is their mean over the timings
+    within `outlier` times their median (see the module docstring: robust to a stall).
     `tokens(bucket, size)` is the work measure the bounds scale by: b + n for a verify pass
     over n draft tokens, n for the draft model's n steps. `bounds(size, other)`: whether a
     measured cell of size `other` may bound an unmeasured one of size `size` (default all).
     """
 
-    def __init__(self, ewma: float, tokens, min_samples: int = 1, bounds=None):
-        self._ewma = ewma
+    def __init__(self, window: int, tokens, min_samples: int = 1, bounds=None, outlier: float = 2.0):
+        self._window = window
+        self._outlier = outlier
         self._tokens = tokens
         self._bounds = bounds or (lambda size, other: True)
         self._min_samples = min_samples
-        self._cells: dict[tuple[int, int], list] = {}  # (bucket, size bucket) -> [seconds, stamp, n]
-        self._widest: dict[int, int] = {}              # bucket -> largest size measured
+        self._cells: dict[tuple[int, int], _Cell] = {}  # (bucket, size bucket) -> cell
+        self._widest: dict[int, int] = {}               # bucket -> largest size measured
 
     def observe(self, batch_size: int, size: int, seconds: float, stamp: int) -> None:
         """Fold one measured pass into its cell."""
@@ -325,13 +337,15 @@ class CostTable:
         self._widest[bucket] = max(self._widest.get(bucket, 0), size)
         cell = self._cells.get(key)
         if cell is None:
-            self._cells[key] = [seconds, stamp, 1]
-            return
-        cell[2] += 1
-        # A plain mean until the cell has 1 / ewma samples, so one noisy first timing is
-        # not left standing for long; an EWMA after that, so the cell tracks drift.
-        cell[0] += max(self._ewma, 1.0 / cell[2]) * (seconds - cell[0])
-        cell[1] = stamp
+            cell = self._cells[key] = _Cell(deque(maxlen=self._window))
+        cell.samples.append(seconds)
+        cell.count += 1
+        cell.stamp = stamp
+        ordered = sorted(cell.samples)
+        m = len(ordered)
+        median = 0.5 * (ordered[(m - 1) // 2] + ordered[m // 2])
+        kept = [t for t in ordered if t <= self._outlier * median]
+        cell.seconds = sum(kept) / len(kept)
 
     @property
     def empty(self) -> bool:
@@ -347,12 +361,12 @@ class CostTable:
         """Whether the size's cell has been measured `min_samples` times (its estimate is
         then its own samples, not an optimistic bound)."""
         cell = self._cells.get((bucket, size_bucket(size)))
-        return cell is not None and cell[2] >= self._min_samples
+        return cell is not None and cell.count >= self._min_samples
 
     def stamp(self, bucket: int, size: int) -> int:
         """When the size's cell was last measured (-1: never)."""
         cell = self._cells.get((bucket, size_bucket(size)))
-        return -1 if cell is None else cell[1]
+        return -1 if cell is None else cell.stamp
 
     def estimate(self, bucket: int, size: int) -> float | None:
         """Measured EWMA, else the largest lower bound from measured cells, else None.
@@ -369,14 +383,14 @@ class CostTable:
         size = size_bucket(size)
         key = (bucket, size)
         cell = self._cells.get(key)
-        if cell is not None and cell[2] >= self._min_samples:
-            return cell[0]
+        if cell is not None and cell.count >= self._min_samples:
+            return cell.seconds
         best, best_any, work = None, None, self._tokens(bucket, size)
-        for other, (seconds, _, _) in self._cells.items():
+        for other, c in self._cells.items():
             if other == key:
                 continue
             b, n = other
-            bound = seconds * min(1.0, bucket / b) * min(1.0, work / max(self._tokens(b, n), 1))
+            bound = c.seconds * min(1.0, bucket / b) * min(1.0, work / max(self._tokens(b, n), 1))
             best_any = bound if best_any is None else max(best_any, bound)
             if self._bounds(size, n):
                 best = bound if best is None else max(best, bound)
@@ -385,12 +399,22 @@ class CostTable:
         # a young cell is distrusted down to its bound, or, with no comparable cell, to any
         # cell's (that only makes the estimate more optimistic)
         bound = best if best is not None else best_any
-        return cell[0] if bound is None else min(cell[0], bound)
+        return cell.seconds if bound is None else min(cell.seconds, bound)
 
     def snapshot(self) -> list[dict]:
         """Measured cells as plain data."""
-        return [{"batch_bucket": b, "size": n, "seconds": s, "samples": c}
-                for (b, n), (s, _, c) in sorted(self._cells.items())]
+        return [{"batch_bucket": b, "size": n, "seconds": c.seconds, "samples": c.count}
+                for (b, n), c in sorted(self._cells.items())]
+
+
+@dataclass
+class _Cell:
+    """One cost cell: its last timings, their robust mean, its sample count, last stamp."""
+
+    samples: deque
+    seconds: float = 0.0
+    count: int = 0
+    stamp: int = -1
 
 
 @dataclass
@@ -424,9 +448,11 @@ class AdaptiveController:
                         for p, a in cfg.prior_alpha.items()}
         # A speculative round does more per token than a plain one (drafts to verify, rejection
         # sampling, KV rollback), so only plain rounds bound a plain one (see the docstring).
-        self._costs = {"verify": CostTable(cfg.cost_ewma, lambda b, n: b + n, cfg.cost_min_samples,
-                                           bounds=lambda n, other: n > 0 or other == 0),
-                       "draft": CostTable(cfg.cost_ewma, lambda b, n: n, cfg.cost_min_samples)}
+        self._costs = {"verify": CostTable(cfg.cost_window, lambda b, n: b + n, cfg.cost_min_samples,
+                                           bounds=lambda n, other: n > 0 or other == 0,
+                                           outlier=cfg.cost_outlier),
+                       "draft": CostTable(cfg.cost_window, lambda b, n: n, cfg.cost_min_samples,
+                                          outlier=cfg.cost_outlier)}
         self._catch_up = [0.0, 0.0]  # decayed (seconds, tokens) of catch-up passes
         self._num_cost_samples = 0
         self._round: _Round | None = None
@@ -512,7 +538,7 @@ class AdaptiveController:
             if kind == "verify":
                 self._close_round()
         if kind == "catch_up":
-            keep = 1.0 - self.config.cost_ewma
+            keep = 1.0 - 1.0 / self.config.cost_window
             self._catch_up = [self._catch_up[0] * keep + seconds, self._catch_up[1] * keep + size]
             return
         self._num_cost_samples += 1
