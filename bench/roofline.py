@@ -38,7 +38,7 @@ from verispec.bench.provenance import git_info, machine_info, software_versions 
 from verispec.config import CacheConfig, EngineConfig, SpecConfig  # noqa: E402
 from verispec.engine.engine import LLMEngine, SpecOverride  # noqa: E402
 from verispec.model.llama import LlamaModel  # noqa: E402
-from verispec.model.quant import Bf16Linear, Int4Linear, Int8Linear, RefinedHead  # noqa: E402
+from verispec.model.quant import Bf16Linear, Int4Linear, Int8Linear, Q8Linear, RefinedHead  # noqa: E402
 from verispec.sampling import SamplingParams  # noqa: E402
 
 RESULTS = REPO / "bench" / "results"
@@ -84,6 +84,8 @@ def _linear_bytes(module: nn.Module) -> int | None:
         return _tensor_bytes(module.q4, module.scale, module.min, module.bias)
     if isinstance(module, Bf16Linear):
         return _tensor_bytes(module.w16, module.bias)
+    if isinstance(module, Q8Linear):
+        return _tensor_bytes(module.q8, module.scale)
     return None
 
 

@@ -16,8 +16,9 @@ from tiny import tiny_config
 from verispec.model import kernels
 from verispec.model import attention
 from verispec.model.attention import KERNEL_QUERY_LIMIT, AttentionMetadata
-from verispec.model.llama import LlamaModel, apply_rotary
-from verispec.model.quant import Bf16Linear, make_int4_linear, pack_bf16, quantize_int4, unpack_bf16, unpack_int4
+from verispec.model.llama import LlamaModel, _build_stack, _pack_bf16_linears, apply_rotary
+from verispec.model.quant import (Bf16Linear, Q8Linear, make_int4_linear, pack_bf16, pack_q8, quantize_int4, unpack_bf16,
+                                  unpack_int4, unpack_q8)
 
 OPS = kernels.load(required=True)
 DTYPES = [torch.float32, torch.bfloat16]
@@ -318,6 +319,90 @@ def test_bf16_layer_unpacks_exactly_and_matches_pytorch_without_kernels(n, k):
     assert ((got - want).abs() <= want.abs() * 2 ** -7 + 1e-2).all()
 
 
+def _q8_blocks(n: int, k: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """(scale (N, K / 32) fp16 values, codes (N, K) int8), like a GGUF Q8_0 tensor's blocks."""
+    g = torch.Generator().manual_seed(seed)
+    codes = torch.randint(-128, 128, (n, k), generator=g, dtype=torch.int8)
+    scale = (torch.rand(n, k // 32, generator=g) * 0.02 + 1e-4).half().float()
+    return scale, codes
+
+
+def _q8_bound(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """Float32 accumulation of the kernel's chains: gamma_(G + 17) sum |w x| (see q8_0_coef)."""
+    n = w.shape[1] // 32 + 17
+    return n * 2.0 ** -24 * (x.double().abs() @ w.double().abs().t())
+
+
+Q8_SHAPES = [(16, 32), (40, 96), (72, 576)]  # one block, a padded last block, the default head's K
+
+
+@pytest.mark.parametrize("broken", [False, True], ids=["ok", "rows reversed"])
+@pytest.mark.parametrize("n,k", Q8_SHAPES)
+def test_q8_linear_computes_the_blocks_in_float32(n, k, broken):
+    """Against float64 on the blocks' weights d q: within float32 accumulation's bound (no
+    bf16 rounding of x or y anywhere); a layout bug is caught; pack/unpack round trip."""
+    scale, codes = _q8_blocks(n, k)
+    q8, sc = pack_q8(scale, codes)
+    w = (codes.float().view(n, -1, 32) * scale[..., None]).view(n, k)
+    assert torch.equal(unpack_q8(q8, sc, n), w)
+    if broken:  # a layout bug: each block's 16 rows in reverse order
+        q8 = q8.flip(-1).contiguous()
+    x = torch.randn(13, k)
+    got = OPS.q8_linear(x, q8, sc, n)
+    assert got.shape == (13, n) and got.dtype == torch.float32
+    ok = (got.double() - x.double() @ w.double().t()).abs() <= _q8_bound(x, w) + 1e-30
+    assert bool(ok.all()) != broken
+
+
+@pytest.mark.skipif(not OPS.q8_avx512, reason="no AVX-512 here: the head runs PyTorch's float32 matmul")
+def test_q8_linear_rows_do_not_depend_on_the_pass():
+    """Bit for bit: the portable loop, and each token alone, in passes of 3 and 5, and in one
+    of 21 (tiles of 1..8): a verify pass and a plain step compute the same logits."""
+    scale, codes = _q8_blocks(72, 160, seed=1)
+    q8, sc = pack_q8(scale, codes)
+    x = torch.randn(21, 160)
+    full = OPS.q8_linear(x, q8, sc, 72)
+    assert torch.equal(full, OPS.q8_linear(x, q8, sc, 72, portable=True))
+    for t in range(1, 22):  # every tile width, vector against portable
+        assert torch.equal(OPS.q8_linear(x[:t].contiguous(), q8, sc, 72), full[:t]), t
+    for width in (1, 3, 5):
+        parts = [OPS.q8_linear(x[i: i + width].contiguous(), q8, sc, 72) for i in range(0, 21, width)]
+        assert torch.equal(torch.cat(parts), full), width
+    q8 = q8.clone()
+    q8[0, 0, 0] ^= 1  # the check bites: one code changed moves outputs
+    assert not torch.equal(OPS.q8_linear(x, q8, sc, 72), full)
+
+
+def test_q8_linear_refuses_bad_input():
+    scale, codes = _q8_blocks(40, 96)
+    q8, sc = pack_q8(scale, codes)
+    x = torch.randn(2, 96)
+    with pytest.raises(RuntimeError, match="x must be contiguous float32"):
+        OPS.q8_linear(x.bfloat16(), q8, sc, 40)
+    with pytest.raises(RuntimeError, match="q8 must be contiguous int8"):
+        OPS.q8_linear(torch.randn(2, 64), q8, sc, 40)
+    with pytest.raises(RuntimeError, match="q8 must be contiguous int8"):
+        OPS.q8_linear(x, q8.to(torch.uint8), sc, 40)
+    with pytest.raises(RuntimeError, match="out_features must fit"):
+        OPS.q8_linear(x, q8, sc, 49)
+    with pytest.raises(RuntimeError, match="scale must be contiguous fp16"):
+        OPS.q8_linear(x, q8, sc.float(), 40)
+    with pytest.raises(ValueError, match="fp16 values"):
+        pack_q8(scale + 1e-6, codes)
+    with pytest.raises(ValueError, match="K divisible by 32"):
+        pack_q8(scale, codes[:, :90])
+
+
+def test_q8_layer_without_kernels_is_pytorchs_float32_matmul():
+    scale, codes = _q8_blocks(40, 96, seed=2)
+    layer = Q8Linear(*pack_q8(scale, codes), 40)
+    x = torch.randn(5, 96)
+    w = (codes.float().view(40, -1, 32) * scale[..., None]).view(40, 96)
+    assert torch.equal(layer.forward(x), F.linear(x, w))
+    layer.kernels = OPS
+    assert ((layer.forward(x).double() - x.double() @ w.double().t()).abs() <= _q8_bound(x, w)).all()
+
+
 @pytest.mark.parametrize("spill", [False, True], ids=["kernel attention", "over KERNEL_MAX_PAIRS: SDPA"])
 @pytest.mark.parametrize("broken", [False, True])
 def test_model_with_kernels_matches_the_model_without(dtype, broken, spill, monkeypatch):
@@ -353,6 +438,74 @@ def test_model_with_kernels_matches_the_model_without(dtype, broken, spill, monk
     fused = run(BrokenOps() if broken else OPS)
     tol = 1e-4 if dtype is torch.float32 else 0.1
     assert (bool(((fused - plain).abs() <= tol).all())) != broken
+
+
+def _packed_tiny_model(fmt: str) -> LlamaModel:
+    """A tiny bf16 model whose linears are on verispec's packed kernels (int4 or bf16)."""
+    torch.manual_seed(5)
+    model = LlamaModel(tiny_config(vocab=64, hidden=64, layers=3)).eval()
+    for p in model.parameters():
+        torch.nn.init.normal_(p, 0, 0.2)
+    model.layers.to(torch.bfloat16)
+    model.embed_tokens.to(torch.bfloat16)
+    if fmt == "bf16":
+        _pack_bf16_linears(model)
+    else:
+        for block in model.layers:
+            for parent, name in ((block.self_attn, "qkv_proj"), (block.self_attn, "o_proj"),
+                                 (block.mlp, "gate_up_proj"), (block.mlp, "down_proj")):
+                lin = getattr(parent, name)
+                setattr(parent, name, make_int4_linear(quantize_int4(lin.weight.detach().float()), lin.bias,
+                                                       torch.bfloat16))
+    return model
+
+
+@pytest.mark.skipif(not (OPS.int4_avx512 and OPS.bf16_avx512), reason="no AVX-512 here: no packed layers")
+@pytest.mark.parametrize("fmt", ["int4", "bf16"])
+def test_decoder_stack_equals_the_per_layer_path(fmt):
+    """Decode and verify rows, every query in the attention kernel: the layers in one C++
+    call give the per-layer Python path's logits bit for bit (the K/V it writes too); a
+    stack wired wrong (layers in reverse order) is caught."""
+    model = _packed_tiny_model(fmt)
+    rows = [([5], 30), ([1, 2, 3], 12), ([9], 7), ([4, 8], 20)]  # (new tokens, start)
+    slots = [list(range(r * 64 + s, r * 64 + s + len(t))) for r, (t, s) in enumerate(rows)]
+    ids = torch.tensor([i for t, _ in rows for i in t])
+    model.kernels = OPS
+
+    def run(stack: bool):
+        meta = AttentionMetadata.build(
+            [len(t) for t, _ in rows], [s + len(t) for t, s in rows],
+            [list(range(s, s + len(t))) for t, s in rows], slots,
+            [list(range(r * 64, r * 64 + s + len(t))) for r, (t, s) in enumerate(rows)],
+            kernel_queries=KERNEL_QUERY_LIMIT)
+        assert meta.kernel is not None and meta.kernel.tokens is None and not meta.groups
+        kv = model.new_kv_store(4 * 64)
+        g = torch.Generator().manual_seed(4)
+        kv.k.copy_(torch.randn(kv.k.shape, generator=g))
+        kv.v.copy_(torch.randn(kv.v.shape, generator=g))
+        model.fused_stack = stack
+        return model(ids, meta, kv), kv
+
+    (want, kv_want), (got, kv_got) = run(False), run(True)
+    assert model._stack and model._stack.num_layers == 3  # the stack ran
+    assert torch.equal(got, want) and torch.equal(kv_got.k, kv_want.k) and torch.equal(kv_got.v, kv_want.v)
+    wrong = OPS.DecoderStack(model.cfg.num_heads, model.cfg.num_kv_heads, model.cfg.head_dim, model.cfg.rms_norm_eps)
+    built = _build_stack(model, OPS)
+    for block in reversed(model.layers):
+        attn, mlp = block.self_attn, block.mlp
+        specs = [(0, [m.q4, m.scale, m.min], m.out_features, m.bias) if fmt == "int4" else
+                 (1, [m.w16], m.out_features, m.bias)
+                 for m in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)]
+        wrong.add_layer(block.input_layernorm.weight, block.post_attention_layernorm.weight, specs)
+    assert built.num_layers == wrong.num_layers
+    model._stack = wrong
+    assert not torch.equal(run(True)[0], want)
+
+
+def test_decoder_stack_is_not_built_for_layers_off_the_packed_kernels():
+    """A dense float32 model (nn.Linear layers): the per-layer path runs."""
+    model = LlamaModel(tiny_config(vocab=64, hidden=64, layers=2)).eval()
+    assert _build_stack(model, OPS) is None
 
 
 class BrokenOps:

@@ -1,6 +1,8 @@
 """Weight formats: GGUF Q4 blocks -> int4 groups exactly, the packed kernels compute what the
 groups say, the refined LM head keeps float32 greedy choices, int8/int4 models stay close to
 the float32 model."""
+import math
+
 import gguf
 import numpy as np
 import pytest
@@ -13,8 +15,8 @@ from verispec.model import kernels
 from verispec.model.config import ModelConfig
 from verispec.model.llama import LlamaModel
 from verispec.model.quant import (INT4_GROUP, ApproxHead, Bf16Linear, Int4Groups, Int4Linear, Int8Linear,
-                                  RefinedHead, gguf_q4_tensor, make_int4_linear, make_int8_linear, pack_bf16,
-                                  quantize_int4, resolve_weight_format, unpack_int4)
+                                  Q8Linear, RefinedHead, gguf_q4_tensor, make_int4_linear, make_int8_linear,
+                                  pack_bf16, quantize_int4, resolve_weight_format, unpack_int4, unpack_q8)
 
 Q = gguf.GGMLQuantizationType
 
@@ -73,22 +75,21 @@ def test_int8_kernel_computes_per_row_scales():
     assert (layer.qweight.float() * layer.scales.float()[:, None] - w).abs().max() < 0.02 * w.abs().max()
 
 
-def test_q8_0_head_splits_into_two_int4_parts_exactly():
-    """The two int4 parts of a Q8_0 head, as packed (fp16 scale and min), add up to d q for
-    every int8 code q, bit for bit; the bound PyTorch's kernel gets (bf16 scales) is wider."""
+def test_q8_0_head_is_the_files_blocks_on_the_q8_kernel():
+    """A Q8_0 head's one part holds the blocks exactly (its weights ARE d q, and so is the
+    float32 head it refines with); without verispec's kernel it is the float32 head."""
     torch.manual_seed(0)
-    codes = torch.randint(-128, 128, (32, 64), dtype=torch.int8)
-    scale = (torch.rand(32, 2) * 0.01).half().float()  # GGUF block scales are fp16
+    codes = torch.randint(-128, 128, (40, 64), dtype=torch.int8)
+    scale = (torch.rand(40, 2) * 0.01).half().float()  # GGUF block scales are fp16
     head = RefinedHead.q8_0(scale, codes)
-    parts = [unpack_int4(p.q4, p.scale, p.min, 32).dequantize() for p in head.parts]
-    want = (codes.float().view(32, 2, INT4_GROUP) * scale[..., None]).view(32, 64)
-    assert torch.equal(parts[0] + parts[1], want)
-    assert head.torch_norm_coef > head.norm_coef
-    # a wrong split (the parts' nibbles swapped) is off by whole quantization steps:
-    c = codes.to(torch.int32)
-    wrong = Int4Groups((c & 15).to(torch.uint8), 16 * scale, -128 * scale).dequantize() + \
-        Int4Groups(((c >> 4) + 8).to(torch.uint8), scale, torch.zeros_like(scale)).dequantize()
-    assert (wrong - want).abs().max() > 100 * scale.min()
+    want = (codes.float().view(40, 2, INT4_GROUP) * scale[..., None]).view(40, 64)
+    (part,) = head.parts
+    assert isinstance(part, Q8Linear) and torch.equal(unpack_q8(part.q8, part.scale, 40), want)
+    assert torch.equal(head.weight, want) and head.dtype == torch.float32
+    x = torch.randn(3, 64)
+    assert torch.equal(head(x), F.linear(x, want)) and math.isinf(head.torch_norm_coef)
+    # the bound is float32 accumulation's: far below a bf16 part's
+    assert head.norm_coef < 1e-2 * RefinedHead.bound_coef(want, want, [want])
 
 
 def _near_tie_head(vocab: int = 2048, hidden: int = 64, seed: int = 0):
@@ -99,39 +100,70 @@ def _near_tie_head(vocab: int = 2048, hidden: int = 64, seed: int = 0):
     return torch.cat([base, twin])
 
 
-def _refined_argmax_mismatches(head: RefinedHead, weight: torch.Tensor, n: int = 400, seed: int = 1) -> int:
+def _refined_argmax_mismatches(head: RefinedHead, n: int = 400, seed: int = 1) -> int:
     g = torch.Generator().manual_seed(seed)
-    x = 3 * torch.randn(n, weight.shape[1], generator=g)
-    return int((head(x).argmax(-1) != F.linear(x, weight).argmax(-1)).sum())
+    x = 3 * torch.randn(n, head.in_features, generator=g)
+    return int((head(x).argmax(-1) != F.linear(x, head.weight).argmax(-1)).sum())
+
+
+def _q8_0_blocks(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Q8_0 blocks of a weight: d = max |w| / 127 per 32 (an fp16 value), q = round(w / d)."""
+    g = weight.float().view(weight.shape[0], -1, INT4_GROUP)
+    d = (g.abs().amax(-1) / 127).half().float().clamp_min(2.0 ** -24)
+    return d, torch.round(g / d[..., None]).clamp(-128, 127).to(torch.int8).view(weight.shape)
 
 
 def _refined_head(kind: str, weight: torch.Tensor) -> RefinedHead:
-    """int8, or bf16 on verispec's kernel (the dense bf16 target's head)."""
+    """int8; or on verispec's kernels: bf16 (the dense bf16 target's head), a GGUF Q8_0 head."""
     if kind == "int8":
         return RefinedHead.int8(weight)
-    head = RefinedHead.bf16(weight)
+    head = RefinedHead.bf16(weight) if kind == "bf16" else RefinedHead.q8_0(*_q8_0_blocks(weight))
     head.parts[0].kernels = kernels.load(required=True)
     return head
 
 
-@pytest.mark.parametrize("kind", ["int8", "bf16"])
+@pytest.mark.parametrize("kind", ["int8", "bf16", "q8_0"])
 def test_refined_head_greedy_equals_float32_head(kind):
     weight = _near_tie_head()
     head = _refined_head(kind, weight)
-    assert _refined_argmax_mismatches(head, weight) == 0
+    assert _refined_argmax_mismatches(head) == 0
     assert 0 < head.last_num_refined < 400 * weight.shape[0] // 8  # refined some, not everything
 
 
-@pytest.mark.parametrize("kind", ["int8", "bf16"])
+@pytest.mark.parametrize("kind", ["int8", "bf16", "q8_0"])
 def test_refined_head_error_bound_holds(kind):
     """The proven bound covers the real approximation error (the argmax guarantee rests on it)."""
     weight = _near_tie_head(seed=2)
     head = _refined_head(kind, weight)
     x = 3 * torch.randn(200, weight.shape[1])
-    approx = head.parts[0](x.bfloat16()).float()
-    exact = F.linear(x, weight)
+    approx = head.parts[0](x.to(head.dtype)).float()
+    exact = F.linear(x, head.weight)
     bound = head.norm_coef * x.norm(dim=-1)
     assert ((approx - exact).abs().amax(-1) <= bound).all()
+
+
+@pytest.mark.skipif(not kernels.load(required=True).q8_avx512, reason="no AVX-512 here: no Q8_0 kernel")
+def test_q8_0_head_bound_covers_cancelling_float32_sums():
+    """Chains that carry a large partial sum and cancel: the kernel's and vecdot's float32
+    roundings add up to several units of 2^-24 |w| |x|, which a bound of one rounding misses
+    and q8_0_coef covers (the refined argmax rests on it)."""
+    k = 576
+    codes = torch.full((64, k), 127, dtype=torch.int8)
+    codes[:, 1::2] = -127                                   # even and odd chains cancel
+    codes[:, 0] = torch.arange(64, dtype=torch.int8)        # rows apart by one code
+    scale = torch.full((64, k // INT4_GROUP), 0.01).half().float()
+    head = RefinedHead.q8_0(scale, codes)
+    head.parts[0].kernels = kernels.load(required=True)
+    g = torch.Generator().manual_seed(5)
+    x = 1 + 1e-3 * torch.randn(50, k, generator=g)
+    exact = x.double() @ head.weight.double().t()
+    approx = head.parts[0](x).double()
+    vecdot = torch.linalg.vecdot(head.weight[None], x[:, None]).double()   # (50, 64), as refined
+    error = ((approx - exact).abs() + (vecdot - exact).abs()).amax(-1)
+    norms = x.double().norm(dim=-1)
+    one_rounding = 2.0 ** -24 * float(head.weight.norm(dim=1).max()) * norms
+    assert (error <= head.norm_coef * norms).all()
+    assert (error > one_rounding).any()
 
 
 def test_bf16_head_without_the_kernel_is_the_float32_head():
@@ -175,7 +207,7 @@ def test_a_refined_head_without_its_bound_is_caught(kind):
         return out
 
     head.forward = no_output_bound
-    assert _refined_argmax_mismatches(head, weight) > 0
+    assert _refined_argmax_mismatches(head) > 0
     head.forward = forward
 
 
@@ -296,24 +328,25 @@ def test_default_model_int4_logits_near_float32(default_model, own_kernel):
     assert (got.argmax(-1) == ref.argmax(-1)).float().mean() >= 0.9
 
 
-@pytest.mark.parametrize("own_kernel", [True, False], ids=["verispec int4 kernel", "PyTorch int4 kernel"])
+@pytest.mark.parametrize("own_kernel", [True, False], ids=["verispec Q8_0 kernel", "no kernels"])
 def test_default_q8_0_head_error_bound_holds(default_model, own_kernel):
-    """The two-int4-part Q8_0 head: its real kernel error stays inside the proven bound, on
-    either int4 kernel (PyTorch's rounds the scales to bf16 and has its own, wider, bound)."""
+    """The default GGUF's Q8_0 head on verispec's kernel: its real error stays inside the
+    proven bound, greedy is the float32 head's, and a row refines a handful of tokens (the
+    bf16 parts' bound refined hundreds). Without the kernel: the float32 head itself."""
     from verispec.model.quant import gguf_q8_0_head
     source, _, state, _ = default_model
     head = RefinedHead.q8_0(*gguf_q8_0_head(source.path))
     assert torch.equal(head.weight, state["model.embed_tokens.weight"])
-    ops = kernels.load(required=True) if own_kernel else None
-    if own_kernel and not ops.int4_avx512:
-        pytest.skip("no AVX-512 here: the head runs on PyTorch's kernel")
-    for part in head.parts:
-        part.kernels = ops
     g = torch.Generator().manual_seed(0)
     x = 2 * torch.randn(6, head.in_features, generator=g)  # ||x|| ~ 48, like the final norm's output
-    xb = x.bfloat16()
-    approx = head.parts[0](xb).float() + head.parts[1](xb).float()
-    error = (approx - F.linear(x, head.weight)).abs().amax(-1)
-    coef = head.norm_coef if own_kernel else head.torch_norm_coef
-    assert (error <= coef * x.norm(dim=-1)).all()
+    if not own_kernel:
+        assert torch.equal(head(x), F.linear(x, head.weight))
+        return
+    ops = kernels.load(required=True)
+    if not ops.q8_avx512:
+        pytest.skip("no AVX-512 here: the head is the float32 head")
+    head.parts[0].kernels = ops
+    error = (head.parts[0](x).double() - x.double() @ head.weight.double().t()).abs().amax(-1)
+    assert (error <= head.norm_coef * x.double().norm(dim=-1)).all()
     assert (head(x).argmax(-1) == F.linear(x, head.weight).argmax(-1)).all()
+    assert head.last_num_refined <= 8 * x.shape[0]

@@ -409,8 +409,9 @@ class LLMEngine:
 
 # The layout of saved runtime weights; bumped whenever a module's buffers change (v3: int4
 # in verispec's kernel layout with fp16 scale and min; v5: dense bf16 linears packed too,
-# and a bf16 target's head refined from a bf16 copy).
-_RUNTIME_LAYOUT = "v5"
+# and a bf16 target's head refined from a bf16 copy; v6: a Q8_0 head's blocks as one
+# Q8Linear, float32 in and out, instead of two int4 parts).
+_RUNTIME_LAYOUT = "v6"
 
 
 def load_model(spec: str, config: EngineConfig, draft: bool = False):

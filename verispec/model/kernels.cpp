@@ -276,6 +276,95 @@ void int4_block_avx512(const Int4Args&, int64_t, int64_t) {}
 constexpr bool kInt4Avx512 = false;
 #endif
 
+// --- Q8_0 linear layer (an LM head, float32 in and out) --------------------------------------
+//
+// Weights as GGUF Q8_0 blocks: w[n, k] = d[n, g] * q[n, k], q int8, d fp16, groups of 32
+// along K. Outputs in blocks of 16 (the last one zero-padded):
+//   q8    (N/16, K, 16) int8: q8[b, k, j] = q[16 b + j, k]
+//   scale (N/16, K/32, 16) fp16
+// x and y are float32: neither the activations nor the outputs are rounded, so the error of
+// a logit is float32 accumulation alone (quant.RefinedHead.q8_0 bounds it). For each token
+// and output:
+//   total = 0; per group g: a = sum over even k of q x, b = over odd k (in k order, each step
+//   one fused multiply-add), total = fma(a + b, d, total)
+// The AVX-512 path and the portable path do exactly these operations in this order
+// (bit-identical), and a token's result never depends on the other tokens of the pass.
+constexpr int64_t kQ8Block = 16, kQ8Group = 32;
+constexpr int64_t kQ8Prefetch = 8192;  // bytes ahead, as for int4
+
+struct Q8Args {
+  const int8_t* q8;
+  const c10::Half* scale;
+  const float* x;  // (T, K)
+  float* y;        // (T, N)
+  int64_t K, N, groups;
+};
+
+void q8_block_portable(const Q8Args& a, int64_t blk, int64_t tokens) {
+  const int64_t n0 = blk * kQ8Block;
+  const int8_t* qb = a.q8 + blk * a.K * kQ8Block;
+  for (int64_t t = 0; t < tokens; ++t)
+    for (int64_t j = 0; j < kQ8Block && n0 + j < a.N; ++j) {
+      float total = 0.f;
+      for (int64_t g = 0; g < a.groups; ++g) {
+        float ea = 0.f, ob = 0.f;
+        const float* xg = a.x + t * a.K + g * kQ8Group;
+        const int8_t* qg = qb + g * kQ8Group * kQ8Block;
+        for (int64_t c = 0; c < kQ8Group / 2; ++c) {
+          ea = std::fma(static_cast<float>(qg[2 * c * kQ8Block + j]), xg[2 * c], ea);
+          ob = std::fma(static_cast<float>(qg[(2 * c + 1) * kQ8Block + j]), xg[2 * c + 1], ob);
+        }
+        total = std::fma(ea + ob, static_cast<float>(a.scale[(blk * a.groups + g) * kQ8Block + j]), total);
+      }
+      a.y[t * a.N + n0 + j] = total;
+    }
+}
+
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+// The same for TT tokens at once (each weight line loaded and widened once for all of them).
+template <int TT>
+void q8_tile_avx512(const Q8Args& a, int64_t blk, int64_t t0) {
+  const int64_t n0 = blk * kQ8Block;
+  const __mmask16 mask = a.N - n0 >= kQ8Block ? 0xFFFF : static_cast<__mmask16>((1u << (a.N - n0)) - 1);
+  const int8_t* qb = a.q8 + blk * a.K * kQ8Block;
+  __m512 total[TT];
+  for (int t = 0; t < TT; ++t) total[t] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < a.groups; ++g) {
+    __m512 ea[TT], ob[TT];
+    for (int t = 0; t < TT; ++t) ea[t] = ob[t] = _mm512_setzero_ps();
+    const float* xg = a.x + t0 * a.K + g * kQ8Group;
+    const int8_t* qg = qb + g * kQ8Group * kQ8Block;
+    for (int line = 0; line < kQ8Group * kQ8Block; line += 64)  // the weights ahead
+      _mm_prefetch(reinterpret_cast<const char*>(qg + kQ8Prefetch + line), _MM_HINT_T0);
+    for (int64_t c = 0; c < kQ8Group / 2; ++c) {
+      const __m512 w0 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
+          _mm_loadu_si128(reinterpret_cast<const __m128i*>(qg + 2 * c * kQ8Block))));
+      const __m512 w1 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
+          _mm_loadu_si128(reinterpret_cast<const __m128i*>(qg + (2 * c + 1) * kQ8Block))));
+      for (int t = 0; t < TT; ++t) {
+        ea[t] = _mm512_fmadd_ps(w0, _mm512_set1_ps(xg[t * a.K + 2 * c]), ea[t]);
+        ob[t] = _mm512_fmadd_ps(w1, _mm512_set1_ps(xg[t * a.K + 2 * c + 1]), ob[t]);
+      }
+    }
+    const __m512 scale = _mm512_cvtph_ps(
+        _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.scale + (blk * a.groups + g) * kQ8Block)));
+    for (int t = 0; t < TT; ++t) total[t] = _mm512_fmadd_ps(_mm512_add_ps(ea[t], ob[t]), scale, total[t]);
+  }
+  for (int t = 0; t < TT; ++t) _mm512_mask_storeu_ps(a.y + (t0 + t) * a.N + n0, mask, total[t]);
+}
+
+void q8_block_avx512(const Q8Args& a, int64_t blk, int64_t tokens) {
+  static const TileFn<Q8Args> tile[9] = {nullptr, q8_tile_avx512<1>, q8_tile_avx512<2>, q8_tile_avx512<3>,
+                                         q8_tile_avx512<4>, q8_tile_avx512<5>, q8_tile_avx512<6>,
+                                         q8_tile_avx512<7>, q8_tile_avx512<8>};
+  run_tiles(tile, a, blk, tokens);
+}
+constexpr bool kQ8Avx512 = true;
+#else
+void q8_block_avx512(const Q8Args&, int64_t, int64_t) {}
+constexpr bool kQ8Avx512 = false;
+#endif
+
 // --- bf16 linear layer ----------------------------------------------------------------------
 //
 // Weights bf16, outputs in blocks of 16 (the last one zero-padded), k in pairs (an odd K's
@@ -504,6 +593,30 @@ at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& q4, const at::Tens
   return y;
 }
 
+// x (T, K) float32 @ W.T -> (T, N) float32, W Q8_0 in the layout above. `portable`: the
+// plain C++ loop even where AVX-512 is available (tests compare the two bit for bit).
+at::Tensor q8_linear(const at::Tensor& x, const at::Tensor& q8, const at::Tensor& scale, int64_t out_features,
+                     bool portable) {
+  check(x.dim() == 2 && x.is_contiguous() && x.scalar_type() == at::kFloat, "x must be contiguous float32 (T, K)");
+  const int64_t tokens = x.size(0), K = x.size(1), blocks = q8.size(0);
+  check(K % kQ8Group == 0 && q8.dim() == 3 && q8.is_contiguous() && q8.scalar_type() == at::kChar &&
+        q8.size(1) == K && q8.size(2) == kQ8Block, "q8 must be contiguous int8 (N/16, K, 16)");
+  check(out_features > (blocks - 1) * kQ8Block && out_features <= blocks * kQ8Block, "out_features must fit q8's blocks");
+  check(scale.is_contiguous() && scale.scalar_type() == at::kHalf && scale.dim() == 3 && scale.size(0) == blocks &&
+        scale.size(1) == K / kQ8Group && scale.size(2) == kQ8Block, "scale must be contiguous fp16 (N/16, K/32, 16)");
+  at::Tensor y = at::empty({tokens, out_features}, x.options());
+  const Q8Args args{q8.data_ptr<int8_t>(), scale.data_ptr<c10::Half>(), x.data_ptr<float>(), y.data_ptr<float>(),
+                    K, out_features, K / kQ8Group};
+  const bool vector = kQ8Avx512 && !portable;
+  at::parallel_for(0, blocks, 4, [&](int64_t b0, int64_t b1) {
+    for (int64_t b = b0; b < b1; ++b) {
+      if (vector) q8_block_avx512(args, b, tokens);
+      else q8_block_portable(args, b, tokens);
+    }
+  });
+  return y;
+}
+
 // x (T, K) bf16 @ W.T + bias -> (T, N) bf16, W bf16 in the layout above. `portable`: the
 // plain C++ loop even where AVX-512 is available (tests compare the two bit for bit).
 at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& w16, int64_t out_features,
@@ -538,6 +651,86 @@ at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& w16, int64_t out_f
   return y;
 }
 
+// --- a decoder's layers in one call ---------------------------------------------------------
+//
+// For a pass whose every query the attention kernel takes (decode and verify rows, no
+// prefill chunk), the layers run here with the kernels above, in exactly the order
+// LlamaModel.forward calls them with kernels on (the same functions: bit-identical), so a
+// step costs one Python call instead of ~10 a layer plus their views and dispatch.
+struct StackLinear {
+  int64_t kind;                    // 0: int4 (q4, scale, min), 1: bf16 (w16)
+  std::vector<at::Tensor> weights;
+  int64_t out_features;
+  c10::optional<at::Tensor> bias;
+};
+
+struct StackLayer {
+  at::Tensor input_norm, post_norm;
+  StackLinear qkv, o, gate_up, down;
+};
+
+class DecoderStack {
+ public:
+  DecoderStack(int64_t heads, int64_t kv_heads, int64_t head_dim, double eps)
+      : heads_(heads), kv_heads_(kv_heads), d_(head_dim), eps_(eps) {}
+
+  using LinearSpec = std::tuple<int64_t, std::vector<at::Tensor>, int64_t, c10::optional<at::Tensor>>;
+
+  void add_layer(const at::Tensor& input_norm, const at::Tensor& post_norm, const std::vector<LinearSpec>& linears) {
+    check(linears.size() == 4, "a layer needs 4 linears: qkv, o, gate_up, down");
+    std::vector<StackLinear> ls;
+    for (const auto& [kind, weights, out, bias] : linears) {
+      check((kind == 0 && weights.size() == 3) || (kind == 1 && weights.size() == 1),
+            "a linear is int4 (kind 0: q4, scale, min) or bf16 (kind 1: w16)");
+      ls.push_back({kind, weights, out, bias});
+    }
+    layers_.push_back({input_norm, post_norm, ls[0], ls[1], ls[2], ls[3]});
+  }
+
+  int64_t num_layers() const { return static_cast<int64_t>(layers_.size()); }
+
+  // x (T, hidden) -> the last layer's output (the residual stream, before the final norm).
+  at::Tensor forward(at::Tensor x, const at::Tensor& cos, const at::Tensor& sin, const std::vector<at::Tensor>& k_pools,
+                     const std::vector<at::Tensor>& v_pools, const at::Tensor& slot_mapping,
+                     const at::Tensor& context_slots, const at::Tensor& rows, const at::Tensor& lens,
+                     double scale) const {
+    check(k_pools.size() == layers_.size() && v_pools.size() == layers_.size(), "one K and one V pool per layer");
+    const int64_t tokens = x.size(0);
+    at::Tensor delta, h;
+    for (size_t l = 0; l < layers_.size(); ++l) {
+      const StackLayer& L = layers_[l];
+      if (!delta.defined()) {
+        h = at::rms_norm(x, {x.size(-1)}, L.input_norm, eps_);
+      } else {
+        auto r = add_rms_norm(x, delta, L.input_norm, eps_);
+        x = r[0];
+        h = r[1];
+      }
+      const at::Tensor per_head = linear(h, L.qkv).view({tokens, heads_ + 2 * kv_heads_, d_});
+      const at::Tensor qk = per_head.narrow(1, 0, heads_ + kv_heads_);
+      rotary_store_(qk, per_head.narrow(1, heads_ + kv_heads_, kv_heads_), cos, sin, k_pools[l], v_pools[l],
+                    slot_mapping);
+      const at::Tensor o = decode_attention(qk.narrow(1, 0, heads_), k_pools[l], v_pools[l], context_slots, rows,
+                                            lens, scale);
+      auto r = add_rms_norm(x, linear(o.view({o.size(0), -1}), L.o), L.post_norm, eps_);
+      x = r[0];
+      delta = linear(silu_mul(linear(r[1], L.gate_up)), L.down);
+    }
+    return delta.defined() ? x + delta : x;
+  }
+
+ private:
+  static at::Tensor linear(const at::Tensor& x, const StackLinear& w) {
+    const at::Tensor xc = x.contiguous();
+    if (w.kind == 0) return int4_linear(xc, w.weights[0], w.weights[1], w.weights[2], w.out_features, w.bias, false);
+    return bf16_linear(xc, w.weights[0], w.out_features, w.bias, false);
+  }
+
+  std::vector<StackLayer> layers_;
+  int64_t heads_, kv_heads_, d_;
+  double eps_;
+};
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("add_rms_norm", &add_rms_norm, "x + delta and rms_norm(x + delta) * weight, in one pass");
   m.def("rotary_", &rotary_, "rotary embedding in place (half-rotation layout, signed sin)");
@@ -552,4 +745,15 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("x"), py::arg("w16"), py::arg("out_features"), py::arg("bias") = py::none(),
         py::arg("portable") = false);
   m.attr("bf16_avx512") = kBf16Avx512;
+  m.def("q8_linear", &q8_linear, "x @ W.T with W Q8_0 (int8 codes, fp16 scale per 32), float32 in and out",
+        py::arg("x"), py::arg("q8"), py::arg("scale"), py::arg("out_features"), py::arg("portable") = false);
+  m.attr("q8_avx512") = kQ8Avx512;
+  py::class_<DecoderStack>(m, "DecoderStack", "a decoder's layers in one call (decode and verify passes)")
+      .def(py::init<int64_t, int64_t, int64_t, double>(), py::arg("heads"), py::arg("kv_heads"),
+           py::arg("head_dim"), py::arg("eps"))
+      .def("add_layer", &DecoderStack::add_layer, py::arg("input_norm"), py::arg("post_norm"), py::arg("linears"))
+      .def_property_readonly("num_layers", &DecoderStack::num_layers)
+      .def("forward", &DecoderStack::forward, py::arg("x"), py::arg("cos"), py::arg("sin"), py::arg("k_pools"),
+           py::arg("v_pools"), py::arg("slot_mapping"), py::arg("context_slots"), py::arg("rows"), py::arg("lens"),
+           py::arg("scale"));
 }

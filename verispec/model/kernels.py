@@ -26,6 +26,12 @@ accumulation, one rounding to the activation dtype at the same points):
                                    (quant.Bf16Linear's layout); AVX-512 where the CPU has it
                                    (`bf16_avx512`), else a portable loop (layers then use
                                    PyTorch's matmul)
+    q8_linear(x, q8, scale, out_features, portable=False)
+                                   x @ W.T in float32 (x and the result), W GGUF Q8_0
+                                   blocks (int8 codes, fp16 scale per 32; quant.Q8Linear's
+                                   layout): a Q8_0 LM head; AVX-512 where the CPU has it
+                                   (`q8_avx512`), else a portable loop (the head then is
+                                   the float32 head)
 
 `load()` compiles them with torch.utils.cpp_extension (a C++ compiler is needed: ~30 s
 once per machine and source version, cached under ~/.cache/torch_extensions, named by

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 
 from verispec.model.attention import AttentionMetadata, KVStore, paged_attention
 from verispec.model.config import ModelConfig
-from verispec.model.quant import (INT4_GROUP, ApproxHead, Bf16Linear, Int4Linear, RefinedHead, fuse_int4_groups,
+from verispec.model.quant import (INT4_GROUP, ApproxHead, Bf16Linear, Int4Linear, Q8Linear, RefinedHead, fuse_int4_groups,
                                   gguf_int4_groups, gguf_q8_0_head, make_bf16_linear, quantize_model,
                                   quantized_metadata, resolve_weight_format, restore_quantized)
 
@@ -186,6 +186,10 @@ class LlamaModel(nn.Module):
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.weight_format = "dense"  # see verispec.model.quant; set by from_state_dict
         self.kernels = None  # verispec.model.kernels' module when the engine enables them
+        # Decode and verify passes run the layers in one C++ call (`kernels.DecoderStack`)
+        # when the kernels are on and every linear is on a packed kernel; False: never
+        # (the per-layer Python path, which the stack must equal bit for bit).
+        self.fused_stack = True
 
     @property
     def kernels(self):
@@ -195,22 +199,37 @@ class LlamaModel(nn.Module):
     def kernels(self, ops) -> None:
         """Fused kernels on (the compiled module) or off (None), for every layer at once."""
         self._kernels = ops
+        self._stack = None  # built on first use (the weights are final by then)
         for module in self.modules():
-            if isinstance(module, (Int4Linear, Bf16Linear)):
+            if isinstance(module, (Int4Linear, Bf16Linear, Q8Linear)):
                 module.kernels = ops
+
+    def _decoder_stack(self):
+        """The layers as one `kernels.DecoderStack`, or False where it cannot run them (a
+        linear not on a packed kernel, q/k norms)."""
+        if self._stack is None:
+            self._stack = _build_stack(self, self._kernels) or False
+        return self._stack
 
     @torch.inference_mode()
     def forward(self, token_ids: torch.Tensor, meta: AttentionMetadata, kv: KVStore,
                 logits_index: torch.Tensor | None = None) -> torch.Tensor:
         x = self.embed_tokens(token_ids)  # (T, hidden)
         cos, sin = self.rotary.cos_sin(meta.positions, meta.max_position, x.dtype)  # (T, 1, D), all layers
-        context = kv.context_views(meta)  # every layer's K/V context as views, or None (gather)
-        if self.kernels is not None:
+        kq = meta.kernel
+        if self.kernels is not None and self.fused_stack and kq is not None and kq.tokens is None \
+                and not meta.groups and self._decoder_stack():
+            # every query in the attention kernel: the layers in one call (bit-identical)
+            x = self._stack.forward(x, cos, sin, kv.k_layers, kv.v_layers, meta.slot_mapping,
+                                    kq.context_slots, kq.rows, kq.lens, self.cfg.head_dim ** -0.5)
+        elif self.kernels is not None:
+            context = kv.context_views(meta)  # every layer's K/V context as views, or None (gather)
             delta = None
             for block in self.layers:
                 x, delta = block.forward_fused(x, delta, cos, sin, meta, kv, context, self.kernels)
             x = x + delta
         else:
+            context = kv.context_views(meta)
             for block in self.layers:
                 x = block.forward(x, cos, sin, meta, kv, context)
         if logits_index is not None:
@@ -271,7 +290,7 @@ class LlamaModel(nn.Module):
                 head = ApproxHead.quantize(quantized["lm_head.weight"], fmt, dtype)
             else:
                 q8_0 = gguf_q8_0_head(gguf_path) if gguf_path else None
-                head = RefinedHead.q8_0(*q8_0, dtype) if q8_0 is not None else None
+                head = RefinedHead.q8_0(*q8_0) if q8_0 is not None else None
             quantize_model(model, quantized, fmt, dtype, int4_groups, head)
         elif dtype == torch.bfloat16 and torch.device(device).type == "cpu":
             _pack_bf16_linears(model)
@@ -294,8 +313,7 @@ class LlamaModel(nn.Module):
         path for warm starts, see `verispec.engine.engine.load_model`."""
         with torch.device("meta"), _skip_init():
             model = cls(cfg)
-        dtype = getattr(torch, meta["dtype"].removeprefix("torch."))
-        restore_quantized(model, state, meta, dtype)  # quantized or packed bf16 layers
+        restore_quantized(model, state, meta)  # quantized or packed bf16 layers
         model.load_state_dict(state, strict=True, assign=True)
         model.rotary = Rotary(cfg).to(state["embed_tokens.weight"].device)
         model.weight_format = meta["weight_format"]
@@ -304,6 +322,30 @@ class LlamaModel(nn.Module):
 
 # Linear layers a quantized weight format replaces (the last name component).
 _QUANTIZED_LINEARS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
+
+
+def _build_stack(model: LlamaModel, ops):
+    """`ops.DecoderStack` over the model's layers, or None if a layer is not eligible."""
+    cfg = model.cfg
+    if cfg.qk_norm:
+        return None
+
+    def spec(layer: nn.Module):
+        if isinstance(layer, Int4Linear) and ops.int4_avx512:
+            return 0, [layer.q4, layer.scale, layer.min], layer.out_features, layer.bias
+        if isinstance(layer, Bf16Linear) and ops.bf16_avx512:
+            return 1, [layer.w16], layer.out_features, layer.bias
+        return None
+
+    stack = ops.DecoderStack(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.rms_norm_eps)
+    for block in model.layers:
+        attn, mlp = block.self_attn, block.mlp
+        linears = [spec(m) for m in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)]
+        if None in linears or block.input_layernorm.eps != block.post_attention_layernorm.eps \
+                or block.input_layernorm.eps != cfg.rms_norm_eps:
+            return None
+        stack.add_layer(block.input_layernorm.weight, block.post_attention_layernorm.weight, linears)
+    return stack
 
 
 def _pack_bf16_linears(model: LlamaModel) -> None:

@@ -29,8 +29,8 @@ points in bf16 (w = (q - 8) * scale + zero): rounded there (relative error <= 2^
 the 4-bit step itself). Both kernels take bf16 activations.
 
 The LM head of a quantized model (`RefinedHead`) computes approximate logits with packed
-kernels (a GGUF Q8_0 head: two int4 layers that add up to it exactly; any other head: int8;
-a dense bf16 target's head: its bf16 rounding on the bf16 kernel),
+kernels (a GGUF Q8_0 head: its own blocks on verispec's Q8_0 kernel, float32 in and out;
+any other head: int8; a dense bf16 target's head: its bf16 rounding on the bf16 kernel),
 then recomputes in float32 every token that could be the argmax given a proven bound on the
 approximation error: greedy decoding is exactly the float32 head's, and the other logits
 differ from it by about the approximation's rounding (measured in docs/benchmarks.md).
@@ -125,6 +125,58 @@ class Bf16Linear(nn.Module):
         if self._torch_weight is None:
             self._torch_weight = unpack_bf16(self.w16, self.out_features, self.in_features)
         return F.linear(x, self._torch_weight, self.bias)
+
+
+class Q8Linear(nn.Module):
+    """y = x @ W.T with W as GGUF Q8_0 blocks (see `pack_q8`), float32 in and out: the
+    approximate part of a Q8_0 LM head (`RefinedHead.q8_0`).
+
+    `kernels`: verispec's compiled kernels (set through `LlamaModel.kernels`); without them
+    PyTorch's float32 matmul runs on a copy dequantized on first use.
+    """
+
+    def __init__(self, q8: torch.Tensor, scale: torch.Tensor, out_features: int):
+        super().__init__()
+        self.register_buffer("q8", q8)        # (N_pad / 16, K, 16) int8
+        self.register_buffer("scale", scale)  # (N_pad / 16, K / 32, 16) fp16
+        self.out_features, self.in_features = out_features, q8.shape[1]
+        self.kernels = None
+        self._torch_weight = None             # (N, K) float32 for PyTorch's matmul
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        ops = self.kernels
+        if ops is not None and ops.q8_avx512:
+            return ops.q8_linear(x.float().contiguous(), self.q8, self.scale, self.out_features)
+        if self._torch_weight is None:
+            self._torch_weight = unpack_q8(self.q8, self.scale, self.out_features)
+        return F.linear(x.float(), self._torch_weight)
+
+
+def pack_q8(scale: torch.Tensor, codes: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Q8_0 blocks (scale (N, K / 32) fp16 values, codes (N, K) int8) -> (q8, scale) in the
+    kernel's layout (kernels.cpp), rows padded to 16:
+
+        q8[b, k, j] = q[16 b + j, k]                     (N_pad / 16, K, 16) int8
+        scale[b, g, j] = d of row 16 b + j, group g      (N_pad / 16, K / 32, 16) fp16"""
+    n, k = codes.shape
+    if k % INT4_GROUP or tuple(scale.shape) != (n, k // INT4_GROUP):
+        raise ValueError(f"Q8_0 needs codes (N, K) with K divisible by {INT4_GROUP} and scales (N, K / "
+                         f"{INT4_GROUP}), got {tuple(codes.shape)} and {tuple(scale.shape)}")
+    if not torch.equal(scale.half().float(), scale.float()):
+        raise ValueError("Q8_0 scales must be fp16 values (a GGUF block's d)")
+    pad = -n % 16
+    q, d = F.pad(codes, (0, 0, 0, pad)), F.pad(scale.float(), (0, 0, 0, pad))
+    nb = (n + pad) // 16
+    q8 = q.view(nb, 16, k).permute(0, 2, 1).contiguous()                   # (nb, K, 16)
+    return q8, d.view(nb, 16, -1).permute(0, 2, 1).half().contiguous()     # (nb, K/32, 16)
+
+
+def unpack_q8(q8: torch.Tensor, scale: torch.Tensor, out_features: int) -> torch.Tensor:
+    """The weights `pack_q8`'s output stands for: (N, K) float32, d * q (exact in float32)."""
+    nb, k, _ = q8.shape
+    q = q8.permute(0, 2, 1).reshape(nb * 16, k)[:out_features].float()
+    d = scale.permute(0, 2, 1).reshape(nb * 16, -1)[:out_features].float()
+    return (q.view(out_features, -1, INT4_GROUP) * d[..., None]).view(out_features, k)
 
 
 def pack_bf16(weight: torch.Tensor) -> torch.Tensor:
@@ -307,8 +359,9 @@ class ApproxHead(nn.Module):
 class RefinedHead(nn.Module):
     """Approximate logits from packed kernels, recomputed in float32 where the argmax could be.
 
-    Let a = approximate logits (the sum of `parts`, bf16 in, bf16 out), y = x @ W.T the
-    float32 head, and B a bound with |a - y| <= B for every token of a row. The exact
+    Let a = approximate logits (the sum of `parts`: bf16 in and out, or for a Q8_0 head one
+    part in float32, see `q8_0_coef`), y = x @ W.T the float32 head, and B a bound with
+    |a - y| <= B for every token of a row. The exact
     argmax t* satisfies a[t*] >= y[t*] - B >= y[argmax a] - B >= max(a) - 2B, so every
     token with a >= max(a) - 2B is recomputed in float32: greedy decoding is the float32
     head's. Other logits keep the approximation (their error is measured in
@@ -356,26 +409,34 @@ class RefinedHead(nn.Module):
         return cls(weight, [Int8Linear(q, scales, None)], cls.bound_coef(weight, approx, [approx]), dtype)
 
     @classmethod
-    def q8_0(cls, scale: torch.Tensor, codes: torch.Tensor, dtype: torch.dtype = torch.bfloat16) -> "RefinedHead":
-        """A GGUF Q8_0 head (w = d * q per block of 32) as the sum of two int4 layers, exactly.
-
-        q = 16 h + l with h = q >> 4 in [-8, 7] (arithmetic shift) and l = q & 15, so
-            high part: (h + 8) * 16 d - 128 d     (scale 16 d, min -128 d)
-            low part:  l * d                       (scale d, min 0)
-        16 d and 128 d are exact in fp16, so on verispec's kernel the parts' weights ARE the
-        file's; PyTorch's kernel rounds scales to bf16 (its own, larger, bound below).
-        scale: (V, K / 32) float32 block scales; codes: (V, K) int8.
+    def q8_0(cls, scale: torch.Tensor, codes: torch.Tensor) -> "RefinedHead":
+        """A GGUF Q8_0 head (w = d * q per block of 32) on verispec's Q8_0 kernel, float32 in
+        and out: the part's weights ARE the file's and nothing is rounded to bf16, so the
+        bound is float32 accumulation alone (`q8_0_coef`), ~100x tighter than a bf16 part's,
+        and a row refines a handful of tokens, not hundreds. Without the kernel the bound is
+        infinite: the float32 head itself.
+        scale: (V, K / 32) float32 block scales (fp16 values); codes: (V, K) int8.
         """
-        c = codes.to(torch.int32)
-        high = Int4Groups(((c >> 4) + 8).to(torch.uint8), 16 * scale, -128 * scale)
-        low = Int4Groups((c & 15).to(torch.uint8), scale, torch.zeros_like(scale))
         weight = (codes.float().view(*scale.shape, INT4_GROUP) * scale[..., None]).view(codes.shape)
-        layers = [make_int4_linear(g, None, dtype) for g in (high, low)]
-        stored = [unpack_int4(l.q4, l.scale, l.min, l.out_features) for l in layers]  # fp16 as stored
-        kernel = [g.dequantize() for g in stored]
-        torch_w = [_torch_int4_weights(g, dtype) for g in stored]
-        return cls(weight, layers, cls.bound_coef(weight, kernel[0] + kernel[1], kernel), dtype,
-                   torch_norm_coef=cls.bound_coef(weight, torch_w[0] + torch_w[1], torch_w))
+        part = Q8Linear(*pack_q8(scale, codes), codes.shape[0])
+        return cls(weight, [part], cls.q8_0_coef(weight), torch.float32, torch_norm_coef=math.inf)
+
+    @staticmethod
+    def q8_0_coef(weight: torch.Tensor) -> float:
+        """B / ||x|| for a Q8_0 part on verispec's kernel, against the float32 head's vecdot.
+
+        With u = 2^-24 (float32's unit roundoff), gamma_n = n u / (1 - n u), and products
+        d q x exact inside a fused multiply-add (d q is exact in float32): the kernel sums a
+        group's 32 terms in two chains of 16 (gamma_16), adds them (one rounding), scales by
+        d in a fused multiply-add and accumulates the G groups (gamma_G more): its error is
+        at most gamma_(G + 17) sum_k |w_k x_k|. The refinement's vecdot sums K products in
+        some order: gamma_K sum_k |w_k x_k|. And sum_k |w_k x_k| <= ||w|| ||x||
+        (Cauchy-Schwarz), so B = (gamma_(G + 17) + gamma_K) max_v ||W[v]|| ||x||; the factor
+        1 + 2^-7 covers gamma's denominator and ||x|| computed in float32.
+        """
+        k = weight.shape[1]
+        n = k // INT4_GROUP + 17 + k
+        return (1 + 2.0 ** -7) * n * 2.0 ** -24 * float(weight.norm(dim=1).max())
 
     @classmethod
     def bf16(cls, weight: torch.Tensor) -> "RefinedHead":
@@ -411,11 +472,14 @@ class RefinedHead(nn.Module):
 
 def _on_own_kernel(layer: nn.Module) -> bool:
     """Whether a head part runs the computation its bound was proven for: int8, or int4 /
-    bf16 on verispec's kernels (int4 on PyTorch's has its own bound, bf16 on PyTorch's none)."""
+    bf16 / Q8_0 on verispec's kernels (int4 on PyTorch's has its own bound, bf16 and Q8_0 on
+    PyTorch's none)."""
     if isinstance(layer, Int4Linear):
         return layer.kernels is not None and layer.kernels.int4_avx512
     if isinstance(layer, Bf16Linear):
         return layer.kernels is not None and layer.kernels.bf16_avx512
+    if isinstance(layer, Q8Linear):
+        return layer.kernels is not None and layer.kernels.q8_avx512
     return True
 
 
@@ -559,7 +623,7 @@ def quantized_metadata(model: nn.Module) -> dict[str, str]:
     """
     meta = {}
     for name, mod in model.named_modules():
-        if isinstance(mod, Int4Linear):
+        if isinstance(mod, (Int4Linear, Q8Linear)):
             meta[f"{name}.out_features"] = str(mod.out_features)
         elif isinstance(mod, Bf16Linear):
             meta[f"{name}.out_features"] = str(mod.out_features)
@@ -567,16 +631,17 @@ def quantized_metadata(model: nn.Module) -> dict[str, str]:
         elif isinstance(mod, RefinedHead):
             meta[f"{name}.norm_coef"] = repr(mod.norm_coef)
             meta[f"{name}.torch_norm_coef"] = repr(mod.torch_norm_coef)
+            meta[f"{name}.dtype"] = str(mod.dtype).removeprefix("torch.")
     return meta
 
 
-def restore_quantized(model: nn.Module, state: dict[str, torch.Tensor], meta: dict[str, str],
-                      dtype: torch.dtype) -> None:
+def restore_quantized(model: nn.Module, state: dict[str, torch.Tensor], meta: dict[str, str]) -> None:
     """Install the quantized modules a saved state dict describes, in place of the skeleton's.
 
     The inverse of saving `model.state_dict()` with `quantized_metadata(model)`: every
     `<layer>.q4` becomes an Int4Linear, every `<layer>.qweight` an Int8Linear, every
-    `<layer>.w16` a Bf16Linear, and a head with `parts` a RefinedHead. The model's keys
+    `<layer>.w16` a Bf16Linear, every `<layer>.q8` a Q8Linear, and a head with `parts` a
+    RefinedHead. The model's keys
     then match `state` exactly, so a strict load_state_dict(state, assign=True) fills the rest.
     """
     def linear(prefix: str) -> nn.Module:
@@ -584,6 +649,8 @@ def restore_quantized(model: nn.Module, state: dict[str, torch.Tensor], meta: di
         if f"{prefix}.q4" in state:
             return Int4Linear(state[f"{prefix}.q4"], state[f"{prefix}.scale"], state[f"{prefix}.min"],
                               int(meta[f"{prefix}.out_features"]), bias)
+        if f"{prefix}.q8" in state:
+            return Q8Linear(state[f"{prefix}.q8"], state[f"{prefix}.scale"], int(meta[f"{prefix}.out_features"]))
         if f"{prefix}.w16" in state:
             return Bf16Linear(state[f"{prefix}.w16"], int(meta[f"{prefix}.out_features"]),
                               int(meta[f"{prefix}.in_features"]), bias)
@@ -593,11 +660,12 @@ def restore_quantized(model: nn.Module, state: dict[str, torch.Tensor], meta: di
         parent, _, attr = path.rpartition(".")
         setattr(model.get_submodule(parent) if parent else model, attr, module)
 
-    layers = {k.rsplit(".", 1)[0] for k in state if k.endswith((".q4", ".qweight", ".w16"))}
+    layers = {k.rsplit(".", 1)[0] for k in state if k.endswith((".q4", ".qweight", ".w16", ".q8"))}
     heads = {p.split(".parts.")[0] for p in layers if ".parts." in p}
     for head in sorted(heads):
         parts = sorted((p for p in layers if p.startswith(f"{head}.parts.")), key=lambda p: int(p.rsplit(".", 1)[1]))
         install(head, RefinedHead(state[f"{head}.weight"], [linear(p) for p in parts],
-                                  float(meta[f"{head}.norm_coef"]), dtype, float(meta[f"{head}.torch_norm_coef"])))
+                                  float(meta[f"{head}.norm_coef"]), getattr(torch, meta[f"{head}.dtype"]),
+                                  float(meta[f"{head}.torch_norm_coef"])))
     for path in sorted(p for p in layers if ".parts." not in p):
         install(path, linear(path))
