@@ -489,15 +489,9 @@ def test_decoder_stack_equals_the_per_layer_path(fmt):
     (want, kv_want), (got, kv_got) = run(False), run(True)
     assert model._stack and model._stack.num_layers == 3  # the stack ran
     assert torch.equal(got, want) and torch.equal(kv_got.k, kv_want.k) and torch.equal(kv_got.v, kv_want.v)
-    wrong = OPS.DecoderStack(model.cfg.num_heads, model.cfg.num_kv_heads, model.cfg.head_dim, model.cfg.rms_norm_eps)
-    built = _build_stack(model, OPS)
-    for block in reversed(model.layers):
-        attn, mlp = block.self_attn, block.mlp
-        specs = [(0, [m.q4, m.scale, m.min], m.out_features, m.bias) if fmt == "int4" else
-                 (1, [m.w16], m.out_features, m.bias)
-                 for m in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)]
-        wrong.add_layer(block.input_layernorm.weight, block.post_attention_layernorm.weight, specs)
-    assert built.num_layers == wrong.num_layers
+    model.layers = torch.nn.ModuleList(reversed(list(model.layers)))  # a stack wired wrong
+    wrong = _build_stack(model, OPS)
+    model.layers = torch.nn.ModuleList(reversed(list(model.layers)))
     model._stack = wrong
     assert not torch.equal(run(True)[0], want)
 

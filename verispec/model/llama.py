@@ -341,8 +341,7 @@ def _build_stack(model: LlamaModel, ops):
     for block in model.layers:
         attn, mlp = block.self_attn, block.mlp
         linears = [spec(m) for m in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)]
-        if None in linears or block.input_layernorm.eps != block.post_attention_layernorm.eps \
-                or block.input_layernorm.eps != cfg.rms_norm_eps:
+        if None in linears:
             return None
         stack.add_layer(block.input_layernorm.weight, block.post_attention_layernorm.weight, linears)
     return stack

@@ -174,9 +174,14 @@ def pack_q8(scale: torch.Tensor, codes: torch.Tensor) -> tuple[torch.Tensor, tor
 def unpack_q8(q8: torch.Tensor, scale: torch.Tensor, out_features: int) -> torch.Tensor:
     """The weights `pack_q8`'s output stands for: (N, K) float32, d * q (exact in float32)."""
     nb, k, _ = q8.shape
-    q = q8.permute(0, 2, 1).reshape(nb * 16, k)[:out_features].float()
-    d = scale.permute(0, 2, 1).reshape(nb * 16, -1)[:out_features].float()
-    return (q.view(out_features, -1, INT4_GROUP) * d[..., None]).view(out_features, k)
+    return dequantize_q8_0(scale.permute(0, 2, 1).reshape(nb * 16, -1)[:out_features],
+                           q8.permute(0, 2, 1).reshape(nb * 16, k)[:out_features])
+
+
+def dequantize_q8_0(scale: torch.Tensor, codes: torch.Tensor) -> torch.Tensor:
+    """Q8_0 blocks (scale (N, K / 32), codes (N, K) int8) -> w = d * q, (N, K) float32."""
+    n, k = codes.shape
+    return (codes.float().view(n, -1, INT4_GROUP) * scale.float()[..., None]).view(n, k)
 
 
 def pack_bf16(weight: torch.Tensor) -> torch.Tensor:
@@ -417,7 +422,7 @@ class RefinedHead(nn.Module):
         infinite: the float32 head itself.
         scale: (V, K / 32) float32 block scales (fp16 values); codes: (V, K) int8.
         """
-        weight = (codes.float().view(*scale.shape, INT4_GROUP) * scale[..., None]).view(codes.shape)
+        weight = dequantize_q8_0(scale, codes)
         part = Q8Linear(*pack_q8(scale, codes), codes.shape[0])
         return cls(weight, [part], cls.q8_0_coef(weight), torch.float32, torch_norm_coef=math.inf)
 

@@ -81,13 +81,14 @@ reported separately, keyed by the rows it drafts for (its own batch) and the dee
 round's batch instead, one cell mixed passes for 1 and for all 4 drafting rows at 4 in
 flight, and drafting every row looked as cheap as drafting one.)
 Batch sizes and draft tokens are bucketed alike: exact up to 8, then 4 buckets per octave;
-each cell keeps its last `cost_window` timings and estimates the pass by their mean, leaving
-out any timing above `cost_outlier` times their median: a stall (another process, a page
-fault) is not the pass's cost, and it lands in one cell only. (With an EWMA, one plain
-round at batch 4 that took 3.3x the others, 0.068 s against ~0.020 s, raised the plain
-cell by a quarter; drafting then looked cheaper than plain, and the controller drafted
-in 10 of the next 13 rounds at 2-3x a plain step each: chat at 4 in flight, default model, n-gram.) The
-window tracks drift within half its length, as the median moves. An unmeasured cell is estimated from the measured ones as the tightest
+each cell keeps its last `cost_window` timings and estimates the pass by their mean,
+leaving out any timing above `cost_outlier` times their median: a stall (another process,
+a page fault) is not the pass's cost, and it lands in one cell only. (With an EWMA, one
+plain round at batch 4 that took 3.3x the others, 0.068 s against ~0.020 s, raised the
+plain cell by a quarter; drafting then looked cheaper than plain, and the controller
+drafted in 10 of the next 13 rounds at 2-3x a plain step each: chat at 4 in flight,
+default model, n-gram.) The window tracks drift within half its length, as the median
+moves. An unmeasured cell is estimated from the measured ones as the tightest
 lower bound implied by two physical assumptions: cost never falls when the batch or the
 tokens grow, and cost per row or per token never grows with them (a fixed overhead plus at
 most linear work). For a measured cell (b', n') with cost c that gives
@@ -113,8 +114,7 @@ largest pass measured at its batch bucket (batch 1: 1, 3, 7, 15 drafts; batch 16
 measured (each step is a sequential forward of the draft model; before this rule a cold
 controller on Qwen2.5-Coder chat at 4 in flight went from depth 1 to 3 to 7 in its first
 rounds, its optimistic bounds flat from depth 1). The bounds then only ever reach one step
-past what is known. Because EWMA only moves cells
-that are visited, a small deterministic schedule (a fraction `explore` of rounds) also
+past what is known. Because a cell only moves when it is visited, a small deterministic schedule (a fraction `explore` of rounds) also
 re-measures the neighbouring size of the chosen one that was measured longest ago, when its
 estimated rate is within `explore_within` of the best (a far-behind neighbour is not worth a
 round at its price; if acceptance rises, the estimates bring it back into play anyway).
@@ -369,7 +369,7 @@ class CostTable:
         return -1 if cell is None else cell.stamp
 
     def estimate(self, bucket: int, size: int) -> float | None:
-        """Measured EWMA, else the largest lower bound from measured cells, else None.
+        """Measured (the cell's robust mean), else the largest lower bound from measured cells, else None.
 
         A cell with fewer than `min_samples` samples is not trusted above the bound from the
         other cells: one slow first sample (a page fault, a kernel's first call at a new
@@ -558,7 +558,7 @@ class AdaptiveController:
         return self._request(request_id).estimator.value
 
     def estimated_cost(self, kind: str, batch_size: int, size: int) -> float | None:
-        """Seconds of one pass: measured EWMA, else an optimistic bound; None if none measured."""
+        """Seconds of one pass: measured, else an optimistic bound; None if none measured."""
         if kind not in COST_KINDS:
             raise ValueError(f"kind must be one of {COST_KINDS}, got {kind!r}")
         if kind == "catch_up":
