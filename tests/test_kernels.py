@@ -137,21 +137,51 @@ def _int4_layer(n: int = 40, k: int = 96, bias: bool = True, seed: int = 0):
     return make_int4_linear(quantize_int4(w), torch.randn(n, generator=g) if bias else None, torch.bfloat16)
 
 
+def _int4_activation_error(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """The bound on |x @ w.T - (x rounded as the int4 kernel rounds it) @ w.T|: per group of
+    32, |x - m p| <= p / 2 with p = 2^(e - 14), e the exponent of the group's largest |x|."""
+    xg = x.double().view(x.shape[0], -1, 32)
+    e = torch.frexp(xg.abs().amax(-1))[1]                       # largest |x| < 2^e
+    half_step = torch.ldexp(torch.full(e.shape, 0.5, dtype=torch.float64), e - 14)
+    wg = w.abs().view(w.shape[0], -1, 32).sum(-1)               # (N, groups): sum |w| per group
+    return half_step @ wg.t()                                   # (T, N)
+
+
 @pytest.mark.skipif(not OPS.int4_avx512, reason="no AVX-512 here: layers use PyTorch's int4 kernel")
 @pytest.mark.parametrize("broken", [False, True], ids=["ok", "nibbles swapped"])
 @pytest.mark.parametrize("bias", [True, False])
 def test_int4_linear_computes_the_stored_weights(bias, broken):
     """x @ W.T + b against float64 on the weights the layer stores (40 rows: the last block
-    of 16 padded), within the one bf16 rounding of the output; a layout bug is caught."""
+    of 16 padded), within the kernel's own bound: its rounding of the activations onto a
+    16-bit grid per group of 32, float32 accumulation and the one bf16 rounding of the
+    output; a layout bug is caught. Large-magnitude groups next to tiny ones make the
+    activation rounding matter (and it is not zero: the check bites on it too)."""
     layer = _int4_layer(bias=bias)
     w = unpack_int4(layer.q4, layer.scale, layer.min, 40).dequantize().double()
     q4 = (layer.q4 >> 4) | (layer.q4 << 4) if broken else layer.q4
-    x = torch.randn(13, 96).bfloat16()
+    x = torch.randn(13, 96)
+    x[:, 0] *= 300  # an outlier channel: the other 31 values of its group sit on a coarse grid
+    x = x.bfloat16()
     want = x.double() @ w.t() + (layer.bias.double() if bias else 0)
     got = OPS.int4_linear(x, q4, layer.scale, layer.min, 40, layer.bias)
     assert got.shape == (13, 40) and got.dtype == torch.bfloat16
-    ok = (got.double() - want).abs() <= want.abs() * 2 ** -8 + 1e-4
-    assert bool(ok.all()) != broken
+    act = _int4_activation_error(x, w)
+    accumulate = (x.double().abs() @ w.abs().t() + want.abs()) * 2 ** -22
+    err = (got.double() - want).abs()
+    assert bool((err <= want.abs() * 2 ** -8 + act + accumulate).all()) != broken
+    if not broken:  # the activations really are rounded: without that term the bound fails
+        assert not bool((err <= want.abs() * 2 ** -9 + accumulate).all())
+
+
+@pytest.mark.skipif(not OPS.int4_avx512, reason="no AVX-512 here")
+def test_int4_linear_a_non_finite_activation_makes_its_rows_nan():
+    layer = _int4_layer(seed=3)
+    x = torch.randn(3, 96).bfloat16()
+    x[1, 40] = float("inf")
+    x[2, 5] = float("nan")
+    for portable in (False, True):
+        got = OPS.int4_linear(x, layer.q4, layer.scale, layer.min, 40, layer.bias, portable=portable)
+        assert bool(got[0].isfinite().all()) and bool(got[1:].isnan().all())
 
 
 @pytest.mark.skipif(not OPS.int4_avx512, reason="no AVX-512 here")

@@ -13,6 +13,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <limits>
 #include <vector>
 
 namespace {
@@ -155,16 +156,25 @@ void decode_attention_impl(const T* q, int64_t q_row, int64_t q_head, const T* k
 // n0 + 15, the last one zero-padded):
 //   q4    (N/16, K/2, 16) uint8: byte [b, c, j] = q[16 b + j, 2 c] | q[16 b + j, 2 c + 1] << 4
 //   scale, min (N/16, K/32, 16) fp16
-// so one 16-byte load holds two k of a block's 16 outputs. For each token and output:
-//   total = bias; per group g: a = sum over even k of q x, b = over odd k (in k order, each
-//   step one fused multiply-add), total = fma(a + b, scale, total); total = fma(sum x_g, min, total)
-// then one rounding to bf16. The AVX-512 path and the portable path do exactly these
-// operations in this order (bit-identical results), and a token's result never depends on
-// the other tokens of the pass: verify passes and plain steps compute the same numbers.
+//
+// The products are integers. Each token's activations are rounded, per group of 32, to
+// 16-bit integers on a power-of-two grid: with e the exponent of the group's largest |x|
+// (|x| < 2^e), m[k] = round(x[k] * 2^(14 - e)), |m| <= 2^14, and p = 2^(e - 14), so
+// |x - m p| <= p / 2 <= 2^-14 max|x_g| (64x finer than bf16's own rounding of the largest;
+// next to the 4-bit weights, nothing). Then for each token and output
+//   total = bias; per group g: a = sum_k q[k] m[k] (int32, exact: |a| < 2^23),
+//   total = fma(float(a), scale * p, total); total = fma(float(sum_k m[k]) * p, min, total)
+// and one rounding to bf16. Integer sums are exact in any order and on any CPU, so the
+// AVX-512 path (VNNI dot products of 16-bit pairs) and the portable loop agree bit for bit,
+// and a token's result never depends on the other tokens of the pass: verify passes and
+// plain steps compute the same numbers. A group holding inf or NaN gives p = NaN (a NaN out).
+//
+// Cost: the integer dot reads a byte of codes into two products with ~3 instructions per 32
+// products (the float32 form needed ~7: widen, mask, shift, two conversions, two FMAs), so
+// the layer streams its weights instead of waiting on arithmetic.
 constexpr int64_t kInt4Block = 16, kInt4Group = 32;
 // Bytes ahead to prefetch: a step's weights stream from L3 / DRAM, where one core's demand
-// loads alone reach ~7 GB/s here; prefetching 2-8 KB ahead lifts a whole step's layers from
-// ~13 to ~17 GB/s (2 threads).
+// loads alone reach ~7 GB/s here; prefetching 2-8 KB ahead lifts a whole step's layers.
 constexpr int64_t kInt4Prefetch = 8192;
 
 struct Int4Args {
@@ -172,35 +182,74 @@ struct Int4Args {
   const c10::Half* scale;
   const c10::Half* min;
   const c10::BFloat16* bias;  // (N,), or nullptr
-  const float* x;      // (T, K) float32 (the bf16 activations, exactly)
-  const float* xsum;   // (T, K / 32) per-group sums of x
+  // The rounded activations, per token: m (K) int16, in pair order: for each 8 k (k0 .. k0+7)
+  // the int16s m[k0], m[k0+4], m[k0+1], m[k0+5], m[k0+2], m[k0+6], m[k0+3], m[k0+7] (the
+  // order the vector path's transposed codes pair them; the portable loop reads it too).
+  const int16_t* xq;
+  const float* step;   // (T, K / 32): p per group
+  const float* msum;   // (T, K / 32): float(sum m) * p per group
   c10::BFloat16* y;    // (T, N)
   int64_t K, N, groups;
 };
 
+// Rounds x (T, K) bf16 onto the grid above: xq (T, K) pair-ordered, step and msum (T, K / 32).
+void int4_round_activations(const c10::BFloat16* x, int64_t tokens, int64_t K, int16_t* xq, float* step,
+                            float* msum) {
+  static constexpr int kPair[8] = {0, 4, 1, 5, 2, 6, 3, 7};  // pair position -> k within the 8
+  const int64_t groups = K / kInt4Group;
+  for (int64_t i = 0; i < tokens * groups; ++i) {
+    const c10::BFloat16* xg = x + i * kInt4Group;
+    float big = 0.f;
+    bool finite = true;
+    for (int64_t k = 0; k < kInt4Group; ++k) {
+      const float v = static_cast<float>(xg[k]);
+      finite = finite && std::isfinite(v);
+      big = std::max(big, std::fabs(v));
+    }
+    int e = 0;
+    std::frexp(big, &e);  // big < 2^e (0 -> e = 0)
+    // x * 2^(14 - e) as two exact power-of-two products (2^(14 - e) alone overflows float
+    // for a group of subnormals)
+    const int shift = 14 - e, first = std::min(shift, 127);
+    const float up = std::ldexp(1.f, first), up2 = std::ldexp(1.f, shift - first);
+    int32_t sum = 0;
+    int16_t* q = xq + i * kInt4Group;
+    for (int64_t k = 0; k < kInt4Group; ++k) {
+      const float v = static_cast<float>(xg[(k / 8) * 8 + kPair[k % 8]]);
+      const int32_t m = finite ? static_cast<int32_t>(std::nearbyint(v * up * up2)) : 0;
+      q[k] = static_cast<int16_t>(m);
+      sum += m;
+    }
+    step[i] = finite ? std::ldexp(1.f, e - 14) : std::numeric_limits<float>::quiet_NaN();
+    msum[i] = static_cast<float>(sum) * step[i];
+  }
+}
+
 void int4_block_portable(const Int4Args& a, int64_t blk, int64_t tokens) {
+  static constexpr int kPair[8] = {0, 4, 1, 5, 2, 6, 3, 7};
   const int64_t n0 = blk * kInt4Block;
   const uint8_t* qb = a.q4 + blk * (a.K / 2) * kInt4Block;
   for (int64_t t = 0; t < tokens; ++t)
     for (int64_t j = 0; j < kInt4Block && n0 + j < a.N; ++j) {
       float total = a.bias ? static_cast<float>(a.bias[n0 + j]) : 0.f;
       for (int64_t g = 0; g < a.groups; ++g) {
-        float ea = 0.f, ob = 0.f;
-        const float* xg = a.x + t * a.K + g * kInt4Group;
-        for (int64_t c = 0; c < kInt4Group / 2; ++c) {
-          const uint8_t byte = qb[(g * kInt4Group / 2 + c) * kInt4Block + j];
-          ea = std::fma(static_cast<float>(byte & 15), xg[2 * c], ea);
-          ob = std::fma(static_cast<float>(byte >> 4), xg[2 * c + 1], ob);
+        const int16_t* m = a.xq + t * a.K + g * kInt4Group;
+        int32_t dot = 0;
+        for (int64_t i = 0; i < kInt4Group; ++i) {
+          const int64_t k = g * kInt4Group + (i / 8) * 8 + kPair[i % 8];
+          const uint8_t byte = qb[(k / 2) * kInt4Block + j];
+          dot += static_cast<int32_t>(k % 2 ? byte >> 4 : byte & 15) * m[i];
         }
         const int64_t s = (blk * a.groups + g) * kInt4Block + j;
-        total = std::fma(ea + ob, static_cast<float>(a.scale[s]), total);
-        total = std::fma(a.xsum[t * a.groups + g], static_cast<float>(a.min[s]), total);
+        const float p = a.step[t * a.groups + g];
+        total = std::fma(static_cast<float>(dot), static_cast<float>(a.scale[s]) * p, total);
+        total = std::fma(a.msum[t * a.groups + g], static_cast<float>(a.min[s]), total);
       }
       a.y[t * a.N + n0 + j] = c10::BFloat16(total);
     }
 }
 
-#if defined(__AVX512F__) && defined(__AVX512BF16__)
+#if defined(__AVX512F__)
 // float32 -> bf16 bits in the low half of each lane, exactly as c10::BFloat16(float) rounds
 // (nearest even, no flush of denormals, NaN -> 0x7FC0); _mm512_cvtneps_pbh flushes denormals.
 inline __m256i round_bf16(__m512 v) {
@@ -209,48 +258,6 @@ inline __m256i round_bf16(__m512 v) {
   const __m512i up = _mm512_add_epi32(u, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7FFF)));
   const __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
   return _mm512_cvtepi32_epi16(_mm512_mask_mov_epi32(_mm512_srli_epi32(up, 16), nan, _mm512_set1_epi32(0x7FC0)));
-}
-
-// The same for TT tokens at once (the weights unpacked once for all of them).
-template <int TT>
-void int4_tile_avx512(const Int4Args& a, int64_t blk, int64_t t0) {
-  const int64_t n0 = blk * kInt4Block;
-  const __mmask16 mask = a.N - n0 >= kInt4Block ? 0xFFFF : static_cast<__mmask16>((1u << (a.N - n0)) - 1);
-  const uint8_t* qb = a.q4 + blk * (a.K / 2) * kInt4Block;
-  const __m512i low = _mm512_set1_epi32(0x0F);
-  __m512 bias = _mm512_setzero_ps();
-  if (a.bias) {  // bf16 -> float32: the 16 bits moved to the top
-    const __m256i b16 = _mm256_maskz_loadu_epi16(mask, a.bias + n0);
-    bias = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(b16), 16));
-  }
-  __m512 total[TT];
-  for (int t = 0; t < TT; ++t) total[t] = bias;
-  for (int64_t g = 0; g < a.groups; ++g) {
-    __m512 ea[TT], ob[TT];
-    for (int t = 0; t < TT; ++t) ea[t] = ob[t] = _mm512_setzero_ps();
-    const float* xg = a.x + t0 * a.K + g * kInt4Group;
-    const uint8_t* qg = qb + g * (kInt4Group / 2) * kInt4Block;
-    for (int line = 0; line < kInt4Group / 2 * kInt4Block; line += 64)  // the weights ahead
-      _mm_prefetch(reinterpret_cast<const char*>(qg + kInt4Prefetch + line), _MM_HINT_T0);
-    for (int64_t c = 0; c < kInt4Group / 2; ++c) {
-      const __m512i w = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(qg + c * kInt4Block)));
-      const __m512 w0 = _mm512_cvtepi32_ps(_mm512_and_si512(w, low));
-      const __m512 w1 = _mm512_cvtepi32_ps(_mm512_srli_epi32(w, 4));
-      for (int t = 0; t < TT; ++t) {
-        ea[t] = _mm512_fmadd_ps(w0, _mm512_set1_ps(xg[t * a.K + 2 * c]), ea[t]);
-        ob[t] = _mm512_fmadd_ps(w1, _mm512_set1_ps(xg[t * a.K + 2 * c + 1]), ob[t]);
-      }
-    }
-    const int64_t s = (blk * a.groups + g) * kInt4Block;
-    const __m512 scale = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.scale + s)));
-    const __m512 min = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.min + s)));
-    for (int t = 0; t < TT; ++t) {
-      total[t] = _mm512_fmadd_ps(_mm512_add_ps(ea[t], ob[t]), scale, total[t]);
-      total[t] = _mm512_fmadd_ps(_mm512_set1_ps(a.xsum[(t0 + t) * a.groups + g]), min, total[t]);
-    }
-  }
-  for (int t = 0; t < TT; ++t)
-    _mm256_mask_storeu_epi16(a.y + (t0 + t) * a.N + n0, mask, round_bf16(total[t]));
 }
 
 // A block's tokens in tiles of 8, then one tile of the rest (tile[n] runs n tokens).
@@ -262,6 +269,200 @@ void run_tiles(const TileFn<Args> (&tile)[9], const Args& a, int64_t blk, int64_
   int64_t t = 0;
   for (; t + 8 <= tokens; t += 8) tile[8](a, blk, t);
   if (tokens > t) tile[tokens - t](a, blk, t);
+}
+#endif
+
+#if defined(__AVX512F__)
+// 16 bf16 -> float32 (the 16 bits moved to the top: exact)
+inline __m512 load_bf16(const c10::BFloat16* p) {
+  return _mm512_castsi512_ps(
+      _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
+}
+
+// The 16 sums of 16 vectors' lanes as one vector (r[i] = sum of v[i]'s lanes), by a tree of
+// shuffles and adds (~45 instructions, where 16 separate reductions take ~130).
+inline __m512 sum_lanes16(const __m512 (&v)[16]) {
+  __m512 w[8], u[4];
+  for (int i = 0; i < 8; ++i)  // per 128-bit lane: [a0+a2, b0+b2, a1+a3, b1+b3]
+    w[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+  for (int i = 0; i < 4; ++i)  // per 128-bit lane: the lane's sums of v[4i .. 4i+3]
+    u[i] = _mm512_add_ps(_mm512_shuffle_ps(w[2 * i], w[2 * i + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                         _mm512_shuffle_ps(w[2 * i], w[2 * i + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+  const __m512 s01 = _mm512_add_ps(_mm512_shuffle_f32x4(u[0], u[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                                   _mm512_shuffle_f32x4(u[0], u[1], _MM_SHUFFLE(3, 1, 3, 1)));
+  const __m512 s23 = _mm512_add_ps(_mm512_shuffle_f32x4(u[2], u[3], _MM_SHUFFLE(2, 0, 2, 0)),
+                                   _mm512_shuffle_f32x4(u[2], u[3], _MM_SHUFFLE(3, 1, 3, 1)));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(s01, s23, _MM_SHUFFLE(2, 0, 2, 0)),
+                       _mm512_shuffle_f32x4(s01, s23, _MM_SHUFFLE(3, 1, 3, 1)));
+}
+
+// exp(x) in float32 for softmax's shifted scores (x <= 0; below -103, where exp(x) is 0 in
+// float32 or nearly, exactly 0; NaN stays NaN), within ~2 ulp:
+// x = n ln2 + r with |r| <= ln2 / 2, exp(r) by the Cephes expf polynomial, then 2^n.
+inline __m512 exp_ps(__m512 x) {
+  const __mmask16 live = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-103.f), _CMP_NLT_UQ);  // else 0 (-inf too)
+  x = _mm512_max_ps(x, _mm512_set1_ps(-103.f));  // (max returns x when x is NaN)
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+  for (float c : {1.3981999507e-3f, 8.3334519073e-3f, 4.1665795894e-2f, 1.6666665459e-1f, 5.0000001201e-1f})
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(c));
+  p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.f)));
+  return _mm512_maskz_mov_ps(live, _mm512_scalef_ps(p, n));
+}
+
+// decode_attention_impl for bf16 with D = 16 DV (64 or 128): one work item is one query's head;
+// dot products 16 keys at a time, exponentials and the weighted sum of values 16 lanes at a time.
+// Per query: scores s_c = (q . k_c) * scale, m = max s, p_c = exp(s_c - m),
+// out = (sum_c p_c v_c) / (sum_c p_c), rounded once to bf16 (the same for any batch).
+template <int DV>
+void decode_attention_bf16_avx512(const c10::BFloat16* q, int64_t q_row, int64_t q_head,
+                                  const c10::BFloat16* kp, const c10::BFloat16* vp, const int64_t* slots,
+                                  const int64_t* row_of, const int64_t* lens, c10::BFloat16* out, int64_t rows,
+                                  int64_t heads, int64_t kv_heads, int64_t ctx_stride, float scale) {
+  constexpr int64_t d = 16 * DV;
+  const int64_t per_kv = heads / kv_heads, slot_stride = kv_heads * d;
+  int64_t work = 0;
+  for (int64_t b = 0; b < rows; ++b) work += lens[b];
+  const int64_t items = rows * heads;
+  const int64_t grain = work * heads * d < 65536 ? items : 1;  // small: one thread
+  at::parallel_for(0, items, grain, [&](int64_t i0, int64_t i1) {
+    std::vector<float> scores;
+    for (int64_t i = i0; i < i1; ++i) {
+      const int64_t b = i / heads, h = i % heads, kh = h / per_kv, n = lens[b];
+      const int64_t* sl = slots + row_of[b] * ctx_stride;
+      const int64_t n16 = (n + 15) / 16 * 16;
+      scores.assign(n16, -INFINITY);
+      {
+        float* sg = scores.data();
+        const c10::BFloat16* qr = q + b * q_row + h * q_head;
+#if defined(__AVX512BF16__)
+        __m512bh qv[DV / 2];  // q . k as bf16 pairs: the products are exact in float32
+        for (int j = 0; j < DV / 2; ++j) qv[j] = (__m512bh)_mm512_loadu_si512(qr + 32 * j);
+#else
+        __m512 qv[DV];
+        for (int j = 0; j < DV; ++j) qv[j] = load_bf16(qr + 16 * j);
+#endif
+        for (int64_t c0 = 0; c0 < n; c0 += 16) {  // 16 keys at a time: 16 dot products -> one vector
+          const int64_t m = std::min<int64_t>(16, n - c0);
+          __m512 s[16];
+          for (int64_t c = 0; c < 16; ++c) {
+            __m512 acc = _mm512_setzero_ps();
+            if (c < m) {
+              const c10::BFloat16* kr = kp + sl[c0 + c] * slot_stride + kh * d;
+#if defined(__AVX512BF16__)
+              for (int j = 0; j < DV / 2; ++j) acc = _mm512_dpbf16_ps(acc, qv[j], (__m512bh)_mm512_loadu_si512(kr + 32 * j));
+#else
+              for (int j = 0; j < DV; ++j) acc = _mm512_fmadd_ps(qv[j], load_bf16(kr + 16 * j), acc);
+#endif
+            }
+            s[c] = acc;
+          }
+          _mm512_mask_storeu_ps(sg + c0, static_cast<__mmask16>((1u << m) - 1),
+                                _mm512_mul_ps(sum_lanes16(s), _mm512_set1_ps(scale)));
+        }
+        __m512 mx = _mm512_set1_ps(-INFINITY);
+        for (int64_t c = 0; c < n16; c += 16) mx = _mm512_max_ps(mx, _mm512_loadu_ps(sg + c));
+        const __m512 top = _mm512_set1_ps(_mm512_reduce_max_ps(mx));
+        __m512 total = _mm512_setzero_ps();
+        for (int64_t c = 0; c < n16; c += 16) {  // the padding's -inf gives 0
+          const __m512 p = exp_ps(_mm512_sub_ps(_mm512_loadu_ps(sg + c), top));
+          _mm512_storeu_ps(sg + c, p);
+          total = _mm512_add_ps(total, p);
+        }
+        const __m512 inv = _mm512_set1_ps(1.f / _mm512_reduce_add_ps(total));
+        __m512 acc[DV], odd[DV];  // even and odd keys: two chains of dependent FMAs, not one
+        for (int j = 0; j < DV; ++j) acc[j] = odd[j] = _mm512_setzero_ps();
+        int64_t c = 0;
+        for (; c + 1 < n; c += 2) {
+          const c10::BFloat16* v0 = vp + sl[c] * slot_stride + kh * d;
+          const c10::BFloat16* v1 = vp + sl[c + 1] * slot_stride + kh * d;
+          const __m512 p0 = _mm512_set1_ps(sg[c]), p1 = _mm512_set1_ps(sg[c + 1]);
+          for (int j = 0; j < DV; ++j) {
+            acc[j] = _mm512_fmadd_ps(p0, load_bf16(v0 + 16 * j), acc[j]);
+            odd[j] = _mm512_fmadd_ps(p1, load_bf16(v1 + 16 * j), odd[j]);
+          }
+        }
+        if (c < n) {
+          const c10::BFloat16* v0 = vp + sl[c] * slot_stride + kh * d;
+          for (int j = 0; j < DV; ++j) acc[j] = _mm512_fmadd_ps(_mm512_set1_ps(sg[c]), load_bf16(v0 + 16 * j), acc[j]);
+        }
+        for (int j = 0; j < DV; ++j) acc[j] = _mm512_add_ps(acc[j], odd[j]);
+        c10::BFloat16* o = out + (b * heads + h) * d;
+        for (int j = 0; j < DV; ++j)
+          _mm256_storeu_si256(reinterpret_cast<__m256i*>(o + 16 * j), round_bf16(_mm512_mul_ps(acc[j], inv)));
+      }
+    }
+  });
+}
+#endif
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VBMI__)
+// acc + the dot products of the int16 pairs in each 32-bit lane (exact: integers).
+inline __m512i dot_pairs(__m512i acc, __m512i w, __m512i x) {
+#if defined(__AVX512VNNI__)
+  return _mm512_dpwssd_epi32(acc, w, x);
+#else
+  return _mm512_add_epi32(acc, _mm512_madd_epi16(w, x));
+#endif
+}
+
+// TT tokens of one block of 16 outputs (the codes unpacked once for all of them). 64 bytes
+// of codes hold 8 k of the 16 outputs; a byte permute moves output j's four bytes into lane
+// j, whose low 16 bits then hold k0..k3 and high 16 bits k4..k7 a nibble each: shifting
+// both halves by 4 i and masking leaves the pair (q[k0 + i], q[k0 + 4 + i]).
+template <int TT>
+void int4_tile_avx512(const Int4Args& a, int64_t blk, int64_t t0) {
+  const int64_t n0 = blk * kInt4Block;
+  const __mmask16 mask = a.N - n0 >= kInt4Block ? 0xFFFF : static_cast<__mmask16>((1u << (a.N - n0)) - 1);
+  const uint8_t* qb = a.q4 + blk * (a.K / 2) * kInt4Block;
+  alignas(64) static const uint8_t kTranspose[64] = {
+      0, 16, 32, 48, 1, 17, 33, 49, 2, 18, 34, 50, 3, 19, 35, 51, 4, 20, 36, 52, 5, 21, 37, 53,
+      6, 22, 38, 54, 7, 23, 39, 55, 8, 24, 40, 56, 9, 25, 41, 57, 10, 26, 42, 58, 11, 27, 43, 59,
+      12, 28, 44, 60, 13, 29, 45, 61, 14, 30, 46, 62, 15, 31, 47, 63};
+  const __m512i transpose = _mm512_load_si512(kTranspose);
+  const __m512i nibble = _mm512_set1_epi32(0x000F000F);
+  __m512 bias = _mm512_setzero_ps();
+  if (a.bias) {  // bf16 -> float32: the 16 bits moved to the top
+    const __m256i b16 = _mm256_maskz_loadu_epi16(mask, a.bias + n0);
+    bias = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(b16), 16));
+  }
+  __m512 total[TT];
+  for (int t = 0; t < TT; ++t) total[t] = bias;
+  for (int64_t g = 0; g < a.groups; ++g) {
+    // NA independent sums per token (a dot product's latency is ~5 cycles; one chain would
+    // wait on it); integer sums, so how they are split does not change the result
+    constexpr int NA = TT <= 2 ? 4 : (TT <= 4 ? 2 : 1);
+    __m512i dot[TT][NA];
+    for (int t = 0; t < TT; ++t)
+      for (int u = 0; u < NA; ++u) dot[t][u] = _mm512_setzero_si512();
+    const int32_t* xg = reinterpret_cast<const int32_t*>(a.xq + t0 * a.K + g * kInt4Group);
+    const uint8_t* qg = qb + g * (kInt4Group / 2) * kInt4Block;
+    for (int line = 0; line < kInt4Group / 2 * kInt4Block; line += 64)  // the codes ahead
+      _mm_prefetch(reinterpret_cast<const char*>(qg + kInt4Prefetch + line), _MM_HINT_T0);
+    for (int chunk = 0; chunk < 4; ++chunk) {
+      const __m512i w = _mm512_permutexvar_epi8(transpose, _mm512_loadu_si512(qg + chunk * 64));
+      for (int i = 0; i < 4; ++i) {
+        const __m512i wi = _mm512_and_si512(i ? _mm512_srli_epi16(w, 4 * i) : w, nibble);
+        for (int t = 0; t < TT; ++t)
+          dot[t][i % NA] = dot_pairs(dot[t][i % NA], wi, _mm512_set1_epi32(xg[t * a.K / 2 + chunk * 4 + i]));
+      }
+    }
+    const int64_t s = (blk * a.groups + g) * kInt4Block;
+    const __m512 scale = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.scale + s)));
+    const __m512 min = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.min + s)));
+    for (int t = 0; t < TT; ++t) {
+      for (int u = 1; u < NA; ++u) dot[t][0] = _mm512_add_epi32(dot[t][0], dot[t][u]);
+      const int64_t tg = (t0 + t) * a.groups + g;
+      total[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[t][0]), _mm512_mul_ps(scale, _mm512_set1_ps(a.step[tg])),
+                                 total[t]);
+      total[t] = _mm512_fmadd_ps(_mm512_set1_ps(a.msum[tg]), min, total[t]);
+    }
+  }
+  for (int t = 0; t < TT; ++t)
+    _mm256_mask_storeu_epi16(a.y + (t0 + t) * a.N + n0, mask, round_bf16(total[t]));
 }
 
 void int4_block_avx512(const Int4Args& a, int64_t blk, int64_t tokens) {
@@ -542,6 +743,16 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_pool, const
             "slot out of range");
   }
   at::Tensor out = at::empty(q.sizes(), q.options());
+#if defined(__AVX512F__)
+  const int64_t d = q.size(2);
+  if (q.scalar_type() == at::kBFloat16 && (d == 64 || d == 128)) {
+    auto run = d == 64 ? decode_attention_bf16_avx512<4> : decode_attention_bf16_avx512<8>;
+    run(q.data_ptr<c10::BFloat16>(), q.stride(0), q.stride(1), k_pool.data_ptr<c10::BFloat16>(),
+        v_pool.data_ptr<c10::BFloat16>(), sp, rp, lp, out.data_ptr<c10::BFloat16>(), q.size(0), q.size(1),
+        k_pool.size(1), slots.size(1), static_cast<float>(scale));
+    return out;
+  }
+#endif
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "decode_attention", [&] {
     decode_attention_impl<scalar_t>(q.data_ptr<scalar_t>(), q.stride(0), q.stride(1), k_pool.data_ptr<scalar_t>(),
                                     v_pool.data_ptr<scalar_t>(), sp, rp, lp,
@@ -569,20 +780,17 @@ at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& q4, const at::Tens
           bias->scalar_type() == at::kBFloat16, "bias must be contiguous bf16 (N,)");
     bias_p = bias->data_ptr<c10::BFloat16>();
   }
-  // x in float32 and its per-group sums, in one fixed order (buffers reused across calls)
-  thread_local std::vector<float> xf, xsum;
+  // the activations rounded onto int16 grids (buffers reused across calls)
+  thread_local std::vector<int16_t> xq;
+  thread_local std::vector<float> step, msum;
   const int64_t groups = K / kInt4Group;
-  xf.resize(tokens * K);
-  xsum.resize(tokens * groups);
-  const c10::BFloat16* xp = x.data_ptr<c10::BFloat16>();
-  for (int64_t i = 0; i < tokens * groups; ++i) {
-    float s = 0.f;
-    for (int64_t k = 0; k < kInt4Group; ++k) s += (xf[i * kInt4Group + k] = static_cast<float>(xp[i * kInt4Group + k]));
-    xsum[i] = s;
-  }
+  xq.resize(tokens * K);
+  step.resize(tokens * groups);
+  msum.resize(tokens * groups);
+  int4_round_activations(x.data_ptr<c10::BFloat16>(), tokens, K, xq.data(), step.data(), msum.data());
   at::Tensor y = at::empty({tokens, out_features}, x.options());
   const Int4Args args{q4.data_ptr<uint8_t>(), scale.data_ptr<c10::Half>(), min.data_ptr<c10::Half>(), bias_p,
-                      xf.data(), xsum.data(), y.data_ptr<c10::BFloat16>(), K, out_features, groups};
+                      xq.data(), step.data(), msum.data(), y.data_ptr<c10::BFloat16>(), K, out_features, groups};
   const bool vector = kInt4Avx512 && !portable;
   at::parallel_for(0, blocks, 4, [&](int64_t b0, int64_t b1) {
     for (int64_t b = b0; b < b1; ++b) {

@@ -26,7 +26,9 @@ verispec's int4 kernel (AVX-512, 1.3-2.3x PyTorch's int4 kernel on this project'
 reads these fp16 values as they are. Without it (kernels off, or a CPU without AVX-512)
 the layer packs its weights for PyTorch's kernel on first use, which wants scales and zero
 points in bf16 (w = (q - 8) * scale + zero): rounded there (relative error <= 2^-8, below
-the 4-bit step itself). Both kernels take bf16 activations.
+the 4-bit step itself). Both kernels take bf16 activations; verispec's rounds them per
+group of 32 onto a 16-bit integer grid (2^-14 of the group's largest |x|) for exact
+integer dot products (see kernels.cpp).
 
 The LM head of a quantized model (`RefinedHead`) computes approximate logits with packed
 kernels (a GGUF Q8_0 head: its own blocks on verispec's Q8_0 kernel, float32 in and out;
