@@ -35,6 +35,14 @@ inline float dot(const float* a, const T* b, int64_t n) {
   return s;
 }
 
+#if defined(__AVX512F__)
+// 16 bf16 -> float32 (the 16 bits moved to the top: exact)
+inline __m512 load_bf16(const c10::BFloat16* p) {
+  return _mm512_castsi512_ps(
+      _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
+}
+#endif
+
 // x <- x + delta (rounded to T, as `x + delta` is), h <- rms_norm(x) * w (accumulated in
 // float32, rounded once, as F.rms_norm is). x, delta, h: (rows, n) contiguous.
 template <typename T>
@@ -193,12 +201,18 @@ struct Int4Args {
 };
 
 // Rounds x (T, K) bf16 onto the grid above: xq (T, K) pair-ordered, step and msum (T, K / 32).
+// (With AVX-512 the same products and the same round-to-nearest-even, 32 values at a time.)
 void int4_round_activations(const c10::BFloat16* x, int64_t tokens, int64_t K, int16_t* xq, float* step,
                             float* msum) {
-  static constexpr int kPair[8] = {0, 4, 1, 5, 2, 6, 3, 7};  // pair position -> k within the 8
   const int64_t groups = K / kInt4Group;
   for (int64_t i = 0; i < tokens * groups; ++i) {
     const c10::BFloat16* xg = x + i * kInt4Group;
+    int16_t* q = xq + i * kInt4Group;
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512DQ__)
+    const __m512 lo = load_bf16(xg), hi = load_bf16(xg + 16);
+    const bool finite = !(_mm512_fpclass_ps_mask(lo, 0x99) | _mm512_fpclass_ps_mask(hi, 0x99));  // NaN, inf
+    const float big = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(lo), _mm512_abs_ps(hi)));
+#else
     float big = 0.f;
     bool finite = true;
     for (int64_t k = 0; k < kInt4Group; ++k) {
@@ -206,19 +220,36 @@ void int4_round_activations(const c10::BFloat16* x, int64_t tokens, int64_t K, i
       finite = finite && std::isfinite(v);
       big = std::max(big, std::fabs(v));
     }
+#endif
     int e = 0;
-    std::frexp(big, &e);  // big < 2^e (0 -> e = 0)
+    std::frexp(finite ? big : 0.f, &e);  // big < 2^e (0 -> e = 0)
     // x * 2^(14 - e) as two exact power-of-two products (2^(14 - e) alone overflows float
     // for a group of subnormals)
     const int shift = 14 - e, first = std::min(shift, 127);
     const float up = std::ldexp(1.f, first), up2 = std::ldexp(1.f, shift - first);
     int32_t sum = 0;
-    int16_t* q = xq + i * kInt4Group;
-    for (int64_t k = 0; k < kInt4Group; ++k) {
-      const float v = static_cast<float>(xg[(k / 8) * 8 + kPair[k % 8]]);
-      const int32_t m = finite ? static_cast<int32_t>(std::nearbyint(v * up * up2)) : 0;
-      q[k] = static_cast<int16_t>(m);
-      sum += m;
+    if (!finite) {
+      std::fill(q, q + kInt4Group, int16_t{0});
+    } else {
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512DQ__)
+      // round to nearest even (MXCSR's default, as nearbyint), narrow, then the pair order
+      const __m512i mlo = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_mul_ps(lo, _mm512_set1_ps(up)), _mm512_set1_ps(up2)));
+      const __m512i mhi = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_mul_ps(hi, _mm512_set1_ps(up)), _mm512_set1_ps(up2)));
+      alignas(64) static const int16_t kOrder[32] = {0,  4,  1,  5,  2,  6,  3,  7,  8,  12, 9,  13, 10, 14, 11, 15,
+                                                     16, 20, 17, 21, 18, 22, 19, 23, 24, 28, 25, 29, 26, 30, 27, 31};
+      const __m512i m16 = _mm512_inserti64x4(_mm512_castsi256_si512(_mm512_cvtepi32_epi16(mlo)),
+                                             _mm512_cvtepi32_epi16(mhi), 1);
+      _mm512_storeu_si512(q, _mm512_permutexvar_epi16(_mm512_load_si512(kOrder), m16));
+      sum = _mm512_reduce_add_epi32(_mm512_add_epi32(mlo, mhi));
+#else
+      static constexpr int kPair[8] = {0, 4, 1, 5, 2, 6, 3, 7};  // pair position -> k within the 8
+      for (int64_t k = 0; k < kInt4Group; ++k) {
+        const float v = static_cast<float>(xg[(k / 8) * 8 + kPair[k % 8]]);
+        const int32_t m = static_cast<int32_t>(std::nearbyint(v * up * up2));
+        q[k] = static_cast<int16_t>(m);
+        sum += m;
+      }
+#endif
     }
     step[i] = finite ? std::ldexp(1.f, e - 14) : std::numeric_limits<float>::quiet_NaN();
     msum[i] = static_cast<float>(sum) * step[i];
@@ -273,11 +304,6 @@ void run_tiles(const TileFn<Args> (&tile)[9], const Args& a, int64_t blk, int64_
 #endif
 
 #if defined(__AVX512F__)
-// 16 bf16 -> float32 (the 16 bits moved to the top: exact)
-inline __m512 load_bf16(const c10::BFloat16* p) {
-  return _mm512_castsi512_ps(
-      _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
-}
 
 // The 16 sums of 16 vectors' lanes as one vector (r[i] = sum of v[i]'s lanes), by a tree of
 // shuffles and adds (~45 instructions, where 16 separate reductions take ~130).
@@ -445,7 +471,13 @@ void int4_tile_avx512(const Int4Args& a, int64_t blk, int64_t t0) {
     for (int chunk = 0; chunk < 4; ++chunk) {
       const __m512i w = _mm512_permutexvar_epi8(transpose, _mm512_loadu_si512(qg + chunk * 64));
       for (int i = 0; i < 4; ++i) {
-        const __m512i wi = _mm512_and_si512(i ? _mm512_srli_epi16(w, 4 * i) : w, nibble);
+        // With a sum per i (TT <= 2), nibbles 1 and 2 stay in place (16 q and 256 q, still
+        // positive int16, and their sums fit int32: 8 products a group of at most
+        // 3840 * 2^14 each) and are shifted back once per group: one instruction each here,
+        // not two. Otherwise shift, then mask.
+        const __m512i wi = i == 3 ? _mm512_srli_epi16(w, 12)
+                           : NA == 4 ? _mm512_and_si512(w, _mm512_slli_epi16(nibble, 4 * i))
+                                     : _mm512_and_si512(i ? _mm512_srli_epi16(w, 4 * i) : w, nibble);
         for (int t = 0; t < TT; ++t)
           dot[t][i % NA] = dot_pairs(dot[t][i % NA], wi, _mm512_set1_epi32(xg[t * a.K / 2 + chunk * 4 + i]));
       }
@@ -454,6 +486,10 @@ void int4_tile_avx512(const Int4Args& a, int64_t blk, int64_t t0) {
     const __m512 scale = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.scale + s)));
     const __m512 min = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.min + s)));
     for (int t = 0; t < TT; ++t) {
+      if (NA == 4) {  // exact: those sums are multiples of 16 and 256
+        dot[t][1] = _mm512_srai_epi32(dot[t][1], 4);
+        dot[t][2] = _mm512_srai_epi32(dot[t][2], 8);
+      }
       for (int u = 1; u < NA; ++u) dot[t][0] = _mm512_add_epi32(dot[t][0], dot[t][u]);
       const int64_t tg = (t0 + t) * a.groups + g;
       total[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[t][0]), _mm512_mul_ps(scale, _mm512_set1_ps(a.step[tg])),
