@@ -22,7 +22,8 @@ from pathlib import Path
 import pytest
 
 from verispec.spec.controller import (
-    AcceptanceEstimator, AdaptiveController, ControllerConfig, CostTable, batch_bucket, expected_tokens, size_bucket)
+    AcceptanceEstimator, AdaptiveController, ControllerConfig, CostTable, _Speed, batch_bucket, expected_tokens,
+    size_bucket)
 
 ROOT = Path(__file__).resolve().parents[1]
 _spec = importlib.util.spec_from_file_location("controller_sim", ROOT / "bench" / "controller_sim.py")
@@ -412,7 +413,7 @@ def test_size_buckets_are_exact_to_8_then_4_per_octave():
 
 
 def test_cost_cell_is_a_windowed_mean_without_stalls():
-    ctl = AdaptiveController(ControllerConfig(cost_window=4, cost_min_samples=1))
+    ctl = AdaptiveController(ControllerConfig(cost_window=4, cost_min_samples=1, cost_drift=0.0))
     for s in (1.0, 2.0, 3.0, 4.0):
         ctl.observe_cost("verify", 1, 2, s)
     assert math.isclose(ctl.estimated_cost("verify", 1, 2), 2.5)
@@ -433,6 +434,60 @@ def test_a_stall_does_not_move_a_cost_cell():
     assert ctl.estimated_cost("verify", 4, 0) == 0.020
     ctl.observe_cost("verify", 4, 0, 0.039)                  # under 2x the median: a real timing
     assert ctl.estimated_cost("verify", 4, 0) > 0.020
+
+
+def _after_a_slow_stretch(cost_drift: float) -> tuple[AdaptiveController, float, float]:
+    """Qwen2.5-Coder chat at 1 in flight (trace): plain rounds at 1.0 s and 1-draft rounds
+    at 1.2 s, then ~8 rounds where every pass ran 1.6x slower and both cells were visited,
+    then only plain rounds. Returns the controller and the two cells' estimates."""
+    ctl = AdaptiveController(ControllerConfig(k_max=1, fixed_k=1, explore=0.0, cost_drift=cost_drift))
+    for _ in range(16):
+        ctl.observe_cost("verify", 1, 0, 1.0)
+        ctl.observe_cost("verify", 1, 1, 1.2)
+    for _ in range(8):
+        ctl.observe_cost("verify", 1, 0, 1.6)
+        ctl.observe_cost("verify", 1, 1, 1.6 * 1.2)
+    for _ in range(16):
+        ctl.observe_cost("verify", 1, 0, 1.0)
+    return ctl, ctl.estimated_cost("verify", 1, 0), ctl.estimated_cost("verify", 1, 1)
+
+
+@pytest.mark.parametrize("cost_drift", [ControllerConfig().cost_drift, 0.0], ids=["shared speed", "broken: none"])
+def test_a_slow_stretch_does_not_price_a_cell_it_visited_out(cost_drift):
+    """A slowdown hits every pass alike: after it the drafting cell, visited during it but
+    not since, is read back at the normal speed (without the shared factor it stays 30%
+    high and drafting, worth 1.5 / 1.2 = 1.25x plain here, is never chosen again)."""
+    ctl, plain, drafting = _after_a_slow_stretch(cost_drift)
+    ctl.start("a", "ngram")                                     # acceptance 0.5: 1.5 tokens a round
+    ok = abs(plain - 1.0) < 0.03 and abs(drafting / plain - 1.2) < 0.06
+    assert ok == (cost_drift > 0)
+    assert (ctl.choose_k(["a"], 1)["a"] == 1) == (cost_drift > 0)
+
+
+def test_the_shared_speed_stays_bounded_and_folding_it_changes_no_estimate():
+    """Its level is arbitrary: folded back into the stored timings before it leaves
+    [2^-20, 2^20] (a machine slowing 5% every pass for 400 passes: 2^28), and folding it
+    leaves every estimate as it was."""
+    ctl = AdaptiveController(ControllerConfig(cost_min_samples=1))
+    t, moved = 1.0, 1.0
+    for _ in range(400):
+        for size in (0, 1):
+            ctl.observe_cost("verify", 1, size, t * (1 + size))
+        t *= 1.05
+        f = ctl.snapshot()["speed_factor"]
+        assert 2.0 ** -20 <= f <= 2.0 ** 20
+        moved = max(moved, f)
+    assert moved > 2.0 ** 10                                    # it did follow the machine
+    assert t / 1.05 ** 16 < ctl.estimated_cost("verify", 1, 0) <= t
+    speed = _Speed(0.5)
+    table = CostTable(4, lambda b, n: b + n, speed=speed)
+    for size, s in ((0, 1.0), (2, 3.0), (0, 1.1)):
+        table.observe(1, size, s, 0)
+    speed.factor = 2.0 ** 21
+    before = [table.estimate(1, n) for n in (0, 2, 4)]
+    speed.renormalise([table])
+    assert speed.factor == 1.0
+    assert all(math.isclose(a, b) for a, b in zip(before, [table.estimate(1, n) for n in (0, 2, 4)]))
 
 
 def _choice_after_a_stall(cost_outlier: float) -> int:
@@ -758,7 +813,7 @@ def test_snapshot_is_plain_json():
 @pytest.mark.parametrize("kwargs, field", [
     (dict(k_max=-1), "k_max"), (dict(fixed_k=9), "fixed_k"), (dict(prior_alpha={}), "prior_alpha"),
     (dict(prior_alpha={"draft": 1.0}), "prior_alpha"), (dict(alpha_half_life_tokens=0), "alpha_half_life"),
-    (dict(cost_window=0), "cost_window"), (dict(cost_outlier=0.5), "cost_outlier"), (dict(explore=1.0), "explore"), (dict(cost_min_samples=0), "cost_min_samples"),
+    (dict(cost_window=0), "cost_window"), (dict(cost_outlier=0.5), "cost_outlier"), (dict(cost_drift=1.5), "cost_drift"), (dict(explore=1.0), "explore"), (dict(cost_min_samples=0), "cost_min_samples"),
     (dict(idle_half_life_rounds=-1), "idle_half_life_rounds"), (dict(explore_budget=-0.1), "explore_budget"),
     (dict(explore_budget=float("nan")), "explore_budget")])
 def test_config_rejects_out_of_range_fields(kwargs, field):

@@ -106,6 +106,29 @@ round. A cell with fewer than `cost_min_samples` samples counts as no more than 
 either, so one slow first timing (a page fault, a kernel's first call at a new shape)
 cannot price a size out for good.
 
+Drift (a slowdown hits every pass alike)
+----------------------------------------
+A cell moves only when it is visited, but the machine's speed moves for all of them: on
+Qwen2.5-Coder chat at 1 in flight a slow stretch (every pass 1.3-2x slower for ~8 rounds)
+entered the cell of a 1-draft verify pass (below 2x its median, so kept) and lifted it 13%;
+plain rounds then refreshed the plain cell and nothing refreshed the drafting one, so
+drafting stayed priced out for the rest of the run (0.90x the best fixed k). So the tables
+share one speed factor f. Every cell stores its timings divided by f (speed-free seconds)
+and every estimate is its stored mean times the current f. An established cell's timing t
+(a full window, estimate c) within `cost_outlier` of c f either way is evidence of the
+pace, log(t / (c f)); when the median of the last 5 such is beyond 10% either way (a
+change that several passes agree on, not one pass's noise), f moves by that median
+(times `cost_drift`) and the timings that showed it, stored at the old pace, are restated
+at the new one. A slow stretch then raises f instead of the one cell visited, and when it
+ends f comes back and the cells visited during it read at the normal speed. Decisions
+compare rates, which a common factor does not change; only timings of different moments
+are made comparable. Noise inside the deadband never moves f (an f that followed every
+timing, f r^0.5, took on the noise: with batch 1 and 16 alternating in 25-round chunks,
+5% noise, the modal k at 16 went from the oracle's 2 to 3). Simulated (tests): 8 rounds
+at 1.6x visiting both cells, then 16 plain ones: the drafting cell ends 30% high without
+f, 4.5% with it. Young cells do not move f: a cell that spans several sizes, filled in one
+sweep of rising sizes, would read as a machine slowing down.
+
 Exploring from a cold start costs real rounds, and at batch 16 one round of 8 drafts per
 row costs ~4 plain steps (measured). So the controller widens step by step: with nothing
 measured it plays plain decoding; a verify pass may hold at most twice the tokens of the
@@ -240,6 +263,8 @@ class ControllerConfig:
     idle_half_life_rounds: float = 32.0    # untested rounds for a request to forget halfway
     cost_window: int = 16                  # timings a cost cell keeps (its robust mean's window)
     cost_outlier: float = 2.0              # a timing above this times its cell's median is a stall
+    cost_drift: float = 1.0                # share of a detected change of the machine's pace
+                                           # applied to every cell (0: none; docstring "Drift")
     cost_min_samples: int = 3              # a cell's samples before it is trusted above the bounds
     explore: float = 0.03                  # fraction of rounds that re-measure a neighbour size
     explore_within: float = 0.15           # ... if its estimated rate is within this of the best
@@ -268,6 +293,8 @@ class ControllerConfig:
             raise ValueError(f"cost_window must be an int >= 1, got {self.cost_window!r}")
         if not self.cost_outlier >= 1.0:
             raise ValueError(f"cost_outlier must be >= 1, got {self.cost_outlier}")
+        if not 0.0 <= self.cost_drift <= 1.0:
+            raise ValueError(f"cost_drift must be in [0, 1], got {self.cost_drift}")
         if not 0.0 <= self.explore < 1.0:
             raise ValueError(f"explore must be in [0, 1), got {self.explore}")
         if not 0.0 <= self.explore_within <= 1.0:
@@ -321,9 +348,11 @@ class CostTable:
     measured cell of size `other` may bound an unmeasured one of size `size` (default all).
     """
 
-    def __init__(self, window: int, tokens, min_samples: int = 1, bounds=None, outlier: float = 2.0):
+    def __init__(self, window: int, tokens, min_samples: int = 1, bounds=None, outlier: float = 2.0,
+                 speed: "_Speed | None" = None):
         self._window = window
         self._outlier = outlier
+        self._speed = speed if speed is not None else _Speed(0.0)
         self._tokens = tokens
         self._bounds = bounds or (lambda size, other: True)
         self._min_samples = min_samples
@@ -338,9 +367,17 @@ class CostTable:
         cell = self._cells.get(key)
         if cell is None:
             cell = self._cells[key] = _Cell(deque(maxlen=self._window))
-        cell.samples.append(seconds)
+        speed = self._speed
+        cell.samples.append(seconds / speed.factor)
         cell.count += 1
         cell.stamp = stamp
+        expected = cell.seconds * speed.factor if cell.count > self._window else 0.0  # established cells only
+        self._refresh(cell)
+        if expected > 0.0 and seconds > 0.0 and 1.0 / self._outlier <= seconds / expected <= self._outlier:
+            speed.observe(seconds / expected, self, cell)  # (a stall is not the machine's pace)
+
+    def _refresh(self, cell: "_Cell") -> None:
+        """The cell's robust mean of its stored timings."""
         ordered = sorted(cell.samples)
         m = len(ordered)
         median = 0.5 * (ordered[(m - 1) // 2] + ordered[m // 2])
@@ -383,8 +420,9 @@ class CostTable:
         size = size_bucket(size)
         key = (bucket, size)
         cell = self._cells.get(key)
+        f = self._speed.factor
         if cell is not None and cell.count >= self._min_samples:
-            return cell.seconds
+            return cell.seconds * f
         best, best_any, work = None, None, self._tokens(bucket, size)
         for other, c in self._cells.items():
             if other == key:
@@ -395,16 +433,66 @@ class CostTable:
             if self._bounds(size, n):
                 best = bound if best is None else max(best, bound)
         if cell is None:
-            return best
+            return None if best is None else best * f
         # a young cell is distrusted down to its bound, or, with no comparable cell, to any
         # cell's (that only makes the estimate more optimistic)
         bound = best if best is not None else best_any
-        return cell.seconds if bound is None else min(cell.seconds, bound)
+        return f * (cell.seconds if bound is None else min(cell.seconds, bound))
+
+    def rescale(self, factor: float, cell: "_Cell | None" = None, last: int | None = None) -> None:
+        """Multiply stored (speed-free) timings by `factor`: every cell's, or `cell`'s `last` ones."""
+        for c in self._cells.values() if cell is None else [cell]:
+            n = len(c.samples) if last is None else min(last, len(c.samples))
+            keep = len(c.samples) - n
+            c.samples = deque([t if i < keep else t * factor for i, t in enumerate(c.samples)], maxlen=self._window)
+            self._refresh(c)
 
     def snapshot(self) -> list[dict]:
         """Measured cells as plain data."""
-        return [{"batch_bucket": b, "size": n, "seconds": c.seconds, "samples": c.count}
+        return [{"batch_bucket": b, "size": n, "seconds": c.seconds * self._speed.factor, "samples": c.count}
                 for (b, n), c in sorted(self._cells.items())]
+
+
+class _Speed:
+    """The machine's pace shared by the cost tables: stored timings are divided by `factor`
+    when measured and estimates multiplied by its current value (see "Drift")."""
+
+    span = 5          # recent ratios whose median is the evidence of a change of pace
+    deadband = 0.10   # |log median| at or below this is noise: the factor stays
+
+    def __init__(self, weight: float):
+        self.weight = weight
+        self.factor = 1.0
+        self._recent: list = []  # (log ratio, table, cell) since the factor last moved
+
+    def observe(self, ratio: float, table: "CostTable", cell: "_Cell") -> None:
+        """An established cell's timing (just stored) came in `ratio` times its estimate."""
+        if self.weight <= 0.0:
+            return
+        self._recent.append((math.log(ratio), table, cell))
+        if len(self._recent) < self.span:
+            return
+        shift = sorted(r for r, _, _ in self._recent)[self.span // 2]
+        if abs(shift) > self.deadband:  # a sustained change of pace, not noise
+            move = math.exp(self.weight * shift)
+            self.factor *= move
+            counts: dict = {}
+            for r, t, c in self._recent:  # the timings that showed it were stored at the old pace
+                if abs(r - shift) < abs(r):  # (not those from before it began)
+                    counts[id(c)] = (t, c, counts.get(id(c), (t, c, 0))[2] + 1)
+            for t, c, n in counts.values():
+                t.rescale(1.0 / move, c, n)
+            self._recent.clear()
+        else:
+            self._recent.pop(0)
+
+    def renormalise(self, tables) -> None:
+        """Fold the factor back into the tables' stored timings (estimates are unchanged):
+        its level is arbitrary and would otherwise wander over a long run."""
+        if not 2.0 ** -20 <= self.factor <= 2.0 ** 20:
+            for table in tables:
+                table.rescale(self.factor)
+            self.factor = 1.0
 
 
 @dataclass
@@ -448,11 +536,12 @@ class AdaptiveController:
                         for p, a in cfg.prior_alpha.items()}
         # A speculative round does more per token than a plain one (drafts to verify, rejection
         # sampling, KV rollback), so only plain rounds bound a plain one (see the docstring).
+        self._speed = _Speed(cfg.cost_drift)  # shared: a slowdown hits every pass alike
         self._costs = {"verify": CostTable(cfg.cost_window, lambda b, n: b + n, cfg.cost_min_samples,
                                            bounds=lambda n, other: n > 0 or other == 0,
-                                           outlier=cfg.cost_outlier),
+                                           outlier=cfg.cost_outlier, speed=self._speed),
                        "draft": CostTable(cfg.cost_window, lambda b, n: n, cfg.cost_min_samples,
-                                          outlier=cfg.cost_outlier)}
+                                          outlier=cfg.cost_outlier, speed=self._speed)}
         self._catch_up = [0.0, 0.0]  # decayed (seconds, tokens) of catch-up passes
         self._num_cost_samples = 0
         self._round: _Round | None = None
@@ -543,6 +632,7 @@ class AdaptiveController:
             return
         self._num_cost_samples += 1
         self._costs[kind].observe(batch_size, size, seconds, self._num_cost_samples)
+        self._speed.renormalise(self._costs.values())
 
     def _close_round(self) -> None:
         """Enter the round just timed in the exploration ledger (see the docstring)."""
@@ -799,6 +889,7 @@ class AdaptiveController:
                                "observed_tokens": r.estimator.observed_tokens}
                          for rid, r in self._requests.items()},
             "costs": {kind: t.snapshot() for kind, t in self._costs.items()},
+            "speed_factor": self._speed.factor,
         }
 
 
