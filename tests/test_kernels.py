@@ -137,13 +137,13 @@ def _int4_layer(n: int = 40, k: int = 96, bias: bool = True, seed: int = 0):
     return make_int4_linear(quantize_int4(w), torch.randn(n, generator=g) if bias else None, torch.bfloat16)
 
 
-def _int4_activation_error(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """The bound on |x @ w.T - (x rounded as the int4 kernel rounds it) @ w.T|: per group of
+def _activation_grid_error(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """The bound on |x @ w.T - (x rounded as the int4 and Q8_0 kernels round it) @ w.T|: per group of
     32, |x - m p| <= p / 2 with p = 2^(e - 14), e the exponent of the group's largest |x|."""
     xg = x.double().view(x.shape[0], -1, 32)
     e = torch.frexp(xg.abs().amax(-1))[1]                       # largest |x| < 2^e
     half_step = torch.ldexp(torch.full(e.shape, 0.5, dtype=torch.float64), e - 14)
-    wg = w.abs().view(w.shape[0], -1, 32).sum(-1)               # (N, groups): sum |w| per group
+    wg = w.double().abs().view(w.shape[0], -1, 32).sum(-1)      # (N, groups): sum |w| per group
     return half_step @ wg.t()                                   # (T, N)
 
 
@@ -165,7 +165,7 @@ def test_int4_linear_computes_the_stored_weights(bias, broken):
     want = x.double() @ w.t() + (layer.bias.double() if bias else 0)
     got = OPS.int4_linear(x, q4, layer.scale, layer.min, 40, layer.bias)
     assert got.shape == (13, 40) and got.dtype == torch.bfloat16
-    act = _int4_activation_error(x, w)
+    act = _activation_grid_error(x, w)
     accumulate = (x.double().abs() @ w.abs().t() + want.abs()) * 2 ** -22
     err = (got.double() - want).abs()
     assert bool((err <= want.abs() * 2 ** -8 + act + accumulate).all()) != broken
@@ -358,9 +358,10 @@ def _q8_blocks(n: int, k: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tenso
 
 
 def _q8_bound(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """Float32 accumulation of the kernel's chains: gamma_(G + 17) sum |w x| (see q8_0_coef)."""
-    n = w.shape[1] // 32 + 17
-    return n * 2.0 ** -24 * (x.double().abs() @ w.double().abs().t())
+    """The activations' 16-bit grid, then float32 accumulation of the groups' exact integer
+    sums: gamma_(G + 1) sum |w x| (see q8_0_coef), with a margin for x's rounding in it."""
+    n = w.shape[1] // 32 + 2
+    return _activation_grid_error(x, w) + n * 2.0 ** -24 * (x.double().abs() @ w.double().abs().t())
 
 
 Q8_SHAPES = [(16, 32), (40, 96), (72, 576)]  # one block, a padded last block, the default head's K
@@ -369,8 +370,9 @@ Q8_SHAPES = [(16, 32), (40, 96), (72, 576)]  # one block, a padded last block, t
 @pytest.mark.parametrize("broken", [False, True], ids=["ok", "rows reversed"])
 @pytest.mark.parametrize("n,k", Q8_SHAPES)
 def test_q8_linear_computes_the_blocks_in_float32(n, k, broken):
-    """Against float64 on the blocks' weights d q: within float32 accumulation's bound (no
-    bf16 rounding of x or y anywhere); a layout bug is caught; pack/unpack round trip."""
+    """Against float64 on the blocks' weights d q: within the bound of the activations'
+    16-bit grid and float32 accumulation (no bf16 rounding of x or y anywhere); a layout bug
+    is caught; pack/unpack round trip."""
     scale, codes = _q8_blocks(n, k)
     q8, sc = pack_q8(scale, codes)
     w = (codes.float().view(n, -1, 32) * scale[..., None]).view(n, k)

@@ -88,8 +88,8 @@ def test_q8_0_head_is_the_files_blocks_on_the_q8_kernel():
     assert torch.equal(head.weight, want) and head.dtype == torch.float32
     x = torch.randn(3, 64)
     assert torch.equal(head(x), F.linear(x, want)) and math.isinf(head.torch_norm_coef)
-    # the bound is float32 accumulation's: far below a bf16 part's
-    assert head.norm_coef < 1e-2 * RefinedHead.bound_coef(want, want, [want])
+    # the bound is the 16-bit activation grid's and float32 accumulation's: ~30x below a bf16 part's
+    assert head.norm_coef < 0.05 * RefinedHead.bound_coef(want, want, [want])
 
 
 def _near_tie_head(vocab: int = 2048, hidden: int = 64, seed: int = 0):

@@ -200,22 +200,30 @@ struct Int4Args {
   int64_t K, N, groups;
 };
 
-// Rounds x (T, K) bf16 onto the grid above: xq (T, K) pair-ordered, step and msum (T, K / 32).
+#if defined(__AVX512F__)
+inline __m512 load16(const c10::BFloat16* p) { return load_bf16(p); }
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+#endif
+
+// Rounds x (T, K) (bf16 or float32) onto the grid above: xq (T, K), step and msum (T, K / 32).
+// `pair_order`: within each 8 k the int4 kernel's pairing (k0, k4, k1, k5, ...); else k order.
 // (With AVX-512 the same products and the same round-to-nearest-even, 32 values at a time.)
-void int4_round_activations(const c10::BFloat16* x, int64_t tokens, int64_t K, int16_t* xq, float* step,
-                            float* msum) {
-  const int64_t groups = K / kInt4Group;
+template <typename X>
+void round_activations(const X* x, int64_t tokens, int64_t K, bool pair_order, int16_t* xq, float* step,
+                       float* msum) {
+  constexpr int64_t G = 32;
+  const int64_t groups = K / G;
   for (int64_t i = 0; i < tokens * groups; ++i) {
-    const c10::BFloat16* xg = x + i * kInt4Group;
-    int16_t* q = xq + i * kInt4Group;
+    const X* xg = x + i * G;
+    int16_t* q = xq + i * G;
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512DQ__)
-    const __m512 lo = load_bf16(xg), hi = load_bf16(xg + 16);
+    const __m512 lo = load16(xg), hi = load16(xg + 16);
     const bool finite = !(_mm512_fpclass_ps_mask(lo, 0x99) | _mm512_fpclass_ps_mask(hi, 0x99));  // NaN, inf
     const float big = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(lo), _mm512_abs_ps(hi)));
 #else
     float big = 0.f;
     bool finite = true;
-    for (int64_t k = 0; k < kInt4Group; ++k) {
+    for (int64_t k = 0; k < G; ++k) {
       const float v = static_cast<float>(xg[k]);
       finite = finite && std::isfinite(v);
       big = std::max(big, std::fabs(v));
@@ -229,7 +237,7 @@ void int4_round_activations(const c10::BFloat16* x, int64_t tokens, int64_t K, i
     const float up = std::ldexp(1.f, first), up2 = std::ldexp(1.f, shift - first);
     int32_t sum = 0;
     if (!finite) {
-      std::fill(q, q + kInt4Group, int16_t{0});
+      std::fill(q, q + G, int16_t{0});
     } else {
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512DQ__)
       // round to nearest even (MXCSR's default, as nearbyint), narrow, then the pair order
@@ -239,12 +247,12 @@ void int4_round_activations(const c10::BFloat16* x, int64_t tokens, int64_t K, i
                                                      16, 20, 17, 21, 18, 22, 19, 23, 24, 28, 25, 29, 26, 30, 27, 31};
       const __m512i m16 = _mm512_inserti64x4(_mm512_castsi256_si512(_mm512_cvtepi32_epi16(mlo)),
                                              _mm512_cvtepi32_epi16(mhi), 1);
-      _mm512_storeu_si512(q, _mm512_permutexvar_epi16(_mm512_load_si512(kOrder), m16));
+      _mm512_storeu_si512(q, pair_order ? _mm512_permutexvar_epi16(_mm512_load_si512(kOrder), m16) : m16);
       sum = _mm512_reduce_add_epi32(_mm512_add_epi32(mlo, mhi));
 #else
       static constexpr int kPair[8] = {0, 4, 1, 5, 2, 6, 3, 7};  // pair position -> k within the 8
-      for (int64_t k = 0; k < kInt4Group; ++k) {
-        const float v = static_cast<float>(xg[(k / 8) * 8 + kPair[k % 8]]);
+      for (int64_t k = 0; k < G; ++k) {
+        const float v = static_cast<float>(xg[pair_order ? (k / 8) * 8 + kPair[k % 8] : k]);
         const int32_t m = static_cast<int32_t>(std::nearbyint(v * up * up2));
         q[k] = static_cast<int16_t>(m);
         sum += m;
@@ -519,21 +527,23 @@ constexpr bool kInt4Avx512 = false;
 // along K. Outputs in blocks of 16 (the last one zero-padded):
 //   q8    (N/16, K, 16) int8: q8[b, k, j] = q[16 b + j, k]
 //   scale (N/16, K/32, 16) fp16
-// x and y are float32: neither the activations nor the outputs are rounded, so the error of
-// a logit is float32 accumulation alone (quant.RefinedHead.q8_0 bounds it). For each token
-// and output:
-//   total = 0; per group g: a = sum over even k of q x, b = over odd k (in k order, each step
-//   one fused multiply-add), total = fma(a + b, d, total)
-// The AVX-512 path and the portable path do exactly these operations in this order
-// (bit-identical), and a token's result never depends on the other tokens of the pass.
+// x and y are float32. As in the int4 kernel, each token's activations are rounded per group
+// of 32 onto a 16-bit grid (m, step p, |x - m p| <= p / 2 <= 2^-14 max|x_g|) and the
+// products are integers: for each token and output
+//   total = 0; per group g: a = sum_k q[k] m[k] (int32, exact: |a| <= 2^26),
+//   total = fma(float(a), d * p, total)
+// (quant.RefinedHead.q8_0_coef bounds the error: the grid, then float32 accumulation). The
+// AVX-512 path (VNNI) and the portable loop agree bit for bit on any CPU, and a token's
+// result never depends on the other tokens of the pass.
 constexpr int64_t kQ8Block = 16, kQ8Group = 32;
 constexpr int64_t kQ8Prefetch = 8192;  // bytes ahead, as for int4
 
 struct Q8Args {
   const int8_t* q8;
   const c10::Half* scale;
-  const float* x;  // (T, K)
-  float* y;        // (T, N)
+  const int16_t* xq;   // (T, K): the rounded activations, in k order
+  const float* step;   // (T, K / 32)
+  float* y;            // (T, N)
   int64_t K, N, groups;
 };
 
@@ -544,48 +554,59 @@ void q8_block_portable(const Q8Args& a, int64_t blk, int64_t tokens) {
     for (int64_t j = 0; j < kQ8Block && n0 + j < a.N; ++j) {
       float total = 0.f;
       for (int64_t g = 0; g < a.groups; ++g) {
-        float ea = 0.f, ob = 0.f;
-        const float* xg = a.x + t * a.K + g * kQ8Group;
+        const int16_t* m = a.xq + t * a.K + g * kQ8Group;
         const int8_t* qg = qb + g * kQ8Group * kQ8Block;
-        for (int64_t c = 0; c < kQ8Group / 2; ++c) {
-          ea = std::fma(static_cast<float>(qg[2 * c * kQ8Block + j]), xg[2 * c], ea);
-          ob = std::fma(static_cast<float>(qg[(2 * c + 1) * kQ8Block + j]), xg[2 * c + 1], ob);
-        }
-        total = std::fma(ea + ob, static_cast<float>(a.scale[(blk * a.groups + g) * kQ8Block + j]), total);
+        int32_t dot = 0;
+        for (int64_t k = 0; k < kQ8Group; ++k) dot += static_cast<int32_t>(qg[k * kQ8Block + j]) * m[k];
+        const float d = static_cast<float>(a.scale[(blk * a.groups + g) * kQ8Block + j]);
+        total = std::fma(static_cast<float>(dot), d * a.step[t * a.groups + g], total);
       }
       a.y[t * a.N + n0 + j] = total;
     }
 }
 
-#if defined(__AVX512F__) && defined(__AVX512BF16__)
-// The same for TT tokens at once (each weight line loaded and widened once for all of them).
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VBMI__)
+// The same for TT tokens at once. 64 bytes of codes hold 4 k of the block's 16 outputs; a
+// byte permute pairs them per output ((k0, k1) of each output, then (k2, k3)), and sign
+// extension makes each 32-bit lane the int16 pair one dot_pairs step takes.
 template <int TT>
 void q8_tile_avx512(const Q8Args& a, int64_t blk, int64_t t0) {
   const int64_t n0 = blk * kQ8Block;
   const __mmask16 mask = a.N - n0 >= kQ8Block ? 0xFFFF : static_cast<__mmask16>((1u << (a.N - n0)) - 1);
   const int8_t* qb = a.q8 + blk * a.K * kQ8Block;
+  alignas(64) static const uint8_t kPairs[64] = {
+      0,  16, 1,  17, 2,  18, 3,  19, 4,  20, 5,  21, 6,  22, 7,  23, 8,  24, 9,  25, 10, 26,
+      11, 27, 12, 28, 13, 29, 14, 30, 15, 31, 32, 48, 33, 49, 34, 50, 35, 51, 36, 52, 37, 53,
+      38, 54, 39, 55, 40, 56, 41, 57, 42, 58, 43, 59, 44, 60, 45, 61, 46, 62, 47, 63};
+  const __m512i pairs = _mm512_load_si512(kPairs);
+  constexpr int NA = TT <= 2 ? 4 : (TT <= 4 ? 2 : 1);  // independent sums (see the int4 tile)
   __m512 total[TT];
   for (int t = 0; t < TT; ++t) total[t] = _mm512_setzero_ps();
   for (int64_t g = 0; g < a.groups; ++g) {
-    __m512 ea[TT], ob[TT];
-    for (int t = 0; t < TT; ++t) ea[t] = ob[t] = _mm512_setzero_ps();
-    const float* xg = a.x + t0 * a.K + g * kQ8Group;
+    __m512i dot[TT][NA];
+    for (int t = 0; t < TT; ++t)
+      for (int u = 0; u < NA; ++u) dot[t][u] = _mm512_setzero_si512();
+    const int32_t* xg = reinterpret_cast<const int32_t*>(a.xq + t0 * a.K + g * kQ8Group);
     const int8_t* qg = qb + g * kQ8Group * kQ8Block;
-    for (int line = 0; line < kQ8Group * kQ8Block; line += 64)  // the weights ahead
+    for (int line = 0; line < kQ8Group * kQ8Block; line += 64)  // the codes ahead
       _mm_prefetch(reinterpret_cast<const char*>(qg + kQ8Prefetch + line), _MM_HINT_T0);
-    for (int64_t c = 0; c < kQ8Group / 2; ++c) {
-      const __m512 w0 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
-          _mm_loadu_si128(reinterpret_cast<const __m128i*>(qg + 2 * c * kQ8Block))));
-      const __m512 w1 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
-          _mm_loadu_si128(reinterpret_cast<const __m128i*>(qg + (2 * c + 1) * kQ8Block))));
+    for (int chunk = 0; chunk < kQ8Group / 4; ++chunk) {
+      const __m512i w = _mm512_permutexvar_epi8(pairs, _mm512_loadu_si512(qg + chunk * 64));
+      const __m512i w01 = _mm512_cvtepi8_epi16(_mm512_castsi512_si256(w));
+      const __m512i w23 = _mm512_cvtepi8_epi16(_mm512_extracti64x4_epi64(w, 1));
       for (int t = 0; t < TT; ++t) {
-        ea[t] = _mm512_fmadd_ps(w0, _mm512_set1_ps(xg[t * a.K + 2 * c]), ea[t]);
-        ob[t] = _mm512_fmadd_ps(w1, _mm512_set1_ps(xg[t * a.K + 2 * c + 1]), ob[t]);
+        const int32_t* xt = xg + t * a.K / 2 + 2 * chunk;
+        dot[t][(2 * chunk) % NA] = dot_pairs(dot[t][(2 * chunk) % NA], w01, _mm512_set1_epi32(xt[0]));
+        dot[t][(2 * chunk + 1) % NA] = dot_pairs(dot[t][(2 * chunk + 1) % NA], w23, _mm512_set1_epi32(xt[1]));
       }
     }
     const __m512 scale = _mm512_cvtph_ps(
         _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.scale + (blk * a.groups + g) * kQ8Block)));
-    for (int t = 0; t < TT; ++t) total[t] = _mm512_fmadd_ps(_mm512_add_ps(ea[t], ob[t]), scale, total[t]);
+    for (int t = 0; t < TT; ++t) {
+      for (int u = 1; u < NA; ++u) dot[t][0] = _mm512_add_epi32(dot[t][0], dot[t][u]);
+      total[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[t][0]),
+                                 _mm512_mul_ps(scale, _mm512_set1_ps(a.step[(t0 + t) * a.groups + g])), total[t]);
+    }
   }
   for (int t = 0; t < TT; ++t) _mm512_mask_storeu_ps(a.y + (t0 + t) * a.N + n0, mask, total[t]);
 }
@@ -823,7 +844,7 @@ at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& q4, const at::Tens
   xq.resize(tokens * K);
   step.resize(tokens * groups);
   msum.resize(tokens * groups);
-  int4_round_activations(x.data_ptr<c10::BFloat16>(), tokens, K, xq.data(), step.data(), msum.data());
+  round_activations(x.data_ptr<c10::BFloat16>(), tokens, K, true, xq.data(), step.data(), msum.data());
   at::Tensor y = at::empty({tokens, out_features}, x.options());
   const Int4Args args{q4.data_ptr<uint8_t>(), scale.data_ptr<c10::Half>(), min.data_ptr<c10::Half>(), bias_p,
                       xq.data(), step.data(), msum.data(), y.data_ptr<c10::BFloat16>(), K, out_features, groups};
@@ -848,9 +869,16 @@ at::Tensor q8_linear(const at::Tensor& x, const at::Tensor& q8, const at::Tensor
   check(out_features > (blocks - 1) * kQ8Block && out_features <= blocks * kQ8Block, "out_features must fit q8's blocks");
   check(scale.is_contiguous() && scale.scalar_type() == at::kHalf && scale.dim() == 3 && scale.size(0) == blocks &&
         scale.size(1) == K / kQ8Group && scale.size(2) == kQ8Block, "scale must be contiguous fp16 (N/16, K/32, 16)");
+  thread_local std::vector<int16_t> xq;  // the activations rounded onto int16 grids
+  thread_local std::vector<float> step, msum;
+  const int64_t groups = K / kQ8Group;
+  xq.resize(tokens * K);
+  step.resize(tokens * groups);
+  msum.resize(tokens * groups);
+  round_activations(x.data_ptr<float>(), tokens, K, false, xq.data(), step.data(), msum.data());
   at::Tensor y = at::empty({tokens, out_features}, x.options());
-  const Q8Args args{q8.data_ptr<int8_t>(), scale.data_ptr<c10::Half>(), x.data_ptr<float>(), y.data_ptr<float>(),
-                    K, out_features, K / kQ8Group};
+  const Q8Args args{q8.data_ptr<int8_t>(), scale.data_ptr<c10::Half>(), xq.data(), step.data(), y.data_ptr<float>(),
+                    K, out_features, groups};
   const bool vector = kQ8Avx512 && !portable;
   at::parallel_for(0, blocks, 4, [&](int64_t b0, int64_t b1) {
     for (int64_t b = b0; b < b1; ++b) {

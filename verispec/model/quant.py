@@ -419,9 +419,9 @@ class RefinedHead(nn.Module):
     def q8_0(cls, scale: torch.Tensor, codes: torch.Tensor) -> "RefinedHead":
         """A GGUF Q8_0 head (w = d * q per block of 32) on verispec's Q8_0 kernel, float32 in
         and out: the part's weights ARE the file's and nothing is rounded to bf16, so the
-        bound is float32 accumulation alone (`q8_0_coef`), ~100x tighter than a bf16 part's,
-        and a row refines a handful of tokens, not hundreds. Without the kernel the bound is
-        infinite: the float32 head itself.
+        bound is the activations' 16-bit grid and float32 accumulation (`q8_0_coef`), ~30x
+        tighter than a bf16 part's, and a row refines tens of tokens, not hundreds. Without
+        the kernel the bound is infinite: the float32 head itself.
         scale: (V, K / 32) float32 block scales (fp16 values); codes: (V, K) int8.
         """
         weight = dequantize_q8_0(scale, codes)
@@ -432,18 +432,22 @@ class RefinedHead(nn.Module):
     def q8_0_coef(weight: torch.Tensor) -> float:
         """B / ||x|| for a Q8_0 part on verispec's kernel, against the float32 head's vecdot.
 
-        With u = 2^-24 (float32's unit roundoff), gamma_n = n u / (1 - n u), and products
-        d q x exact inside a fused multiply-add (d q is exact in float32): the kernel sums a
-        group's 32 terms in two chains of 16 (gamma_16), adds them (one rounding), scales by
-        d in a fused multiply-add and accumulates the G groups (gamma_G more): its error is
-        at most gamma_(G + 17) sum_k |w_k x_k|. The refinement's vecdot sums K products in
-        some order: gamma_K sum_k |w_k x_k|. And sum_k |w_k x_k| <= ||w|| ||x||
-        (Cauchy-Schwarz), so B = (gamma_(G + 17) + gamma_K) max_v ||W[v]|| ||x||; the factor
-        1 + 2^-7 covers gamma's denominator and ||x|| computed in float32.
+        The kernel rounds each group of 32 activations onto a 16-bit grid (kernels.cpp):
+        |x_k - m_k p_g| <= p_g / 2 <= 2^-14 max_g |x|, so the rounded x differs from x by
+        a vector delta with ||delta||^2 <= 32 * 2^-28 * sum_g max_g^2 <= 2^-23 ||x||^2,
+        and |w . delta| <= 2^-11.5 ||w|| ||x|| (Cauchy-Schwarz). Then each group's integer
+        dot product is exact, its conversion to float32 one rounding, and the G fused
+        multiply-adds accumulating d p a are G more: with u = 2^-24 and gamma_n =
+        n u / (1 - n u), at most gamma_(G + 1) sum_k |w_k x'_k| <= gamma_(G + 1) ||w||
+        (1 + 2^-11.5) ||x|| (d p is exact: an fp16 value times a power of two). The
+        refinement's vecdot sums K products in some order: gamma_K ||w|| ||x||. So
+        B = (2^-11.5 + (1 + 2^-11.5) gamma_(G + 1) + gamma_K) max_v ||W[v]|| ||x||; the
+        factor 1 + 2^-7 covers gamma's denominator and ||x|| computed in float32.
         """
         k = weight.shape[1]
-        n = k // INT4_GROUP + 17 + k
-        return (1 + 2.0 ** -7) * n * 2.0 ** -24 * float(weight.norm(dim=1).max())
+        grid = 2.0 ** -11.5
+        accumulate = (1 + grid) * (k // INT4_GROUP + 1) + k
+        return (1 + 2.0 ** -7) * (grid + accumulate * 2.0 ** -24) * float(weight.norm(dim=1).max())
 
     @classmethod
     def bf16(cls, weight: torch.Tensor) -> "RefinedHead":
