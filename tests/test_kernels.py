@@ -91,9 +91,10 @@ def test_silu_mul(dtype, broken):
 
 
 @pytest.mark.parametrize("broken", [False, True])
-def test_decode_attention_reads_exactly_each_rows_context(dtype, broken):
+@pytest.mark.parametrize("d", [32, 64, 128], ids=["d32", "d64 (bf16: AVX-512 path)", "d128 (bf16: AVX-512 path)"])
+def test_decode_attention_reads_exactly_each_rows_context(dtype, broken, d):
     g = torch.Generator().manual_seed(2)
-    slots, heads, kv_heads, d = 64, 6, 2, 32
+    slots, heads, kv_heads = 64, 6, 2
     k_pool, v_pool = (torch.randn(slots, kv_heads, d, generator=g).to(dtype) for _ in range(2))
     lens = torch.tensor([1, 17, 40])
     ctx = torch.zeros(3, 40, dtype=torch.long)

@@ -200,6 +200,9 @@ struct Int4Args {
   int64_t K, N, groups;
 };
 
+// The int4 kernel's order of k within each 8: pair position -> k (see Int4Args::xq).
+constexpr int kPairOrder[8] = {0, 4, 1, 5, 2, 6, 3, 7};
+
 #if defined(__AVX512F__)
 inline __m512 load16(const c10::BFloat16* p) { return load_bf16(p); }
 inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
@@ -250,9 +253,8 @@ void round_activations(const X* x, int64_t tokens, int64_t K, bool pair_order, i
       _mm512_storeu_si512(q, pair_order ? _mm512_permutexvar_epi16(_mm512_load_si512(kOrder), m16) : m16);
       sum = _mm512_reduce_add_epi32(_mm512_add_epi32(mlo, mhi));
 #else
-      static constexpr int kPair[8] = {0, 4, 1, 5, 2, 6, 3, 7};  // pair position -> k within the 8
       for (int64_t k = 0; k < G; ++k) {
-        const float v = static_cast<float>(xg[pair_order ? (k / 8) * 8 + kPair[k % 8] : k]);
+        const float v = static_cast<float>(xg[pair_order ? (k / 8) * 8 + kPairOrder[k % 8] : k]);
         const int32_t m = static_cast<int32_t>(std::nearbyint(v * up * up2));
         q[k] = static_cast<int16_t>(m);
         sum += m;
@@ -264,8 +266,21 @@ void round_activations(const X* x, int64_t tokens, int64_t K, bool pair_order, i
   }
 }
 
+// One call's rounded activations (a caller keeps one thread_local: the buffers are reused).
+struct RoundedActivations {
+  std::vector<int16_t> xq;
+  std::vector<float> step, msum;
+
+  template <typename X>
+  void round(const X* x, int64_t tokens, int64_t K, bool pair_order) {
+    xq.resize(tokens * K);
+    step.resize(tokens * (K / 32));
+    msum.resize(tokens * (K / 32));
+    round_activations(x, tokens, K, pair_order, xq.data(), step.data(), msum.data());
+  }
+};
+
 void int4_block_portable(const Int4Args& a, int64_t blk, int64_t tokens) {
-  static constexpr int kPair[8] = {0, 4, 1, 5, 2, 6, 3, 7};
   const int64_t n0 = blk * kInt4Block;
   const uint8_t* qb = a.q4 + blk * (a.K / 2) * kInt4Block;
   for (int64_t t = 0; t < tokens; ++t)
@@ -275,7 +290,7 @@ void int4_block_portable(const Int4Args& a, int64_t blk, int64_t tokens) {
         const int16_t* m = a.xq + t * a.K + g * kInt4Group;
         int32_t dot = 0;
         for (int64_t i = 0; i < kInt4Group; ++i) {
-          const int64_t k = g * kInt4Group + (i / 8) * 8 + kPair[i % 8];
+          const int64_t k = g * kInt4Group + (i / 8) * 8 + kPairOrder[i % 8];
           const uint8_t byte = qb[(k / 2) * kInt4Block + j];
           dot += static_cast<int32_t>(k % 2 ? byte >> 4 : byte & 15) * m[i];
         }
@@ -309,9 +324,6 @@ void run_tiles(const TileFn<Args> (&tile)[9], const Args& a, int64_t blk, int64_
   for (; t + 8 <= tokens; t += 8) tile[8](a, blk, t);
   if (tokens > t) tile[tokens - t](a, blk, t);
 }
-#endif
-
-#if defined(__AVX512F__)
 
 // The 16 sums of 16 vectors' lanes as one vector (r[i] = sum of v[i]'s lanes), by a tree of
 // shuffles and adds (~45 instructions, where 16 separate reductions take ~130).
@@ -369,65 +381,63 @@ void decode_attention_bf16_avx512(const c10::BFloat16* q, int64_t q_row, int64_t
       const int64_t* sl = slots + row_of[b] * ctx_stride;
       const int64_t n16 = (n + 15) / 16 * 16;
       scores.assign(n16, -INFINITY);
-      {
-        float* sg = scores.data();
-        const c10::BFloat16* qr = q + b * q_row + h * q_head;
+      float* sg = scores.data();
+      const c10::BFloat16* qr = q + b * q_row + h * q_head;
 #if defined(__AVX512BF16__)
-        __m512bh qv[DV / 2];  // q . k as bf16 pairs: the products are exact in float32
-        for (int j = 0; j < DV / 2; ++j) qv[j] = (__m512bh)_mm512_loadu_si512(qr + 32 * j);
+      __m512bh qv[DV / 2];  // q . k as bf16 pairs: the products are exact in float32
+      for (int j = 0; j < DV / 2; ++j) qv[j] = (__m512bh)_mm512_loadu_si512(qr + 32 * j);
 #else
-        __m512 qv[DV];
-        for (int j = 0; j < DV; ++j) qv[j] = load_bf16(qr + 16 * j);
+      __m512 qv[DV];
+      for (int j = 0; j < DV; ++j) qv[j] = load_bf16(qr + 16 * j);
 #endif
-        for (int64_t c0 = 0; c0 < n; c0 += 16) {  // 16 keys at a time: 16 dot products -> one vector
-          const int64_t m = std::min<int64_t>(16, n - c0);
-          __m512 s[16];
-          for (int64_t c = 0; c < 16; ++c) {
-            __m512 acc = _mm512_setzero_ps();
-            if (c < m) {
-              const c10::BFloat16* kr = kp + sl[c0 + c] * slot_stride + kh * d;
+      for (int64_t c0 = 0; c0 < n; c0 += 16) {  // 16 keys at a time: 16 dot products -> one vector
+        const int64_t m = std::min<int64_t>(16, n - c0);
+        __m512 s[16];
+        for (int64_t c = 0; c < 16; ++c) {
+          __m512 acc = _mm512_setzero_ps();
+          if (c < m) {
+            const c10::BFloat16* kr = kp + sl[c0 + c] * slot_stride + kh * d;
 #if defined(__AVX512BF16__)
-              for (int j = 0; j < DV / 2; ++j) acc = _mm512_dpbf16_ps(acc, qv[j], (__m512bh)_mm512_loadu_si512(kr + 32 * j));
+            for (int j = 0; j < DV / 2; ++j) acc = _mm512_dpbf16_ps(acc, qv[j], (__m512bh)_mm512_loadu_si512(kr + 32 * j));
 #else
-              for (int j = 0; j < DV; ++j) acc = _mm512_fmadd_ps(qv[j], load_bf16(kr + 16 * j), acc);
+            for (int j = 0; j < DV; ++j) acc = _mm512_fmadd_ps(qv[j], load_bf16(kr + 16 * j), acc);
 #endif
-            }
-            s[c] = acc;
           }
-          _mm512_mask_storeu_ps(sg + c0, static_cast<__mmask16>((1u << m) - 1),
-                                _mm512_mul_ps(sum_lanes16(s), _mm512_set1_ps(scale)));
+          s[c] = acc;
         }
-        __m512 mx = _mm512_set1_ps(-INFINITY);
-        for (int64_t c = 0; c < n16; c += 16) mx = _mm512_max_ps(mx, _mm512_loadu_ps(sg + c));
-        const __m512 top = _mm512_set1_ps(_mm512_reduce_max_ps(mx));
-        __m512 total = _mm512_setzero_ps();
-        for (int64_t c = 0; c < n16; c += 16) {  // the padding's -inf gives 0
-          const __m512 p = exp_ps(_mm512_sub_ps(_mm512_loadu_ps(sg + c), top));
-          _mm512_storeu_ps(sg + c, p);
-          total = _mm512_add_ps(total, p);
-        }
-        const __m512 inv = _mm512_set1_ps(1.f / _mm512_reduce_add_ps(total));
-        __m512 acc[DV], odd[DV];  // even and odd keys: two chains of dependent FMAs, not one
-        for (int j = 0; j < DV; ++j) acc[j] = odd[j] = _mm512_setzero_ps();
-        int64_t c = 0;
-        for (; c + 1 < n; c += 2) {
-          const c10::BFloat16* v0 = vp + sl[c] * slot_stride + kh * d;
-          const c10::BFloat16* v1 = vp + sl[c + 1] * slot_stride + kh * d;
-          const __m512 p0 = _mm512_set1_ps(sg[c]), p1 = _mm512_set1_ps(sg[c + 1]);
-          for (int j = 0; j < DV; ++j) {
-            acc[j] = _mm512_fmadd_ps(p0, load_bf16(v0 + 16 * j), acc[j]);
-            odd[j] = _mm512_fmadd_ps(p1, load_bf16(v1 + 16 * j), odd[j]);
-          }
-        }
-        if (c < n) {
-          const c10::BFloat16* v0 = vp + sl[c] * slot_stride + kh * d;
-          for (int j = 0; j < DV; ++j) acc[j] = _mm512_fmadd_ps(_mm512_set1_ps(sg[c]), load_bf16(v0 + 16 * j), acc[j]);
-        }
-        for (int j = 0; j < DV; ++j) acc[j] = _mm512_add_ps(acc[j], odd[j]);
-        c10::BFloat16* o = out + (b * heads + h) * d;
-        for (int j = 0; j < DV; ++j)
-          _mm256_storeu_si256(reinterpret_cast<__m256i*>(o + 16 * j), round_bf16(_mm512_mul_ps(acc[j], inv)));
+        _mm512_mask_storeu_ps(sg + c0, static_cast<__mmask16>((1u << m) - 1),
+                              _mm512_mul_ps(sum_lanes16(s), _mm512_set1_ps(scale)));
       }
+      __m512 mx = _mm512_set1_ps(-INFINITY);
+      for (int64_t c = 0; c < n16; c += 16) mx = _mm512_max_ps(mx, _mm512_loadu_ps(sg + c));
+      const __m512 top = _mm512_set1_ps(_mm512_reduce_max_ps(mx));
+      __m512 total = _mm512_setzero_ps();
+      for (int64_t c = 0; c < n16; c += 16) {  // the padding's -inf gives 0
+        const __m512 p = exp_ps(_mm512_sub_ps(_mm512_loadu_ps(sg + c), top));
+        _mm512_storeu_ps(sg + c, p);
+        total = _mm512_add_ps(total, p);
+      }
+      const __m512 inv = _mm512_set1_ps(1.f / _mm512_reduce_add_ps(total));
+      __m512 acc[DV], odd[DV];  // even and odd keys: two chains of dependent FMAs, not one
+      for (int j = 0; j < DV; ++j) acc[j] = odd[j] = _mm512_setzero_ps();
+      int64_t c = 0;
+      for (; c + 1 < n; c += 2) {
+        const c10::BFloat16* v0 = vp + sl[c] * slot_stride + kh * d;
+        const c10::BFloat16* v1 = vp + sl[c + 1] * slot_stride + kh * d;
+        const __m512 p0 = _mm512_set1_ps(sg[c]), p1 = _mm512_set1_ps(sg[c + 1]);
+        for (int j = 0; j < DV; ++j) {
+          acc[j] = _mm512_fmadd_ps(p0, load_bf16(v0 + 16 * j), acc[j]);
+          odd[j] = _mm512_fmadd_ps(p1, load_bf16(v1 + 16 * j), odd[j]);
+        }
+      }
+      if (c < n) {
+        const c10::BFloat16* v0 = vp + sl[c] * slot_stride + kh * d;
+        for (int j = 0; j < DV; ++j) acc[j] = _mm512_fmadd_ps(_mm512_set1_ps(sg[c]), load_bf16(v0 + 16 * j), acc[j]);
+      }
+      for (int j = 0; j < DV; ++j) acc[j] = _mm512_add_ps(acc[j], odd[j]);
+      c10::BFloat16* o = out + (b * heads + h) * d;
+      for (int j = 0; j < DV; ++j)
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(o + 16 * j), round_bf16(_mm512_mul_ps(acc[j], inv)));
     }
   });
 }
@@ -837,17 +847,12 @@ at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& q4, const at::Tens
           bias->scalar_type() == at::kBFloat16, "bias must be contiguous bf16 (N,)");
     bias_p = bias->data_ptr<c10::BFloat16>();
   }
-  // the activations rounded onto int16 grids (buffers reused across calls)
-  thread_local std::vector<int16_t> xq;
-  thread_local std::vector<float> step, msum;
+  thread_local RoundedActivations r;
+  r.round(x.data_ptr<c10::BFloat16>(), tokens, K, true);
   const int64_t groups = K / kInt4Group;
-  xq.resize(tokens * K);
-  step.resize(tokens * groups);
-  msum.resize(tokens * groups);
-  round_activations(x.data_ptr<c10::BFloat16>(), tokens, K, true, xq.data(), step.data(), msum.data());
   at::Tensor y = at::empty({tokens, out_features}, x.options());
   const Int4Args args{q4.data_ptr<uint8_t>(), scale.data_ptr<c10::Half>(), min.data_ptr<c10::Half>(), bias_p,
-                      xq.data(), step.data(), msum.data(), y.data_ptr<c10::BFloat16>(), K, out_features, groups};
+                      r.xq.data(), r.step.data(), r.msum.data(), y.data_ptr<c10::BFloat16>(), K, out_features, groups};
   const bool vector = kInt4Avx512 && !portable;
   at::parallel_for(0, blocks, 4, [&](int64_t b0, int64_t b1) {
     for (int64_t b = b0; b < b1; ++b) {
@@ -869,16 +874,12 @@ at::Tensor q8_linear(const at::Tensor& x, const at::Tensor& q8, const at::Tensor
   check(out_features > (blocks - 1) * kQ8Block && out_features <= blocks * kQ8Block, "out_features must fit q8's blocks");
   check(scale.is_contiguous() && scale.scalar_type() == at::kHalf && scale.dim() == 3 && scale.size(0) == blocks &&
         scale.size(1) == K / kQ8Group && scale.size(2) == kQ8Block, "scale must be contiguous fp16 (N/16, K/32, 16)");
-  thread_local std::vector<int16_t> xq;  // the activations rounded onto int16 grids
-  thread_local std::vector<float> step, msum;
+  thread_local RoundedActivations r;
+  r.round(x.data_ptr<float>(), tokens, K, false);
   const int64_t groups = K / kQ8Group;
-  xq.resize(tokens * K);
-  step.resize(tokens * groups);
-  msum.resize(tokens * groups);
-  round_activations(x.data_ptr<float>(), tokens, K, false, xq.data(), step.data(), msum.data());
   at::Tensor y = at::empty({tokens, out_features}, x.options());
-  const Q8Args args{q8.data_ptr<int8_t>(), scale.data_ptr<c10::Half>(), xq.data(), step.data(), y.data_ptr<float>(),
-                    K, out_features, groups};
+  const Q8Args args{q8.data_ptr<int8_t>(), scale.data_ptr<c10::Half>(), r.xq.data(), r.step.data(),
+                    y.data_ptr<float>(), K, out_features, groups};
   const bool vector = kQ8Avx512 && !portable;
   at::parallel_for(0, blocks, 4, [&](int64_t b0, int64_t b1) {
     for (int64_t b = b0; b < b1; ++b) {

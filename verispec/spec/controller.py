@@ -476,10 +476,12 @@ class _Speed:
         if abs(shift) > self.deadband:  # a sustained change of pace, not noise
             move = math.exp(self.weight * shift)
             self.factor *= move
-            counts: dict = {}
-            for r, t, c in self._recent:  # the timings that showed it were stored at the old pace
-                if abs(r - shift) < abs(r):  # (not those from before it began)
-                    counts[id(c)] = (t, c, counts.get(id(c), (t, c, 0))[2] + 1)
+            # the timings that showed it (not those from before it began) were stored at the
+            # old pace: restate each cell's latest that many
+            counts: dict[int, list] = {}
+            for r, t, c in self._recent:
+                if abs(r - shift) < abs(r):
+                    counts.setdefault(id(c), [t, c, 0])[2] += 1
             for t, c, n in counts.values():
                 t.rescale(1.0 / move, c, n)
             self._recent.clear()
