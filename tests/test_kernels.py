@@ -91,7 +91,7 @@ def test_silu_mul(dtype, broken):
 
 
 @pytest.mark.parametrize("broken", [False, True])
-@pytest.mark.parametrize("d", [32, 64, 128], ids=["d32", "d64 (bf16: AVX-512 path)", "d128 (bf16: AVX-512 path)"])
+@pytest.mark.parametrize("d", [32, 64, 128], ids=["d32", "d64 (bf16: vector path)", "d128 (bf16: vector path)"])
 def test_decode_attention_reads_exactly_each_rows_context(dtype, broken, d):
     g = torch.Generator().manual_seed(2)
     slots, heads, kv_heads = 64, 6, 2
@@ -148,7 +148,7 @@ def _activation_grid_error(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return half_step @ wg.t()                                   # (T, N)
 
 
-@pytest.mark.skipif(not OPS.int4_avx512, reason="no AVX-512 here: layers use PyTorch's int4 kernel")
+@pytest.mark.skipif(not OPS.int4_vector, reason="no AVX-512 or AVX2 here: layers use PyTorch's int4 kernel")
 @pytest.mark.parametrize("broken", [False, True], ids=["ok", "nibbles swapped"])
 @pytest.mark.parametrize("bias", [True, False])
 def test_int4_linear_computes_the_stored_weights(bias, broken):
@@ -174,7 +174,7 @@ def test_int4_linear_computes_the_stored_weights(bias, broken):
         assert not bool((err <= want.abs() * 2 ** -9 + accumulate).all())
 
 
-@pytest.mark.skipif(not OPS.int4_avx512, reason="no AVX-512 here")
+@pytest.mark.skipif(not OPS.int4_vector, reason="no AVX-512 or AVX2 here")
 def test_int4_linear_a_non_finite_activation_makes_its_rows_nan():
     layer = _int4_layer(seed=3)
     x = torch.randn(3, 96).bfloat16()
@@ -185,7 +185,7 @@ def test_int4_linear_a_non_finite_activation_makes_its_rows_nan():
         assert bool(got[0].isfinite().all()) and bool(got[1:].isnan().all())
 
 
-@pytest.mark.skipif(not OPS.int4_avx512, reason="no AVX-512 here")
+@pytest.mark.skipif(not OPS.int4_vector, reason="no AVX-512 or AVX2 here")
 def test_int4_linear_rows_do_not_depend_on_the_pass():
     """Bit for bit: each token's output is the same alone, in any pass width (the AVX-512
     path's tiles of 1..8 tokens), and on the portable loop: a verify pass and a plain step
@@ -204,7 +204,7 @@ def test_int4_linear_rows_do_not_depend_on_the_pass():
     assert not torch.equal(OPS.int4_linear(x, q4, layer.scale, layer.min, 72, layer.bias), full)
 
 
-@pytest.mark.skipif(not (OPS.int4_avx512 and OPS.bf16_avx512), reason="no AVX-512 here")
+@pytest.mark.skipif(not (OPS.int4_vector and OPS.bf16_vector), reason="no AVX-512 or AVX2 here")
 def test_vector_paths_round_subnormal_outputs_like_the_portable_loops():
     """Outputs below float32's normal range (|y| < 2^-126) round to bf16 subnormals, as
     c10::BFloat16 rounds them: _mm512_cvtneps_pbh would flush them to zero and the two
@@ -261,7 +261,7 @@ def _pairs_swapped(w16: torch.Tensor) -> torch.Tensor:
 BF16_SHAPES = [(16, 2), (40, 97), (33, 160), (72, 1538)]
 
 
-@pytest.mark.skipif(not OPS.bf16_avx512, reason="no AVX-512 here: layers use PyTorch's matmul")
+@pytest.mark.skipif(not OPS.bf16_vector, reason="no AVX-512 or AVX2 here: layers use PyTorch's matmul")
 @pytest.mark.parametrize("bias", [True, False])
 @pytest.mark.parametrize("n,k", BF16_SHAPES)
 @pytest.mark.parametrize("data", ["random", "cancelling"])
@@ -298,7 +298,7 @@ def test_bf16_linear_computes_the_weights(n, k, broken):
     assert bool(exact.all()) != broken and bool(near_torch.all()) != broken
 
 
-@pytest.mark.skipif(not OPS.bf16_avx512, reason="no AVX-512 here")
+@pytest.mark.skipif(not OPS.bf16_vector, reason="no AVX-512 or AVX2 here")
 def test_bf16_linear_rows_do_not_depend_on_the_pass():
     """Bit for bit: token i's output alone, in passes of 3 and 7, and in one pass of 21 (the
     AVX-512 path's tiles of 1..8 tokens): a verify pass and a plain step compute the same numbers."""
@@ -387,7 +387,7 @@ def test_q8_linear_computes_the_blocks_in_float32(n, k, broken):
     assert bool(ok.all()) != broken
 
 
-@pytest.mark.skipif(not OPS.q8_avx512, reason="no AVX-512 here: the head runs PyTorch's float32 matmul")
+@pytest.mark.skipif(not OPS.q8_vector, reason="no AVX-512 or AVX2 here: the head runs PyTorch's float32 matmul")
 def test_q8_linear_rows_do_not_depend_on_the_pass():
     """Bit for bit: the portable loop, and each token alone, in passes of 3 and 5, and in one
     of 21 (tiles of 1..8): a verify pass and a plain step compute the same logits."""
@@ -493,7 +493,7 @@ def _packed_tiny_model(fmt: str) -> LlamaModel:
     return model
 
 
-@pytest.mark.skipif(not (OPS.int4_avx512 and OPS.bf16_avx512), reason="no AVX-512 here: no packed layers")
+@pytest.mark.skipif(not (OPS.int4_vector and OPS.bf16_vector), reason="no AVX-512 or AVX2 here: no packed layers")
 @pytest.mark.parametrize("fmt", ["int4", "bf16"])
 def test_decoder_stack_equals_the_per_layer_path(fmt):
     """Decode and verify rows, every query in the attention kernel: the layers in one C++
@@ -544,3 +544,35 @@ class BrokenOps:
     def __getattr__(self, name):
         return getattr(OPS, name)
 
+
+
+@pytest.mark.parametrize("broken", [False, True], ids=["ok", "bound ignored"])
+def test_refine_head_recomputes_exactly_the_logits_near_each_rows_largest(broken):
+    """Against RefinedHead's selection in PyTorch: the same candidates (within 2 bounds of
+    each row's largest approximate logit) recomputed as float32 dot products, every other
+    logit untouched, the count returned; over max_count it says so (-1). Each row's two
+    best tokens are 0.05 apart and the approximation (off by <= 0.1, inside the bound)
+    swaps them: broken (the bound taken as 0) refines only the approximate best, and the
+    row's true argmax is missed."""
+    g = torch.Generator().manual_seed(5)
+    weight, x = torch.randn(1000, 64, generator=g), torch.randn(3, 64, generator=g)
+    for r in range(3):  # the row's runner-up moved to 0.05 below its best
+        top2 = (x[r] @ weight.t()).topk(2).indices
+        weight[top2[1]] += ((x[r] @ weight[top2[0]]) - 0.05 - x[r] @ weight[top2[1]]) * x[r] / x[r].dot(x[r])
+    exact = x @ weight.t()
+    approx = exact + 0.05 * (2 * torch.rand(exact.shape, generator=g) - 1)
+    for r in range(3):
+        a, b = exact[r].topk(2).indices
+        assert float(exact[r, a] - exact[r, b]) < 0.06
+        approx[r, a], approx[r, b] = exact[r, a] - 0.1, exact[r, b] + 0.1
+    assert not torch.equal(approx.argmax(-1), exact.argmax(-1))
+    coef = 0.0 if broken else 0.1 / float(x.norm(dim=-1).min())    # bound >= 0.1 >= the error
+    bound = coef * x.norm(dim=-1) + 1e-3
+    want = approx >= (approx.amax(-1) - 2 * bound)[:, None]
+    got = approx.clone()
+    n = OPS.refine_head(got, x, weight, coef, 1000)
+    assert n == int(want.sum()) and bool(((got != approx) <= want).all())
+    assert torch.allclose(got[want], exact[want], rtol=1e-5, atol=1e-5)
+    assert torch.equal(got[~want], approx[~want])
+    assert torch.equal(got.argmax(-1), exact.argmax(-1)) != broken
+    assert OPS.refine_head(approx.clone(), x, weight, coef, n - 1) == -1

@@ -142,7 +142,7 @@ def test_refined_head_error_bound_holds(kind):
     assert ((approx - exact).abs().amax(-1) <= bound).all()
 
 
-@pytest.mark.skipif(not kernels.load(required=True).q8_avx512, reason="no AVX-512 here: no Q8_0 kernel")
+@pytest.mark.skipif(not kernels.load(required=True).q8_vector, reason="no AVX-512 or AVX2 here: no Q8_0 kernel")
 def test_q8_0_head_bound_covers_cancelling_float32_sums():
     """Chains that carry a large partial sum and cancel: the kernel's and vecdot's float32
     roundings add up to several units of 2^-24 |w| |x|, which a bound of one rounding misses
@@ -343,7 +343,7 @@ def test_default_q8_0_head_error_bound_holds(default_model, own_kernel):
         assert torch.equal(head(x), F.linear(x, head.weight))
         return
     ops = kernels.load(required=True)
-    if not ops.q8_avx512:
+    if not ops.q8_vector:
         pytest.skip("no AVX-512 here: the head is the float32 head")
     head.parts[0].kernels = ops
     error = (head.parts[0](x).double() - x.double() @ head.weight.double().t()).abs().amax(-1)

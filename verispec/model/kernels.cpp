@@ -12,8 +12,11 @@
 #include <immintrin.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
+#include <cstring>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -43,6 +46,58 @@ inline __m512 load_bf16(const c10::BFloat16* p) {
 }
 #endif
 
+#if defined(__AVX2__) && defined(__FMA__)
+// float32 -> bf16 bits (in the low 16 bits of each 32-bit lane), exactly as
+// c10::BFloat16(float) rounds: nearest even, no flush of denormals, NaN -> 0x7FC0.
+inline __m256i bf16_bits_avx2(__m256 v) {
+  const __m256i u = _mm256_castps_si256(v);
+  const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+  const __m256i r = _mm256_srli_epi32(_mm256_add_epi32(u, _mm256_add_epi32(odd, _mm256_set1_epi32(0x7FFF))), 16);
+  return _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7FC0), _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q)));
+}
+
+// The same as 8 packed bf16, and as float32 values (v rounded to bf16, exactly).
+inline __m128i round_bf16_avx2(__m256 v) {
+  const __m256i r = bf16_bits_avx2(v);
+  return _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1));
+}
+inline __m256 as_bf16_avx2(__m256 v) { return _mm256_castsi256_ps(_mm256_slli_epi32(bf16_bits_avx2(v), 16)); }
+inline void store_bf16_avx2(c10::BFloat16* p, __m256 v) {
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(p), round_bf16_avx2(v));
+}
+
+inline float sum_lanes(__m256 v) {
+  const __m128 h = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  const __m128 q = _mm_add_ps(h, _mm_movehl_ps(h, h));
+  return _mm_cvtss_f32(_mm_add_ss(q, _mm_movehdup_ps(q)));
+}
+
+// 8 bf16 -> float32 (the 16 bits moved to the top: exact)
+inline __m256 load_bf16_avx2(const c10::BFloat16* p) {
+  return _mm256_castsi256_ps(
+      _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))), 16));
+}
+
+// exp(x) in float32 for softmax's shifted scores (x <= 0; below -87, where exp(x) is below
+// float32's normal range, exactly 0; NaN stays NaN), within ~2 ulp: the Cephes expf
+// polynomial, as exp_ps (the AVX-512 form, below), 2^n built in the exponent bits.
+inline __m256 exp_ps_avx2(__m256 x) {
+  const __m256 live = _mm256_cmp_ps(x, _mm256_set1_ps(-87.f), _CMP_NLT_UQ);  // else 0 (-inf too)
+  x = _mm256_max_ps(_mm256_set1_ps(-87.f), x);  // (max returns its second operand, x, for NaN)
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+  for (float c : {1.3981999507e-3f, 8.3334519073e-3f, 4.1665795894e-2f, 1.6666665459e-1f, 5.0000001201e-1f})
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(c));
+  p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.f)));
+  const __m256i pow2 = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_and_ps(live, _mm256_mul_ps(p, _mm256_castsi256_ps(pow2)));
+}
+
+#endif
+
 // x <- x + delta (rounded to T, as `x + delta` is), h <- rms_norm(x) * w (accumulated in
 // float32, rounded once, as F.rms_norm is). x, delta, h: (rows, n) contiguous.
 template <typename T>
@@ -54,14 +109,34 @@ void add_rms_norm_impl(T* x, const T* delta, const T* w, T* h, int64_t rows, int
       const T* dr = delta + r * n;
       T* hr = h + r * n;
       float ss = 0.f;
-      for (int64_t i = 0; i < n; ++i) {
+      int64_t i = 0;
+#if defined(__AVX2__) && defined(__FMA__)
+      if constexpr (std::is_same_v<T, c10::BFloat16>) {  // the same roundings, 8 at a time
+        __m256 acc = _mm256_setzero_ps();
+        for (; i + 8 <= n; i += 8) {
+          const __m256 sum = as_bf16_avx2(_mm256_add_ps(load_bf16_avx2(xr + i), load_bf16_avx2(dr + i)));
+          store_bf16_avx2(xr + i, sum);
+          _mm256_storeu_ps(xs.data() + i, sum);
+          acc = _mm256_fmadd_ps(sum, sum, acc);
+        }
+        ss = sum_lanes(acc);
+      }
+#endif
+      for (; i < n; ++i) {
         T sum = static_cast<T>(f32(xr[i]) + f32(dr[i]));
         xr[i] = sum;
         xs[i] = f32(sum);
         ss += xs[i] * xs[i];
       }
       float rstd = 1.f / std::sqrt(ss / static_cast<float>(n) + eps);
-      for (int64_t i = 0; i < n; ++i) hr[i] = static_cast<T>(xs[i] * rstd * f32(w[i]));
+      i = 0;
+#if defined(__AVX2__) && defined(__FMA__)
+      if constexpr (std::is_same_v<T, c10::BFloat16>)
+        for (; i + 8 <= n; i += 8)
+          store_bf16_avx2(hr + i, _mm256_mul_ps(_mm256_mul_ps(_mm256_loadu_ps(xs.data() + i), _mm256_set1_ps(rstd)),
+                                                load_bf16_avx2(w + i)));
+#endif
+      for (; i < n; ++i) hr[i] = static_cast<T>(xs[i] * rstd * f32(w[i]));
     }
   });
 }
@@ -79,6 +154,20 @@ void rotary_impl(T* x, int64_t tokens, int64_t heads, int64_t d, int64_t s_tok, 
       T* xr = x + t * s_tok + hd * s_head;
       const T* c = cos + t * d;
       const T* s = sin + t * d;
+#if defined(__AVX2__) && defined(__FMA__)
+      if constexpr (std::is_same_v<T, c10::BFloat16>) {  // the same roundings, 8 pairs at a time
+        if (half % 8 == 0) {
+          for (int64_t j = 0; j < half; j += 8) {
+            const __m256 lo = load_bf16_avx2(xr + j), hi = load_bf16_avx2(xr + j + half);
+            const __m256 a = as_bf16_avx2(_mm256_mul_ps(lo, load_bf16_avx2(c + j)));
+            const __m256 b = as_bf16_avx2(_mm256_mul_ps(hi, load_bf16_avx2(c + j + half)));
+            store_bf16_avx2(xr + j, _mm256_fmadd_ps(hi, load_bf16_avx2(s + j), a));
+            store_bf16_avx2(xr + j + half, _mm256_fmadd_ps(lo, load_bf16_avx2(s + j + half), b));
+          }
+          continue;
+        }
+      }
+#endif
       for (int64_t j = 0; j < d; ++j) row[j] = f32(xr[j]);
       for (int64_t j = 0; j < d; ++j) {
         const float swapped = row[j < half ? j + half : j - half];
@@ -98,7 +187,19 @@ void silu_mul_impl(const T* gu, T* out, int64_t rows, int64_t n) {
       const T* g = gu + r * 2 * n;
       const T* u = g + n;
       T* o = out + r * n;
-      for (int64_t i = 0; i < n; ++i) {
+      int64_t i = 0;
+#if defined(__AVX2__) && defined(__FMA__)
+      if constexpr (std::is_same_v<T, c10::BFloat16>) {  // silu(x) = x / (1 + e^-x) = x e^x / (1 + e^x)
+        for (; i + 8 <= n; i += 8) {
+          const __m256 x = load_bf16_avx2(g + i);
+          const __m256 e = exp_ps_avx2(_mm256_min_ps(x, _mm256_sub_ps(_mm256_setzero_ps(), x)));  // e^-|x|
+          const __m256 num = _mm256_blendv_ps(x, _mm256_mul_ps(x, e), x);  // x < 0: x e^x
+          const __m256 a = as_bf16_avx2(_mm256_div_ps(num, _mm256_add_ps(_mm256_set1_ps(1.f), e)));
+          store_bf16_avx2(o + i, _mm256_mul_ps(a, load_bf16_avx2(u + i)));
+        }
+      }
+#endif
+      for (; i < n; ++i) {
         const float x = f32(g[i]);
         const float a = f32(static_cast<T>(x / (1.f + std::exp(-x))));
         o[i] = static_cast<T>(a * f32(u[i]));
@@ -206,11 +307,14 @@ constexpr int kPairOrder[8] = {0, 4, 1, 5, 2, 6, 3, 7};
 #if defined(__AVX512F__)
 inline __m512 load16(const c10::BFloat16* p) { return load_bf16(p); }
 inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+#elif defined(__AVX2__) && defined(__FMA__)
+inline __m256 load8(const c10::BFloat16* p) { return load_bf16_avx2(p); }
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
 #endif
 
 // Rounds x (T, K) (bf16 or float32) onto the grid above: xq (T, K), step and msum (T, K / 32).
 // `pair_order`: within each 8 k the int4 kernel's pairing (k0, k4, k1, k5, ...); else k order.
-// (With AVX-512 the same products and the same round-to-nearest-even, 32 values at a time.)
+// (With AVX-512 or AVX2 the same products and the same round-to-nearest-even, 16 or 8 at a time.)
 template <typename X>
 void round_activations(const X* x, int64_t tokens, int64_t K, bool pair_order, int16_t* xq, float* step,
                        float* msum) {
@@ -223,6 +327,18 @@ void round_activations(const X* x, int64_t tokens, int64_t K, bool pair_order, i
     const __m512 lo = load16(xg), hi = load16(xg + 16);
     const bool finite = !(_mm512_fpclass_ps_mask(lo, 0x99) | _mm512_fpclass_ps_mask(hi, 0x99));  // NaN, inf
     const float big = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(lo), _mm512_abs_ps(hi)));
+#elif defined(__AVX2__) && defined(__FMA__)
+    __m256 v[4], top = _mm256_setzero_ps(), ok = _mm256_castsi256_ps(_mm256_set1_epi32(-1));
+    for (int j = 0; j < 4; ++j) {
+      v[j] = load8(xg + 8 * j);
+      const __m256 mag = _mm256_andnot_ps(_mm256_set1_ps(-0.f), v[j]);
+      ok = _mm256_and_ps(ok, _mm256_cmp_ps(mag, _mm256_set1_ps(std::numeric_limits<float>::max()), _CMP_LE_OQ));
+      top = _mm256_max_ps(top, mag);
+    }
+    const bool finite = _mm256_movemask_ps(ok) == 0xFF;  // no NaN, no inf
+    alignas(32) float tops[8];
+    _mm256_store_ps(tops, top);
+    const float big = *std::max_element(tops, tops + 8);
 #else
     float big = 0.f;
     bool finite = true;
@@ -252,6 +368,19 @@ void round_activations(const X* x, int64_t tokens, int64_t K, bool pair_order, i
                                              _mm512_cvtepi32_epi16(mhi), 1);
       _mm512_storeu_si512(q, pair_order ? _mm512_permutexvar_epi16(_mm512_load_si512(kOrder), m16) : m16);
       sum = _mm512_reduce_add_epi32(_mm512_add_epi32(mlo, mhi));
+#elif defined(__AVX2__) && defined(__FMA__)
+      // round to nearest even (MXCSR's default, as nearbyint), narrow, then the pair order
+      __m256i total = _mm256_setzero_si256();
+      for (int j = 0; j < 4; ++j) {
+        const __m256i m = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_mul_ps(v[j], _mm256_set1_ps(up)), _mm256_set1_ps(up2)));
+        total = _mm256_add_epi32(total, m);
+        const __m128i m16 = _mm_packs_epi32(_mm256_castsi256_si128(m), _mm256_extracti128_si256(m, 1));  // k order
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(q + 8 * j),
+                         pair_order ? _mm_unpacklo_epi16(m16, _mm_srli_si128(m16, 8)) : m16);
+      }
+      alignas(32) int32_t sums[8];
+      _mm256_store_si256(reinterpret_cast<__m256i*>(sums), total);
+      for (int32_t part : sums) sum += part;
 #else
       for (int64_t k = 0; k < G; ++k) {
         const float v = static_cast<float>(xg[pair_order ? (k / 8) * 8 + kPairOrder[k % 8] : k]);
@@ -303,6 +432,17 @@ void int4_block_portable(const Int4Args& a, int64_t blk, int64_t tokens) {
     }
 }
 
+// A block's tokens in tiles of Max, then one tile of the rest (tile[n] runs n tokens).
+template <typename Args>
+using TileFn = void (*)(const Args&, int64_t, int64_t);
+
+template <int Max, typename Args>
+void run_tiles(const TileFn<Args> (&tile)[Max + 1], const Args& a, int64_t blk, int64_t tokens) {
+  int64_t t = 0;
+  for (; t + Max <= tokens; t += Max) tile[Max](a, blk, t);
+  if (tokens > t) tile[tokens - t](a, blk, t);
+}
+
 #if defined(__AVX512F__)
 // float32 -> bf16 bits in the low half of each lane, exactly as c10::BFloat16(float) rounds
 // (nearest even, no flush of denormals, NaN -> 0x7FC0); _mm512_cvtneps_pbh flushes denormals.
@@ -312,17 +452,6 @@ inline __m256i round_bf16(__m512 v) {
   const __m512i up = _mm512_add_epi32(u, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7FFF)));
   const __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
   return _mm512_cvtepi32_epi16(_mm512_mask_mov_epi32(_mm512_srli_epi32(up, 16), nan, _mm512_set1_epi32(0x7FC0)));
-}
-
-// A block's tokens in tiles of 8, then one tile of the rest (tile[n] runs n tokens).
-template <typename Args>
-using TileFn = void (*)(const Args&, int64_t, int64_t);
-
-template <typename Args>
-void run_tiles(const TileFn<Args> (&tile)[9], const Args& a, int64_t blk, int64_t tokens) {
-  int64_t t = 0;
-  for (; t + 8 <= tokens; t += 8) tile[8](a, blk, t);
-  if (tokens > t) tile[tokens - t](a, blk, t);
 }
 
 // The 16 sums of 16 vectors' lanes as one vector (r[i] = sum of v[i]'s lanes), by a tree of
@@ -443,6 +572,106 @@ void decode_attention_bf16_avx512(const c10::BFloat16* q, int64_t q_row, int64_t
 }
 #endif
 
+#if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__)
+// 16 bf16 as two float32 vectors, exactly, in the order (0-3, 8-11) and (4-7, 12-15): the
+// 16 bits moved to the top by in-lane interleaves with zero (no cross-lane shuffle). q, keys
+// and values all use this order, and packing the two halves' bf16 bits back restores it.
+inline void load_bf16x16_interleaved(const c10::BFloat16* p, __m256& lo, __m256& hi) {
+  const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  lo = _mm256_castsi256_ps(_mm256_unpacklo_epi16(_mm256_setzero_si256(), v));
+  hi = _mm256_castsi256_ps(_mm256_unpackhi_epi16(_mm256_setzero_si256(), v));
+}
+
+// The sums of 8 vectors' lanes as one vector (r[i] = sum of v[i]'s lanes).
+inline __m256 sum_lanes8(const __m256 (&v)[8]) {
+  const __m256 a = _mm256_hadd_ps(_mm256_hadd_ps(v[0], v[1]), _mm256_hadd_ps(v[2], v[3]));
+  const __m256 b = _mm256_hadd_ps(_mm256_hadd_ps(v[4], v[5]), _mm256_hadd_ps(v[6], v[7]));
+  return _mm256_add_ps(_mm256_permute2f128_ps(a, b, 0x20), _mm256_permute2f128_ps(a, b, 0x31));
+}
+
+// decode_attention_impl for bf16 with D = 16 DV (64 or 128), as decode_attention_bf16_avx512:
+// one work item is one query's head; dot products 8 keys at a time.
+template <int DV>
+void decode_attention_bf16_avx2(const c10::BFloat16* q, int64_t q_row, int64_t q_head,
+                                const c10::BFloat16* kp, const c10::BFloat16* vp, const int64_t* slots,
+                                const int64_t* row_of, const int64_t* lens, c10::BFloat16* out, int64_t rows,
+                                int64_t heads, int64_t kv_heads, int64_t ctx_stride, float scale) {
+  constexpr int64_t d = 16 * DV;
+  const int64_t per_kv = heads / kv_heads, slot_stride = kv_heads * d;
+  int64_t work = 0;
+  for (int64_t b = 0; b < rows; ++b) work += lens[b];
+  const int64_t items = rows * heads;
+  const int64_t grain = work * heads * d < 65536 ? items : 1;  // small: one thread
+  at::parallel_for(0, items, grain, [&](int64_t i0, int64_t i1) {
+    std::vector<float> scores;
+    for (int64_t i = i0; i < i1; ++i) {
+      const int64_t b = i / heads, h = i % heads, kh = h / per_kv, n = lens[b];
+      const int64_t* sl = slots + row_of[b] * ctx_stride;
+      const int64_t n8 = (n + 7) / 8 * 8;
+      scores.assign(n8, -INFINITY);
+      float* sg = scores.data();
+      __m256 qv[2 * DV];
+      for (int j = 0; j < DV; ++j) load_bf16x16_interleaved(q + b * q_row + h * q_head + 16 * j, qv[2 * j], qv[2 * j + 1]);
+      for (int64_t c0 = 0; c0 < n; c0 += 8) {  // 8 keys at a time: 8 dot products -> one vector
+        const int64_t m = std::min<int64_t>(8, n - c0);
+        __m256 s[8];
+        for (int64_t c = 0; c < 8; ++c) {
+          __m256 acc = _mm256_setzero_ps(), acc2 = _mm256_setzero_ps();
+          if (c < m) {
+            const c10::BFloat16* kr = kp + sl[c0 + c] * slot_stride + kh * d;
+            for (int j = 0; j < DV; ++j) {
+              __m256 lo, hi;
+              load_bf16x16_interleaved(kr + 16 * j, lo, hi);
+              acc = _mm256_fmadd_ps(qv[2 * j], lo, acc);
+              acc2 = _mm256_fmadd_ps(qv[2 * j + 1], hi, acc2);
+            }
+          }
+          s[c] = _mm256_add_ps(acc, acc2);
+        }
+        const __m256 sc = _mm256_mul_ps(sum_lanes8(s), _mm256_set1_ps(scale));
+        if (m == 8) {
+          _mm256_storeu_ps(sg + c0, sc);
+        } else {
+          alignas(32) float tmp[8];
+          _mm256_store_ps(tmp, sc);
+          std::copy(tmp, tmp + m, sg + c0);
+        }
+      }
+      __m256 mx = _mm256_set1_ps(-INFINITY);
+      for (int64_t c = 0; c < n8; c += 8) mx = _mm256_max_ps(mx, _mm256_loadu_ps(sg + c));
+      alignas(32) float lanes[8];
+      _mm256_store_ps(lanes, mx);
+      const __m256 top = _mm256_set1_ps(*std::max_element(lanes, lanes + 8));
+      __m256 total = _mm256_setzero_ps();
+      for (int64_t c = 0; c < n8; c += 8) {  // the padding's -inf gives 0
+        const __m256 p = exp_ps_avx2(_mm256_sub_ps(_mm256_loadu_ps(sg + c), top));
+        _mm256_storeu_ps(sg + c, p);
+        total = _mm256_add_ps(total, p);
+      }
+      const __m256 inv = _mm256_set1_ps(1.f / sum_lanes(total));
+      __m256 acc[2 * DV];
+      for (int j = 0; j < 2 * DV; ++j) acc[j] = _mm256_setzero_ps();
+      for (int64_t c = 0; c < n; ++c) {
+        const c10::BFloat16* vr = vp + sl[c] * slot_stride + kh * d;
+        const __m256 p = _mm256_set1_ps(sg[c]);
+        for (int j = 0; j < DV; ++j) {
+          __m256 lo, hi;
+          load_bf16x16_interleaved(vr + 16 * j, lo, hi);
+          acc[2 * j] = _mm256_fmadd_ps(p, lo, acc[2 * j]);
+          acc[2 * j + 1] = _mm256_fmadd_ps(p, hi, acc[2 * j + 1]);
+        }
+      }
+      c10::BFloat16* o = out + (b * heads + h) * d;
+      for (int j = 0; j < DV; ++j) {  // bf16 bits of both halves, packed back into element order
+        const __m256 lo = _mm256_mul_ps(acc[2 * j], inv), hi = _mm256_mul_ps(acc[2 * j + 1], inv);
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(o + 16 * j),
+                            _mm256_packus_epi32(bf16_bits_avx2(lo), bf16_bits_avx2(hi)));
+      }
+    }
+  });
+}
+#endif
+
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VBMI__)
 // acc + the dot products of the int16 pairs in each 32-bit lane (exact: integers).
 inline __m512i dot_pairs(__m512i acc, __m512i w, __m512i x) {
@@ -523,7 +752,7 @@ void int4_block_avx512(const Int4Args& a, int64_t blk, int64_t tokens) {
   static const TileFn<Int4Args> tile[9] = {nullptr, int4_tile_avx512<1>, int4_tile_avx512<2>, int4_tile_avx512<3>,
                                            int4_tile_avx512<4>, int4_tile_avx512<5>, int4_tile_avx512<6>,
                                            int4_tile_avx512<7>, int4_tile_avx512<8>};
-  run_tiles(tile, a, blk, tokens);
+  run_tiles<8>(tile, a, blk, tokens);
 }
 constexpr bool kInt4Avx512 = true;
 #else
@@ -625,7 +854,7 @@ void q8_block_avx512(const Q8Args& a, int64_t blk, int64_t tokens) {
   static const TileFn<Q8Args> tile[9] = {nullptr, q8_tile_avx512<1>, q8_tile_avx512<2>, q8_tile_avx512<3>,
                                          q8_tile_avx512<4>, q8_tile_avx512<5>, q8_tile_avx512<6>,
                                          q8_tile_avx512<7>, q8_tile_avx512<8>};
-  run_tiles(tile, a, blk, tokens);
+  run_tiles<8>(tile, a, blk, tokens);
 }
 constexpr bool kQ8Avx512 = true;
 #else
@@ -709,13 +938,218 @@ void bf16_block_avx512(const Bf16Args& a, int64_t blk, int64_t tokens) {
   static const TileFn<Bf16Args> tile[9] = {nullptr, bf16_tile_avx512<1>, bf16_tile_avx512<2>, bf16_tile_avx512<3>,
                                            bf16_tile_avx512<4>, bf16_tile_avx512<5>, bf16_tile_avx512<6>,
                                            bf16_tile_avx512<7>, bf16_tile_avx512<8>};
-  run_tiles(tile, a, blk, tokens);
+  run_tiles<8>(tile, a, blk, tokens);
 }
 constexpr bool kBf16Avx512 = true;
 #else
 void bf16_block_avx512(const Bf16Args&, int64_t, int64_t) {}
 constexpr bool kBf16Avx512 = false;
 #endif
+
+// --- AVX2 paths (CPUs without AVX-512: AVX2, FMA and F16C) ------------------------------------
+//
+// The same arithmetic as the AVX-512 paths above, 8 lanes at a time: the int4 and Q8_0
+// kernels' integer dot products (16-bit pairs, _mm256_madd_epi16: exact, so bit-identical to
+// the portable loops) and the bf16 kernel's fused multiply-adds in the portable loop's
+// order (bit-identical too). Only the packed layouts' in-lane shuffles differ.
+#if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+// 16 outputs' bf16 results (lo: outputs 0-7, hi: 8-15) to y, the first `valid` of them.
+inline void store_bf16x16(c10::BFloat16* y, __m256 lo, __m256 hi, int64_t valid) {
+  alignas(32) uint16_t tmp[16];
+  uint16_t* dst = valid >= 16 ? reinterpret_cast<uint16_t*>(y) : tmp;
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(dst), round_bf16_avx2(lo));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + 8), round_bf16_avx2(hi));
+  if (valid < 16) std::memcpy(y, tmp, valid * sizeof(uint16_t));
+}
+
+// 16 bf16 (the first `valid`, zeros past them) -> float32, outputs 0-7 and 8-15.
+inline void load_bf16x16(const c10::BFloat16* p, int64_t valid, __m256& lo, __m256& hi) {
+  alignas(32) c10::BFloat16 tmp[16] = {};
+  const c10::BFloat16* src = valid >= 16 ? p : (std::memcpy(tmp, p, valid * sizeof(c10::BFloat16)), tmp);
+  lo = load_bf16_avx2(src);
+  hi = load_bf16_avx2(src + 8);
+}
+
+// The int4 tile, TT tokens of one block of 16 outputs. 64 bytes of codes are 4 rows (8 k)
+// of the 16 outputs; byte then 16-bit interleaves within 128 bits (cross-lane 256-bit
+// shuffles are slow on some AVX2 CPUs: 8 micro-ops each on Zen 1) make each 32-bit lane one
+// output's 4 bytes, k0..k3 in its low 16 bits and k4..k7 in its high: the AVX-512 path's
+// layout, so the activations' pair order is the same. w[0]: outputs 0-7, w[1]: 8-15.
+template <int TT>
+void int4_tile_avx2(const Int4Args& a, int64_t blk, int64_t t0) {
+  const int64_t n0 = blk * kInt4Block, valid = std::min<int64_t>(kInt4Block, a.N - n0);
+  const uint8_t* qb = a.q4 + blk * (a.K / 2) * kInt4Block;
+  const __m256i nibble = _mm256_set1_epi32(0x000F000F);
+  __m256 bias[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
+  if (a.bias) load_bf16x16(a.bias + n0, valid, bias[0], bias[1]);
+  __m256 total[TT][2];
+  for (int t = 0; t < TT; ++t) total[t][0] = bias[0], total[t][1] = bias[1];
+  // One token: a sum per nibble position, nibbles 1 and 2 left in place (see the AVX-512 tile)
+  constexpr int NA = TT == 1 ? 4 : 1;
+  for (int64_t g = 0; g < a.groups; ++g) {
+    __m256i dot[TT][2][NA];
+    for (int t = 0; t < TT; ++t)
+      for (int h = 0; h < 2; ++h)
+        for (int u = 0; u < NA; ++u) dot[t][h][u] = _mm256_setzero_si256();
+    const int32_t* xg = reinterpret_cast<const int32_t*>(a.xq + t0 * a.K + g * kInt4Group);
+    const uint8_t* qg = qb + g * (kInt4Group / 2) * kInt4Block;
+    for (int line = 0; line < kInt4Group / 2 * kInt4Block; line += 64)  // the codes ahead
+      _mm_prefetch(reinterpret_cast<const char*>(qg + kInt4Prefetch + line), _MM_HINT_T0);
+    for (int chunk = 0; chunk < 4; ++chunk) {
+      const __m128i* r = reinterpret_cast<const __m128i*>(qg + chunk * 64);
+      const __m128i r0 = _mm_loadu_si128(r), r1 = _mm_loadu_si128(r + 1), r2 = _mm_loadu_si128(r + 2),
+                    r3 = _mm_loadu_si128(r + 3);
+      const __m128i a0 = _mm_unpacklo_epi8(r0, r1), a1 = _mm_unpackhi_epi8(r0, r1);  // (k0-3) outputs 0-7, 8-15
+      const __m128i b0 = _mm_unpacklo_epi8(r2, r3), b1 = _mm_unpackhi_epi8(r2, r3);  // (k4-7)
+      const __m256i w[2] = {_mm256_set_m128i(_mm_unpackhi_epi16(a0, b0), _mm_unpacklo_epi16(a0, b0)),
+                            _mm256_set_m128i(_mm_unpackhi_epi16(a1, b1), _mm_unpacklo_epi16(a1, b1))};
+      for (int i = 0; i < 4; ++i) {
+        for (int h = 0; h < 2; ++h) {
+          const __m256i wi = i == 3 ? _mm256_srli_epi16(w[h], 12)
+                             : NA == 4 ? _mm256_and_si256(w[h], _mm256_slli_epi16(nibble, 4 * i))
+                                       : _mm256_and_si256(i ? _mm256_srli_epi16(w[h], 4 * i) : w[h], nibble);
+          for (int t = 0; t < TT; ++t)
+            dot[t][h][i % NA] = _mm256_add_epi32(
+                dot[t][h][i % NA], _mm256_madd_epi16(wi, _mm256_set1_epi32(xg[t * a.K / 2 + chunk * 4 + i])));
+        }
+      }
+    }
+    const int64_t s = (blk * a.groups + g) * kInt4Block;
+    const __m256 scale[2] = {_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(a.scale + s))),
+                             _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(a.scale + s + 8)))};
+    const __m256 min[2] = {_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(a.min + s))),
+                           _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(a.min + s + 8)))};
+    for (int t = 0; t < TT; ++t) {
+      const int64_t tg = (t0 + t) * a.groups + g;
+      for (int h = 0; h < 2; ++h) {
+        __m256i d = dot[t][h][0];
+        if (NA == 4)  // exact: those sums are multiples of 16 and 256
+          d = _mm256_add_epi32(_mm256_add_epi32(d, dot[t][h][NA - 1]),
+                               _mm256_add_epi32(_mm256_srai_epi32(dot[t][h][1 % NA], 4),
+                                                _mm256_srai_epi32(dot[t][h][2 % NA], 8)));
+        total[t][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d), _mm256_mul_ps(scale[h], _mm256_set1_ps(a.step[tg])),
+                                      total[t][h]);
+        total[t][h] = _mm256_fmadd_ps(_mm256_set1_ps(a.msum[tg]), min[h], total[t][h]);
+      }
+    }
+  }
+  for (int t = 0; t < TT; ++t) store_bf16x16(a.y + (t0 + t) * a.N + n0, total[t][0], total[t][1], valid);
+}
+
+void int4_block_avx2(const Int4Args& a, int64_t blk, int64_t tokens) {
+  static const TileFn<Int4Args> tile[5] = {nullptr, int4_tile_avx2<1>, int4_tile_avx2<2>, int4_tile_avx2<3>,
+                                           int4_tile_avx2<4>};
+  run_tiles<4>(tile, a, blk, tokens);
+}
+constexpr bool kInt4Avx2 = true;
+
+// The Q8_0 tile: two rows (k, k + 1) of the block's 16 outputs byte-interleaved and sign
+// extended are 16 int16 pairs (q[j, k], q[j, k + 1]), outputs 0-7 and 8-15, in k order.
+template <int TT>
+void q8_tile_avx2(const Q8Args& a, int64_t blk, int64_t t0) {
+  const int64_t n0 = blk * kQ8Block, valid = std::min<int64_t>(kQ8Block, a.N - n0);
+  const int8_t* qb = a.q8 + blk * a.K * kQ8Block;
+  __m256 total[TT][2];
+  for (int t = 0; t < TT; ++t) total[t][0] = total[t][1] = _mm256_setzero_ps();
+  for (int64_t g = 0; g < a.groups; ++g) {
+    __m256i dot[TT][2];
+    for (int t = 0; t < TT; ++t) dot[t][0] = dot[t][1] = _mm256_setzero_si256();
+    const int32_t* xg = reinterpret_cast<const int32_t*>(a.xq + t0 * a.K + g * kQ8Group);
+    const int8_t* qg = qb + g * kQ8Group * kQ8Block;
+    for (int line = 0; line < kQ8Group * kQ8Block; line += 64)  // the codes ahead
+      _mm_prefetch(reinterpret_cast<const char*>(qg + kQ8Prefetch + line), _MM_HINT_T0);
+    for (int pair = 0; pair < kQ8Group / 2; ++pair) {
+      const __m128i r0 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qg + 2 * pair * kQ8Block));
+      const __m128i r1 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qg + (2 * pair + 1) * kQ8Block));
+      const __m256i w[2] = {_mm256_cvtepi8_epi16(_mm_unpacklo_epi8(r0, r1)), _mm256_cvtepi8_epi16(_mm_unpackhi_epi8(r0, r1))};
+      for (int t = 0; t < TT; ++t) {
+        const __m256i x = _mm256_set1_epi32(xg[t * a.K / 2 + pair]);
+        for (int h = 0; h < 2; ++h) dot[t][h] = _mm256_add_epi32(dot[t][h], _mm256_madd_epi16(w[h], x));
+      }
+    }
+    const __m256i sc = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.scale + (blk * a.groups + g) * kQ8Block));
+    const __m256 scale[2] = {_mm256_cvtph_ps(_mm256_castsi256_si128(sc)), _mm256_cvtph_ps(_mm256_extracti128_si256(sc, 1))};
+    for (int t = 0; t < TT; ++t) {
+      const __m256 p = _mm256_set1_ps(a.step[(t0 + t) * a.groups + g]);
+      for (int h = 0; h < 2; ++h)
+        total[t][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot[t][h]), _mm256_mul_ps(scale[h], p), total[t][h]);
+    }
+  }
+  for (int t = 0; t < TT; ++t) {
+    float* y = a.y + (t0 + t) * a.N + n0;
+    alignas(32) float tmp[16];
+    float* dst = valid >= 16 ? y : tmp;
+    _mm256_storeu_ps(dst, total[t][0]);
+    _mm256_storeu_ps(dst + 8, total[t][1]);
+    if (valid < 16) std::memcpy(y, tmp, valid * sizeof(float));
+  }
+}
+
+void q8_block_avx2(const Q8Args& a, int64_t blk, int64_t tokens) {
+  static const TileFn<Q8Args> tile[5] = {nullptr, q8_tile_avx2<1>, q8_tile_avx2<2>, q8_tile_avx2<3>, q8_tile_avx2<4>};
+  run_tiles<4>(tile, a, blk, tokens);
+}
+constexpr bool kQ8Avx2 = true;
+
+// The bf16 tile: a 64-byte line (two k of 16 outputs) as two halves of 8 outputs; the
+// portable loop's even and odd sums, one fused multiply-add per weight, in its order.
+template <int TT>
+void bf16_tile_avx2(const Bf16Args& a, int64_t blk, int64_t t0) {
+  const int64_t n0 = blk * kBf16Block, valid = std::min<int64_t>(kBf16Block, a.N - n0);
+  const char* wb = reinterpret_cast<const char*>(a.w16 + blk * a.pairs * 2 * kBf16Block);
+  const __m256i high = _mm256_set1_epi32(static_cast<int>(0xFFFF0000u));
+  __m256 even[TT][2], odd[TT][2];
+  for (int t = 0; t < TT; ++t)
+    for (int h = 0; h < 2; ++h) even[t][h] = odd[t][h] = _mm256_setzero_ps();
+  const float* xt = a.x + t0 * 2 * a.pairs;
+  for (int64_t c = 0; c < a.pairs; ++c) {
+    _mm_prefetch(wb + c * 64 + kBf16Prefetch, _MM_HINT_T0);
+    for (int h = 0; h < 2; ++h) {
+      const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + c * 64 + 32 * h));
+      const __m256 w0 = _mm256_castsi256_ps(_mm256_slli_epi32(w, 16));   // w[2c]: the low halves
+      const __m256 w1 = _mm256_castsi256_ps(_mm256_and_si256(w, high));  // w[2c + 1]
+      for (int t = 0; t < TT; ++t) {
+        even[t][h] = _mm256_fmadd_ps(w0, _mm256_set1_ps(xt[t * 2 * a.pairs + 2 * c]), even[t][h]);
+        odd[t][h] = _mm256_fmadd_ps(w1, _mm256_set1_ps(xt[t * 2 * a.pairs + 2 * c + 1]), odd[t][h]);
+      }
+    }
+  }
+  __m256 bias[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
+  if (a.bias) load_bf16x16(a.bias + n0, valid, bias[0], bias[1]);
+  for (int t = 0; t < TT; ++t)
+    store_bf16x16(a.y + (t0 + t) * a.N + n0, _mm256_add_ps(bias[0], _mm256_add_ps(even[t][0], odd[t][0])),
+                  _mm256_add_ps(bias[1], _mm256_add_ps(even[t][1], odd[t][1])), valid);
+}
+
+void bf16_block_avx2(const Bf16Args& a, int64_t blk, int64_t tokens) {
+  static const TileFn<Bf16Args> tile[4] = {nullptr, bf16_tile_avx2<1>, bf16_tile_avx2<2>, bf16_tile_avx2<3>};
+  run_tiles<3>(tile, a, blk, tokens);
+}
+constexpr bool kBf16Avx2 = true;
+#else
+void int4_block_avx2(const Int4Args&, int64_t, int64_t) {}
+void q8_block_avx2(const Q8Args&, int64_t, int64_t) {}
+void bf16_block_avx2(const Bf16Args&, int64_t, int64_t) {}
+constexpr bool kInt4Avx2 = false, kQ8Avx2 = false, kBf16Avx2 = false;
+#endif
+
+// The vector path each kernel has on this CPU (AVX-512, else AVX2), if any.
+constexpr bool kInt4Vector = kInt4Avx512 || kInt4Avx2, kQ8Vector = kQ8Avx512 || kQ8Avx2,
+               kBf16Vector = kBf16Avx512 || kBf16Avx2;
+constexpr const char* kIsa = kInt4Avx512 ? "avx512" : (kInt4Avx2 ? "avx2" : "portable");
+
+void int4_block_vector(const Int4Args& a, int64_t blk, int64_t tokens) {
+  if (kInt4Avx512) int4_block_avx512(a, blk, tokens);
+  else int4_block_avx2(a, blk, tokens);
+}
+void q8_block_vector(const Q8Args& a, int64_t blk, int64_t tokens) {
+  if (kQ8Avx512) q8_block_avx512(a, blk, tokens);
+  else q8_block_avx2(a, blk, tokens);
+}
+void bf16_block_vector(const Bf16Args& a, int64_t blk, int64_t tokens) {
+  if (kBf16Avx512) bf16_block_avx512(a, blk, tokens);
+  else bf16_block_avx2(a, blk, tokens);
+}
 
 void check(bool ok, const char* what) { TORCH_CHECK(ok, "verispec kernels: ", what); }
 
@@ -819,6 +1253,15 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_pool, const
         k_pool.size(1), slots.size(1), static_cast<float>(scale));
     return out;
   }
+#elif defined(__AVX2__) && defined(__FMA__)
+  const int64_t d = q.size(2);
+  if (q.scalar_type() == at::kBFloat16 && (d == 64 || d == 128)) {
+    auto run = d == 64 ? decode_attention_bf16_avx2<4> : decode_attention_bf16_avx2<8>;
+    run(q.data_ptr<c10::BFloat16>(), q.stride(0), q.stride(1), k_pool.data_ptr<c10::BFloat16>(),
+        v_pool.data_ptr<c10::BFloat16>(), sp, rp, lp, out.data_ptr<c10::BFloat16>(), q.size(0), q.size(1),
+        k_pool.size(1), slots.size(1), static_cast<float>(scale));
+    return out;
+  }
 #endif
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "decode_attention", [&] {
     decode_attention_impl<scalar_t>(q.data_ptr<scalar_t>(), q.stride(0), q.stride(1), k_pool.data_ptr<scalar_t>(),
@@ -853,10 +1296,10 @@ at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& q4, const at::Tens
   at::Tensor y = at::empty({tokens, out_features}, x.options());
   const Int4Args args{q4.data_ptr<uint8_t>(), scale.data_ptr<c10::Half>(), min.data_ptr<c10::Half>(), bias_p,
                       r.xq.data(), r.step.data(), r.msum.data(), y.data_ptr<c10::BFloat16>(), K, out_features, groups};
-  const bool vector = kInt4Avx512 && !portable;
+  const bool vector = kInt4Vector && !portable;
   at::parallel_for(0, blocks, 4, [&](int64_t b0, int64_t b1) {
     for (int64_t b = b0; b < b1; ++b) {
-      if (vector) int4_block_avx512(args, b, tokens);
+      if (vector) int4_block_vector(args, b, tokens);
       else int4_block_portable(args, b, tokens);
     }
   });
@@ -880,10 +1323,10 @@ at::Tensor q8_linear(const at::Tensor& x, const at::Tensor& q8, const at::Tensor
   at::Tensor y = at::empty({tokens, out_features}, x.options());
   const Q8Args args{q8.data_ptr<int8_t>(), scale.data_ptr<c10::Half>(), r.xq.data(), r.step.data(),
                     y.data_ptr<float>(), K, out_features, groups};
-  const bool vector = kQ8Avx512 && !portable;
+  const bool vector = kQ8Vector && !portable;
   at::parallel_for(0, blocks, 4, [&](int64_t b0, int64_t b1) {
     for (int64_t b = b0; b < b1; ++b) {
-      if (vector) q8_block_avx512(args, b, tokens);
+      if (vector) q8_block_vector(args, b, tokens);
       else q8_block_portable(args, b, tokens);
     }
   });
@@ -914,14 +1357,66 @@ at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& w16, int64_t out_f
   at::Tensor y = at::empty({tokens, out_features}, x.options());
   const Bf16Args args{w16.data_ptr<c10::BFloat16>(), bias_p, xf.data(), y.data_ptr<c10::BFloat16>(), pairs,
                       out_features};
-  const bool vector = kBf16Avx512 && !portable;
+  const bool vector = kBf16Vector && !portable;
   at::parallel_for(0, blocks, 4, [&](int64_t b0, int64_t b1) {
     for (int64_t b = b0; b < b1; ++b) {
-      if (vector) bf16_block_avx512(args, b, tokens);
+      if (vector) bf16_block_vector(args, b, tokens);
       else bf16_block_portable(args, b, tokens);
     }
   });
   return y;
+}
+
+// RefinedHead's refinement (quant.py), in place: for each row r of logits (N, V) float32,
+// with bound b = coef * ||x[r]|| + 1e-3, every logit within 2 b of the row's largest is
+// recomputed in float32 as W[v] . x[r] (W (V, K) float32). Returns how many were, or -1 as
+// soon as more than max_count would be (the caller then computes the whole float32 head;
+// logits is then partly overwritten). Each row on its own: a row's result never depends
+// on the others.
+int64_t refine_head(at::Tensor logits, const at::Tensor& x, const at::Tensor& weight, double coef,
+                    int64_t max_count) {
+  check(logits.dim() == 2 && logits.is_contiguous() && logits.scalar_type() == at::kFloat,
+        "logits must be contiguous float32 (N, V)");
+  check(x.dim() == 2 && x.is_contiguous() && x.scalar_type() == at::kFloat && x.size(0) == logits.size(0),
+        "x must be contiguous float32 (N, K)");
+  check(weight.dim() == 2 && weight.is_contiguous() && weight.scalar_type() == at::kFloat &&
+        weight.size(0) == logits.size(1) && weight.size(1) == x.size(1), "weight must be contiguous float32 (V, K)");
+  const int64_t rows = logits.size(0), V = logits.size(1), K = x.size(1);
+  float* lp = logits.data_ptr<float>();
+  const float* xp = x.data_ptr<float>();
+  const float* wp = weight.data_ptr<float>();
+  std::atomic<int64_t> count{0};
+  at::parallel_for(0, rows, 1, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1 && count.load() <= max_count; ++r) {
+      const float* xr = xp + r * K;
+      float* lr = lp + r * V;
+      const float bound = static_cast<float>(coef) * std::sqrt(dot(xr, xr, K)) + 1e-3f;
+      float top = -INFINITY;
+      int64_t v0 = 0;
+#if defined(__AVX2__) && defined(__FMA__)
+      __m256 tops = _mm256_set1_ps(-INFINITY);
+      for (; v0 + 8 <= V; v0 += 8) tops = _mm256_max_ps(_mm256_loadu_ps(lr + v0), tops);  // NaN skipped, as std::max
+      alignas(32) float lanes[8];
+      _mm256_store_ps(lanes, tops);
+      top = *std::max_element(lanes, lanes + 8);
+#endif
+      for (int64_t v = v0; v < V; ++v) top = std::max(top, lr[v]);
+      const float floor = top - 2 * bound;
+      for (int64_t v = 0; v < V; ++v) {
+#if defined(__AVX2__) && defined(__FMA__)
+        if (v % 8 == 0 && v + 8 <= V &&  // 8 at a time past logits that are not candidates
+            !_mm256_movemask_ps(_mm256_cmp_ps(_mm256_loadu_ps(lr + v), _mm256_set1_ps(floor), _CMP_GE_OQ))) {
+          v += 7;
+          continue;
+        }
+#endif
+        if (!(lr[v] >= floor)) continue;
+        if (count.fetch_add(1) + 1 > max_count) return;
+        lr[v] = dot(xr, wp + v * K, K);
+      }
+    }
+  });
+  return count.load() > max_count ? -1 : count.load();
 }
 
 // --- a decoder's layers in one call ---------------------------------------------------------
@@ -1013,14 +1508,17 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("int4_linear", &int4_linear, "x @ W.T + bias with W int4 (groups of 32, fp16 scale and min)",
         py::arg("x"), py::arg("q4"), py::arg("scale"), py::arg("min"), py::arg("out_features"),
         py::arg("bias") = py::none(), py::arg("portable") = false);
-  m.attr("int4_avx512") = kInt4Avx512;
+  m.attr("int4_vector") = kInt4Vector;
   m.def("bf16_linear", &bf16_linear, "x @ W.T + bias with W bf16 (blocks of 16 outputs, k in pairs)",
         py::arg("x"), py::arg("w16"), py::arg("out_features"), py::arg("bias") = py::none(),
         py::arg("portable") = false);
-  m.attr("bf16_avx512") = kBf16Avx512;
+  m.attr("bf16_vector") = kBf16Vector;
   m.def("q8_linear", &q8_linear, "x @ W.T with W Q8_0 (int8 codes, fp16 scale per 32), float32 in and out",
         py::arg("x"), py::arg("q8"), py::arg("scale"), py::arg("out_features"), py::arg("portable") = false);
-  m.attr("q8_avx512") = kQ8Avx512;
+  m.attr("q8_vector") = kQ8Vector;
+  m.def("refine_head", &refine_head, "recompute in float32 the logits within 2 bounds of each row's largest",
+        py::arg("logits"), py::arg("x"), py::arg("weight"), py::arg("coef"), py::arg("max_count"));
+  m.attr("isa") = kIsa;
   py::class_<DecoderStack>(m, "DecoderStack", "a decoder's layers in one call (decode and verify passes)")
       .def(py::init<int64_t, int64_t, int64_t, double>(), py::arg("heads"), py::arg("kv_heads"),
            py::arg("head_dim"), py::arg("eps"))

@@ -18,20 +18,26 @@ accumulation, one rounding to the activation dtype at the same points):
                                    K/V read in place from the pool
     int4_linear(x, q4, scale, min, out_features, bias=None, portable=False)
                                    x @ W.T + bias, W int4 in groups of 32 with fp16 scale
-                                   and min (quant.Int4Linear's layout); AVX-512 where the
-                                   CPU has it (`int4_avx512`), else a portable loop that
-                                   the layer does not use (PyTorch's int4 kernel is faster)
+                                   and min (quant.Int4Linear's layout)
     bf16_linear(x, w16, out_features, bias=None, portable=False)
                                    x @ W.T + bias, W bf16 in blocks of 16 rows, k in pairs
-                                   (quant.Bf16Linear's layout); AVX-512 where the CPU has it
-                                   (`bf16_avx512`), else a portable loop (layers then use
-                                   PyTorch's matmul)
+                                   (quant.Bf16Linear's layout)
     q8_linear(x, q8, scale, out_features, portable=False)
                                    x @ W.T in float32 (x and the result), W GGUF Q8_0
                                    blocks (int8 codes, fp16 scale per 32; quant.Q8Linear's
-                                   layout): a Q8_0 LM head; AVX-512 where the CPU has it
-                                   (`q8_avx512`), else a portable loop (the head then is
-                                   the float32 head)
+                                   layout): a Q8_0 LM head
+    refine_head(logits, x, weight, coef, max_count)
+                                   quant.RefinedHead's float32 recomputation of the logits
+                                   near each row's largest, in place
+
+The three linear kernels have a vector path for AVX-512 and one for AVX2 (with FMA and
+F16C); `isa` says which this build has ("avx512", "avx2" or "portable") and
+`int4_vector`, `bf16_vector`, `q8_vector` whether each kernel has one. Both vector paths
+compute what the portable loop computes, bit for bit (`portable=True` runs the loop; tests
+compare them). Without a vector path the layers use PyTorch's kernels instead (int4:
+`_weight_int4pack_mm_for_cpu`; bf16: matmul; the Q8_0 head: the float32 head), which are
+faster than the portable loops. Decode attention has AVX-512 and AVX2 forms for bf16 at
+head sizes 64 and 128, the element-wise kernels an AVX2 form for bf16 (the same roundings).
 
 `load()` compiles them with torch.utils.cpp_extension (a C++ compiler is needed: ~30 s
 once per machine and source version, cached under ~/.cache/torch_extensions, named by

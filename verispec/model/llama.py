@@ -331,9 +331,9 @@ def _build_stack(model: LlamaModel, ops):
         return None
 
     def spec(layer: nn.Module):
-        if isinstance(layer, Int4Linear) and ops.int4_avx512:
+        if isinstance(layer, Int4Linear) and ops.int4_vector:
             return 0, [layer.q4, layer.scale, layer.min], layer.out_features, layer.bias
-        if isinstance(layer, Bf16Linear) and ops.bf16_avx512:
+        if isinstance(layer, Bf16Linear) and ops.bf16_vector:
             return 1, [layer.w16], layer.out_features, layer.bias
         return None
 

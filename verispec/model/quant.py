@@ -94,7 +94,7 @@ class Int4Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         ops = self.kernels
-        if ops is not None and ops.int4_avx512:
+        if ops is not None and ops.int4_vector:
             return ops.int4_linear(x.contiguous(), self.q4, self.scale, self.min, self.out_features, self.bias)
         if self._torch_packed is None:
             self._torch_packed = torch_int4_pack(unpack_int4(self.q4, self.scale, self.min, self.out_features), x.dtype)
@@ -122,7 +122,7 @@ class Bf16Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         ops = self.kernels
-        if ops is not None and ops.bf16_avx512:
+        if ops is not None and ops.bf16_vector:
             return ops.bf16_linear(x.contiguous(), self.w16, self.out_features, self.bias)
         if self._torch_weight is None:
             self._torch_weight = unpack_bf16(self.w16, self.out_features, self.in_features)
@@ -147,7 +147,7 @@ class Q8Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         ops = self.kernels
-        if ops is not None and ops.q8_avx512:
+        if ops is not None and ops.q8_vector:
             return ops.q8_linear(x.float().contiguous(), self.q8, self.scale, self.out_features)
         if self._torch_weight is None:
             self._torch_weight = unpack_q8(self.q8, self.scale, self.out_features)
@@ -471,6 +471,14 @@ class RefinedHead(nn.Module):
         for part in self.parts:
             a = part.forward(xb)                                                # (N, V) bf16
             logits = a.float() if logits is None else logits.add_(a)           # (N, V) float32
+        ops = getattr(self.parts[0], "kernels", None)
+        if ops is not None:  # the same selection and float32 recomputation, one pass over the logits
+            n = ops.refine_head(logits, x.contiguous(), self.weight, coef,
+                                int(self.max_refined_fraction * logits.numel()))
+            if n < 0:
+                return F.linear(x, self.weight)
+            self.last_num_refined = n
+            return logits
         bound = coef * x.norm(dim=-1) + 1e-3                                   # (N,)
         candidates = logits >= (logits.amax(dim=-1) - 2 * bound)[:, None]       # (N, V)
         rows, cols = candidates.nonzero(as_tuple=True)                          # (C,), (C,)
@@ -486,11 +494,11 @@ def _on_own_kernel(layer: nn.Module) -> bool:
     bf16 / Q8_0 on verispec's kernels (int4 on PyTorch's has its own bound, bf16 and Q8_0 on
     PyTorch's none)."""
     if isinstance(layer, Int4Linear):
-        return layer.kernels is not None and layer.kernels.int4_avx512
+        return layer.kernels is not None and layer.kernels.int4_vector
     if isinstance(layer, Bf16Linear):
-        return layer.kernels is not None and layer.kernels.bf16_avx512
+        return layer.kernels is not None and layer.kernels.bf16_vector
     if isinstance(layer, Q8Linear):
-        return layer.kernels is not None and layer.kernels.q8_avx512
+        return layer.kernels is not None and layer.kernels.q8_vector
     return True
 
 
