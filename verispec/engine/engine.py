@@ -297,21 +297,21 @@ class LLMEngine:
             return []
         counts = [lg.shape[0] for lg in logits]  # k_i + 1 per row
         k_max = max(counts) - 1
-        draft_tokens = torch.zeros(len(rows), k_max, dtype=torch.long)  # (B, K)
-        for i, r in enumerate(rows):
-            toks = drafts.get(r.request_id, ([], None))[0]
-            if toks:
-                draft_tokens[i, : len(toks)] = torch.tensor(toks)
-        flat = torch.cat(logits)  # (sum(k_i + 1), V)
+        proposed = [drafts.get(r.request_id, ([], None))[0] for r in rows]
+        draft_tokens = torch.tensor([t + [0] * (k_max - len(t)) for t in proposed],
+                                    dtype=torch.long).view(len(rows), k_max)  # (B, K)
+        flat = logits[0] if len(logits) == 1 else torch.cat(logits)  # (sum(k_i + 1), V)
         if all(r.params.greedy for r in rows):  # the same result from argmaxes, no V-wide work
             result = greedy_verify(_pad_rows(flat.argmax(dim=-1), counts), draft_tokens, [c - 1 for c in counts])
         else:
             result = self._rejection_sample(rows, flat, counts, draft_tokens, drafts)
         outputs = []
+        accepted_lens, emitted = result.accepted_len.tolist(), result.output_tokens.tolist()
+        num_output = result.num_output.tolist()
         for i, r in enumerate(rows):
             k = counts[i] - 1
-            accepted = int(result.accepted_len[i])
-            new = result.output_tokens[i, : int(result.num_output[i])].tolist()
+            accepted = accepted_lens[i]
+            new = emitted[i][: num_output[i]]
             base = r.num_computed
             if k:  # commits the pending token (its KV was just written) and the accepted drafts
                 self.kv.commit_provisional(r.request_id, accepted)

@@ -107,17 +107,23 @@ def greedy_verify(
     of drafts equal to the target's argmaxes and then emit the next argmax: exactly what
     `rejection_sample` returns on `logits_to_probs` one-hots of the same logits (same
     argmax, same tie-breaking), which `tests/test_rejection.py` checks against it.
-    No noise is drawn (greedy rows ignore it).
+    No noise is drawn (greedy rows ignore it). The comparison runs on the host (a few
+    Python integers a row: cheaper than a dozen tiny tensor ops), one transfer in, one out.
     """
     batch, k_max = draft_tokens.shape
+    counts = num_draft_tokens.tolist() if isinstance(num_draft_tokens, torch.Tensor) else list(num_draft_tokens)
+    argmax, drafts = target_argmax.tolist(), draft_tokens.tolist()
+    output, accepted = [], []
+    for t, d, n in zip(argmax, drafts, counts):
+        a = 0
+        while a < n and d[a] == t[a]:
+            a += 1
+        output.append(d[:a] + [t[a]] + [-1] * (k_max - a))
+        accepted.append(a)
     device = draft_tokens.device
-    num_draft = torch.as_tensor(num_draft_tokens, dtype=torch.int64).to(device, non_blocking=True)
-    valid = torch.arange(k_max, device=device)[None, :] < num_draft[:, None]         # (B, K)
-    draft_tokens = torch.where(valid, draft_tokens, 0)
-    accepted = (draft_tokens == target_argmax[:, :k_max]) & valid                     # (B, K)
-    accepted_len = accepted.to(torch.int64).cumprod(dim=1).sum(dim=1)                 # (B,)
-    final_token = target_argmax.gather(1, accepted_len[:, None])[:, 0]                # (B,)
-    return _assemble(draft_tokens, accepted_len, final_token)
+    accepted_len = torch.tensor(accepted, dtype=torch.int64, device=device)
+    return RejectionResult(torch.tensor(output, dtype=torch.int64, device=device).view(batch, k_max + 1),
+                           accepted_len + 1, accepted_len)
 
 
 def _accept_mask(
