@@ -187,9 +187,9 @@ def test_int4_linear_a_non_finite_activation_makes_its_rows_nan():
 
 @pytest.mark.skipif(not OPS.int4_vector, reason="no AVX-512 or AVX2 here")
 def test_int4_linear_rows_do_not_depend_on_the_pass():
-    """Bit for bit: each token's output is the same alone, in any pass width (the AVX-512
-    path's tiles of 1..8 tokens), and on the portable loop: a verify pass and a plain step
-    compute the same numbers."""
+    """Bit for bit: each token's output is the same alone, in any pass width (the vector
+    path's tiles: 1..8 tokens on AVX-512, 1..4 on AVX2), and on the portable loop: a
+    verify pass and a plain step compute the same numbers."""
     layer = _int4_layer(n=72, k=160, seed=1)
     x = torch.randn(21, 160).bfloat16()
     full = OPS.int4_linear(x, layer.q4, layer.scale, layer.min, 72, layer.bias)
@@ -301,7 +301,7 @@ def test_bf16_linear_computes_the_weights(n, k, broken):
 @pytest.mark.skipif(not OPS.bf16_vector, reason="no AVX-512 or AVX2 here")
 def test_bf16_linear_rows_do_not_depend_on_the_pass():
     """Bit for bit: token i's output alone, in passes of 3 and 7, and in one pass of 21 (the
-    AVX-512 path's tiles of 1..8 tokens): a verify pass and a plain step compute the same numbers."""
+    vector path's tiles of 1..8 or 1..3 tokens): a verify pass and a plain step compute the same numbers."""
     w, b = _bf16_weights(72, 160, seed=1)
     x, w = _cancelling(torch.randn(21, 160).bfloat16(), w)
     w16 = pack_bf16(w)
@@ -543,7 +543,6 @@ class BrokenOps:
 
     def __getattr__(self, name):
         return getattr(OPS, name)
-
 
 
 @pytest.mark.parametrize("broken", [False, True], ids=["ok", "bound ignored"])
