@@ -217,6 +217,19 @@ void store_impl(const T* x, int64_t s_tok, int64_t s_head, T* pool, const int64_
       std::copy(x + t * s_tok + h * s_head, x + t * s_tok + h * s_head + d, pool + (slots[t] * heads + h) * d);
 }
 
+// Runs item(b, h, scores) for every query row b and head h, in parallel over all of them
+// unless the whole attention is small (then on one thread); `scores` is the thread's scratch.
+template <typename Item>
+void for_each_query_head(int64_t rows, int64_t heads, int64_t d, const int64_t* lens, const Item& item) {
+  int64_t work = 0;
+  for (int64_t b = 0; b < rows; ++b) work += lens[b];
+  const int64_t grain = work * heads * d < 65536 ? rows * heads : 1;  // small: one thread
+  at::parallel_for(0, rows * heads, grain, [&](int64_t i0, int64_t i1) {
+    std::vector<float> scores;
+    for (int64_t i = i0; i < i1; ++i) item(i / heads, i % heads, scores);
+  });
+}
+
 // Each query i on its own: out[i, h] = softmax(q[i, h] . K[ctx] * scale) @ V[ctx] over the
 // first lens[i] slots of its row's context (row_of[i]), K/V read in place from the pool
 // (no gather copy). A query's result depends on nothing but its q and its keys and values.
@@ -226,35 +239,30 @@ void decode_attention_impl(const T* q, int64_t q_row, int64_t q_head, const T* k
                            int64_t kv_heads, int64_t d, int64_t ctx_stride, float scale) {
   const int64_t per_kv = heads / kv_heads;
   const int64_t slot_stride = kv_heads * d;
-  int64_t work = 0;
-  for (int64_t b = 0; b < rows; ++b) work += lens[b];
-  const int64_t grain = work * heads * d < 65536 ? rows * heads : 1;  // small: one thread
-  at::parallel_for(0, rows * heads, grain, [&](int64_t i0, int64_t i1) {
-    std::vector<float> qv(d), acc(d), scores;
-    for (int64_t i = i0; i < i1; ++i) {
-      const int64_t b = i / heads, h = i % heads, kh = h / per_kv;
-      const int64_t n = lens[b];
-      const int64_t* sl = slots + row_of[b] * ctx_stride;
-      const T* qr = q + b * q_row + h * q_head;
-      for (int64_t j = 0; j < d; ++j) qv[j] = f32(qr[j]);
-      scores.resize(n);
-      float mx = -INFINITY;
-      for (int64_t c = 0; c < n; ++c) {
-        scores[c] = dot(qv.data(), kp + sl[c] * slot_stride + kh * d, d) * scale;
-        mx = std::max(mx, scores[c]);
-      }
-      float total = 0.f;
-      std::fill(acc.begin(), acc.end(), 0.f);
-      for (int64_t c = 0; c < n; ++c) {
-        const float p = std::exp(scores[c] - mx);
-        total += p;
-        const T* vr = vp + sl[c] * slot_stride + kh * d;
-        for (int64_t j = 0; j < d; ++j) acc[j] += p * f32(vr[j]);
-      }
-      T* o = out + (b * heads + h) * d;
-      const float inv = 1.f / total;
-      for (int64_t j = 0; j < d; ++j) o[j] = static_cast<T>(acc[j] * inv);
+  for_each_query_head(rows, heads, d, lens, [&](int64_t b, int64_t h, std::vector<float>& scores) {
+    std::vector<float> qv(d), acc(d);
+    const int64_t kh = h / per_kv;
+    const int64_t n = lens[b];
+    const int64_t* sl = slots + row_of[b] * ctx_stride;
+    const T* qr = q + b * q_row + h * q_head;
+    for (int64_t j = 0; j < d; ++j) qv[j] = f32(qr[j]);
+    scores.resize(n);
+    float mx = -INFINITY;
+    for (int64_t c = 0; c < n; ++c) {
+      scores[c] = dot(qv.data(), kp + sl[c] * slot_stride + kh * d, d) * scale;
+      mx = std::max(mx, scores[c]);
     }
+    float total = 0.f;
+    std::fill(acc.begin(), acc.end(), 0.f);
+    for (int64_t c = 0; c < n; ++c) {
+      const float p = std::exp(scores[c] - mx);
+      total += p;
+      const T* vr = vp + sl[c] * slot_stride + kh * d;
+      for (int64_t j = 0; j < d; ++j) acc[j] += p * f32(vr[j]);
+    }
+    T* o = out + (b * heads + h) * d;
+    const float inv = 1.f / total;
+    for (int64_t j = 0; j < d; ++j) o[j] = static_cast<T>(acc[j] * inv);
   });
 }
 
@@ -499,75 +507,68 @@ void decode_attention_bf16_avx512(const c10::BFloat16* q, int64_t q_row, int64_t
                                   int64_t heads, int64_t kv_heads, int64_t ctx_stride, float scale) {
   constexpr int64_t d = 16 * DV;
   const int64_t per_kv = heads / kv_heads, slot_stride = kv_heads * d;
-  int64_t work = 0;
-  for (int64_t b = 0; b < rows; ++b) work += lens[b];
-  const int64_t items = rows * heads;
-  const int64_t grain = work * heads * d < 65536 ? items : 1;  // small: one thread
-  at::parallel_for(0, items, grain, [&](int64_t i0, int64_t i1) {
-    std::vector<float> scores;
-    for (int64_t i = i0; i < i1; ++i) {
-      const int64_t b = i / heads, h = i % heads, kh = h / per_kv, n = lens[b];
-      const int64_t* sl = slots + row_of[b] * ctx_stride;
-      const int64_t n16 = (n + 15) / 16 * 16;
-      scores.assign(n16, -INFINITY);
-      float* sg = scores.data();
-      const c10::BFloat16* qr = q + b * q_row + h * q_head;
+  for_each_query_head(rows, heads, d, lens, [&](int64_t b, int64_t h, std::vector<float>& scores) {
+    const int64_t kh = h / per_kv, n = lens[b];
+    const int64_t* sl = slots + row_of[b] * ctx_stride;
+    const int64_t n16 = (n + 15) / 16 * 16;
+    scores.assign(n16, -INFINITY);
+    float* sg = scores.data();
+    const c10::BFloat16* qr = q + b * q_row + h * q_head;
 #if defined(__AVX512BF16__)
-      __m512bh qv[DV / 2];  // q . k as bf16 pairs: the products are exact in float32
-      for (int j = 0; j < DV / 2; ++j) qv[j] = (__m512bh)_mm512_loadu_si512(qr + 32 * j);
+    __m512bh qv[DV / 2];  // q . k as bf16 pairs: the products are exact in float32
+    for (int j = 0; j < DV / 2; ++j) qv[j] = (__m512bh)_mm512_loadu_si512(qr + 32 * j);
 #else
-      __m512 qv[DV];
-      for (int j = 0; j < DV; ++j) qv[j] = load_bf16(qr + 16 * j);
+    __m512 qv[DV];
+    for (int j = 0; j < DV; ++j) qv[j] = load_bf16(qr + 16 * j);
 #endif
-      for (int64_t c0 = 0; c0 < n; c0 += 16) {  // 16 keys at a time: 16 dot products -> one vector
-        const int64_t m = std::min<int64_t>(16, n - c0);
-        __m512 s[16];
-        for (int64_t c = 0; c < 16; ++c) {
-          __m512 acc = _mm512_setzero_ps();
-          if (c < m) {
-            const c10::BFloat16* kr = kp + sl[c0 + c] * slot_stride + kh * d;
+    for (int64_t c0 = 0; c0 < n; c0 += 16) {  // 16 keys at a time: 16 dot products -> one vector
+      const int64_t m = std::min<int64_t>(16, n - c0);
+      __m512 s[16];
+      for (int64_t c = 0; c < 16; ++c) {
+        __m512 acc = _mm512_setzero_ps();
+        if (c < m) {
+          const c10::BFloat16* kr = kp + sl[c0 + c] * slot_stride + kh * d;
 #if defined(__AVX512BF16__)
-            for (int j = 0; j < DV / 2; ++j) acc = _mm512_dpbf16_ps(acc, qv[j], (__m512bh)_mm512_loadu_si512(kr + 32 * j));
+          for (int j = 0; j < DV / 2; ++j) acc = _mm512_dpbf16_ps(acc, qv[j], (__m512bh)_mm512_loadu_si512(kr + 32 * j));
 #else
-            for (int j = 0; j < DV; ++j) acc = _mm512_fmadd_ps(qv[j], load_bf16(kr + 16 * j), acc);
+          for (int j = 0; j < DV; ++j) acc = _mm512_fmadd_ps(qv[j], load_bf16(kr + 16 * j), acc);
 #endif
-          }
-          s[c] = acc;
         }
-        _mm512_mask_storeu_ps(sg + c0, static_cast<__mmask16>((1u << m) - 1),
-                              _mm512_mul_ps(sum_lanes16(s), _mm512_set1_ps(scale)));
+        s[c] = acc;
       }
-      __m512 mx = _mm512_set1_ps(-INFINITY);
-      for (int64_t c = 0; c < n16; c += 16) mx = _mm512_max_ps(mx, _mm512_loadu_ps(sg + c));
-      const __m512 top = _mm512_set1_ps(_mm512_reduce_max_ps(mx));
-      __m512 total = _mm512_setzero_ps();
-      for (int64_t c = 0; c < n16; c += 16) {  // the padding's -inf gives 0
-        const __m512 p = exp_ps(_mm512_sub_ps(_mm512_loadu_ps(sg + c), top));
-        _mm512_storeu_ps(sg + c, p);
-        total = _mm512_add_ps(total, p);
-      }
-      const __m512 inv = _mm512_set1_ps(1.f / _mm512_reduce_add_ps(total));
-      __m512 acc[DV], odd[DV];  // even and odd keys: two chains of dependent FMAs, not one
-      for (int j = 0; j < DV; ++j) acc[j] = odd[j] = _mm512_setzero_ps();
-      int64_t c = 0;
-      for (; c + 1 < n; c += 2) {
-        const c10::BFloat16* v0 = vp + sl[c] * slot_stride + kh * d;
-        const c10::BFloat16* v1 = vp + sl[c + 1] * slot_stride + kh * d;
-        const __m512 p0 = _mm512_set1_ps(sg[c]), p1 = _mm512_set1_ps(sg[c + 1]);
-        for (int j = 0; j < DV; ++j) {
-          acc[j] = _mm512_fmadd_ps(p0, load_bf16(v0 + 16 * j), acc[j]);
-          odd[j] = _mm512_fmadd_ps(p1, load_bf16(v1 + 16 * j), odd[j]);
-        }
-      }
-      if (c < n) {
-        const c10::BFloat16* v0 = vp + sl[c] * slot_stride + kh * d;
-        for (int j = 0; j < DV; ++j) acc[j] = _mm512_fmadd_ps(_mm512_set1_ps(sg[c]), load_bf16(v0 + 16 * j), acc[j]);
-      }
-      for (int j = 0; j < DV; ++j) acc[j] = _mm512_add_ps(acc[j], odd[j]);
-      c10::BFloat16* o = out + (b * heads + h) * d;
-      for (int j = 0; j < DV; ++j)
-        _mm256_storeu_si256(reinterpret_cast<__m256i*>(o + 16 * j), round_bf16(_mm512_mul_ps(acc[j], inv)));
+      _mm512_mask_storeu_ps(sg + c0, static_cast<__mmask16>((1u << m) - 1),
+                            _mm512_mul_ps(sum_lanes16(s), _mm512_set1_ps(scale)));
     }
+    __m512 mx = _mm512_set1_ps(-INFINITY);
+    for (int64_t c = 0; c < n16; c += 16) mx = _mm512_max_ps(mx, _mm512_loadu_ps(sg + c));
+    const __m512 top = _mm512_set1_ps(_mm512_reduce_max_ps(mx));
+    __m512 total = _mm512_setzero_ps();
+    for (int64_t c = 0; c < n16; c += 16) {  // the padding's -inf gives 0
+      const __m512 p = exp_ps(_mm512_sub_ps(_mm512_loadu_ps(sg + c), top));
+      _mm512_storeu_ps(sg + c, p);
+      total = _mm512_add_ps(total, p);
+    }
+    const __m512 inv = _mm512_set1_ps(1.f / _mm512_reduce_add_ps(total));
+    __m512 acc[DV], odd[DV];  // even and odd keys: two chains of dependent FMAs, not one
+    for (int j = 0; j < DV; ++j) acc[j] = odd[j] = _mm512_setzero_ps();
+    int64_t c = 0;
+    for (; c + 1 < n; c += 2) {
+      const c10::BFloat16* v0 = vp + sl[c] * slot_stride + kh * d;
+      const c10::BFloat16* v1 = vp + sl[c + 1] * slot_stride + kh * d;
+      const __m512 p0 = _mm512_set1_ps(sg[c]), p1 = _mm512_set1_ps(sg[c + 1]);
+      for (int j = 0; j < DV; ++j) {
+        acc[j] = _mm512_fmadd_ps(p0, load_bf16(v0 + 16 * j), acc[j]);
+        odd[j] = _mm512_fmadd_ps(p1, load_bf16(v1 + 16 * j), odd[j]);
+      }
+    }
+    if (c < n) {
+      const c10::BFloat16* v0 = vp + sl[c] * slot_stride + kh * d;
+      for (int j = 0; j < DV; ++j) acc[j] = _mm512_fmadd_ps(_mm512_set1_ps(sg[c]), load_bf16(v0 + 16 * j), acc[j]);
+    }
+    for (int j = 0; j < DV; ++j) acc[j] = _mm512_add_ps(acc[j], odd[j]);
+    c10::BFloat16* o = out + (b * heads + h) * d;
+    for (int j = 0; j < DV; ++j)
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(o + 16 * j), round_bf16(_mm512_mul_ps(acc[j], inv)));
   });
 }
 #endif
@@ -598,75 +599,68 @@ void decode_attention_bf16_avx2(const c10::BFloat16* q, int64_t q_row, int64_t q
                                 int64_t heads, int64_t kv_heads, int64_t ctx_stride, float scale) {
   constexpr int64_t d = 16 * DV;
   const int64_t per_kv = heads / kv_heads, slot_stride = kv_heads * d;
-  int64_t work = 0;
-  for (int64_t b = 0; b < rows; ++b) work += lens[b];
-  const int64_t items = rows * heads;
-  const int64_t grain = work * heads * d < 65536 ? items : 1;  // small: one thread
-  at::parallel_for(0, items, grain, [&](int64_t i0, int64_t i1) {
-    std::vector<float> scores;
-    for (int64_t i = i0; i < i1; ++i) {
-      const int64_t b = i / heads, h = i % heads, kh = h / per_kv, n = lens[b];
-      const int64_t* sl = slots + row_of[b] * ctx_stride;
-      const int64_t n8 = (n + 7) / 8 * 8;
-      scores.assign(n8, -INFINITY);
-      float* sg = scores.data();
-      __m256 qv[2 * DV];
-      for (int j = 0; j < DV; ++j) load_bf16x16_interleaved(q + b * q_row + h * q_head + 16 * j, qv[2 * j], qv[2 * j + 1]);
-      for (int64_t c0 = 0; c0 < n; c0 += 8) {  // 8 keys at a time: 8 dot products -> one vector
-        const int64_t m = std::min<int64_t>(8, n - c0);
-        __m256 s[8];
-        for (int64_t c = 0; c < 8; ++c) {
-          __m256 acc = _mm256_setzero_ps(), acc2 = _mm256_setzero_ps();
-          if (c < m) {
-            const c10::BFloat16* kr = kp + sl[c0 + c] * slot_stride + kh * d;
-            for (int j = 0; j < DV; ++j) {
-              __m256 lo, hi;
-              load_bf16x16_interleaved(kr + 16 * j, lo, hi);
-              acc = _mm256_fmadd_ps(qv[2 * j], lo, acc);
-              acc2 = _mm256_fmadd_ps(qv[2 * j + 1], hi, acc2);
-            }
+  for_each_query_head(rows, heads, d, lens, [&](int64_t b, int64_t h, std::vector<float>& scores) {
+    const int64_t kh = h / per_kv, n = lens[b];
+    const int64_t* sl = slots + row_of[b] * ctx_stride;
+    const int64_t n8 = (n + 7) / 8 * 8;
+    scores.assign(n8, -INFINITY);
+    float* sg = scores.data();
+    __m256 qv[2 * DV];
+    for (int j = 0; j < DV; ++j) load_bf16x16_interleaved(q + b * q_row + h * q_head + 16 * j, qv[2 * j], qv[2 * j + 1]);
+    for (int64_t c0 = 0; c0 < n; c0 += 8) {  // 8 keys at a time: 8 dot products -> one vector
+      const int64_t m = std::min<int64_t>(8, n - c0);
+      __m256 s[8];
+      for (int64_t c = 0; c < 8; ++c) {
+        __m256 acc = _mm256_setzero_ps(), acc2 = _mm256_setzero_ps();
+        if (c < m) {
+          const c10::BFloat16* kr = kp + sl[c0 + c] * slot_stride + kh * d;
+          for (int j = 0; j < DV; ++j) {
+            __m256 lo, hi;
+            load_bf16x16_interleaved(kr + 16 * j, lo, hi);
+            acc = _mm256_fmadd_ps(qv[2 * j], lo, acc);
+            acc2 = _mm256_fmadd_ps(qv[2 * j + 1], hi, acc2);
           }
-          s[c] = _mm256_add_ps(acc, acc2);
         }
-        const __m256 sc = _mm256_mul_ps(sum_lanes8(s), _mm256_set1_ps(scale));
-        if (m == 8) {
-          _mm256_storeu_ps(sg + c0, sc);
-        } else {
-          alignas(32) float tmp[8];
-          _mm256_store_ps(tmp, sc);
-          std::copy(tmp, tmp + m, sg + c0);
-        }
+        s[c] = _mm256_add_ps(acc, acc2);
       }
-      __m256 mx = _mm256_set1_ps(-INFINITY);
-      for (int64_t c = 0; c < n8; c += 8) mx = _mm256_max_ps(mx, _mm256_loadu_ps(sg + c));
-      alignas(32) float lanes[8];
-      _mm256_store_ps(lanes, mx);
-      const __m256 top = _mm256_set1_ps(*std::max_element(lanes, lanes + 8));
-      __m256 total = _mm256_setzero_ps();
-      for (int64_t c = 0; c < n8; c += 8) {  // the padding's -inf gives 0
-        const __m256 p = exp_ps_avx2(_mm256_sub_ps(_mm256_loadu_ps(sg + c), top));
-        _mm256_storeu_ps(sg + c, p);
-        total = _mm256_add_ps(total, p);
+      const __m256 sc = _mm256_mul_ps(sum_lanes8(s), _mm256_set1_ps(scale));
+      if (m == 8) {
+        _mm256_storeu_ps(sg + c0, sc);
+      } else {
+        alignas(32) float tmp[8];
+        _mm256_store_ps(tmp, sc);
+        std::copy(tmp, tmp + m, sg + c0);
       }
-      const __m256 inv = _mm256_set1_ps(1.f / sum_lanes(total));
-      __m256 acc[2 * DV];
-      for (int j = 0; j < 2 * DV; ++j) acc[j] = _mm256_setzero_ps();
-      for (int64_t c = 0; c < n; ++c) {
-        const c10::BFloat16* vr = vp + sl[c] * slot_stride + kh * d;
-        const __m256 p = _mm256_set1_ps(sg[c]);
-        for (int j = 0; j < DV; ++j) {
-          __m256 lo, hi;
-          load_bf16x16_interleaved(vr + 16 * j, lo, hi);
-          acc[2 * j] = _mm256_fmadd_ps(p, lo, acc[2 * j]);
-          acc[2 * j + 1] = _mm256_fmadd_ps(p, hi, acc[2 * j + 1]);
-        }
+    }
+    __m256 mx = _mm256_set1_ps(-INFINITY);
+    for (int64_t c = 0; c < n8; c += 8) mx = _mm256_max_ps(mx, _mm256_loadu_ps(sg + c));
+    alignas(32) float lanes[8];
+    _mm256_store_ps(lanes, mx);
+    const __m256 top = _mm256_set1_ps(*std::max_element(lanes, lanes + 8));
+    __m256 total = _mm256_setzero_ps();
+    for (int64_t c = 0; c < n8; c += 8) {  // the padding's -inf gives 0
+      const __m256 p = exp_ps_avx2(_mm256_sub_ps(_mm256_loadu_ps(sg + c), top));
+      _mm256_storeu_ps(sg + c, p);
+      total = _mm256_add_ps(total, p);
+    }
+    const __m256 inv = _mm256_set1_ps(1.f / sum_lanes(total));
+    __m256 acc[2 * DV];
+    for (int j = 0; j < 2 * DV; ++j) acc[j] = _mm256_setzero_ps();
+    for (int64_t c = 0; c < n; ++c) {
+      const c10::BFloat16* vr = vp + sl[c] * slot_stride + kh * d;
+      const __m256 p = _mm256_set1_ps(sg[c]);
+      for (int j = 0; j < DV; ++j) {
+        __m256 lo, hi;
+        load_bf16x16_interleaved(vr + 16 * j, lo, hi);
+        acc[2 * j] = _mm256_fmadd_ps(p, lo, acc[2 * j]);
+        acc[2 * j + 1] = _mm256_fmadd_ps(p, hi, acc[2 * j + 1]);
       }
-      c10::BFloat16* o = out + (b * heads + h) * d;
-      for (int j = 0; j < DV; ++j) {  // bf16 bits of both halves, packed back into element order
-        const __m256 lo = _mm256_mul_ps(acc[2 * j], inv), hi = _mm256_mul_ps(acc[2 * j + 1], inv);
-        _mm256_storeu_si256(reinterpret_cast<__m256i*>(o + 16 * j),
-                            _mm256_packus_epi32(bf16_bits_avx2(lo), bf16_bits_avx2(hi)));
-      }
+    }
+    c10::BFloat16* o = out + (b * heads + h) * d;
+    for (int j = 0; j < DV; ++j) {  // bf16 bits of both halves, packed back into element order
+      const __m256 lo = _mm256_mul_ps(acc[2 * j], inv), hi = _mm256_mul_ps(acc[2 * j + 1], inv);
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(o + 16 * j),
+                          _mm256_packus_epi32(bf16_bits_avx2(lo), bf16_bits_avx2(hi)));
     }
   });
 }
