@@ -200,7 +200,7 @@ def summarize(records: dict[str, list[dict]]) -> dict:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="smollm2-135m-instruct")
-    ap.add_argument("--weight-format", default="auto", choices=["auto", "dense", "int8", "int4"])
+    ap.add_argument("--weight-format", default="auto", choices=["auto", "dense", "int8", "int4", "int4a8"])
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--prompts", type=int, default=10)
     ap.add_argument("--max-tokens", type=int, default=128)

@@ -176,7 +176,7 @@ def summarize(records: list[dict]) -> dict:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="smollm2-135m-instruct")
-    ap.add_argument("--weight-format", default="int4", choices=["dense", "int8", "int4", "auto"])
+    ap.add_argument("--weight-format", default="int4", choices=["dense", "int8", "int4", "int4a8", "auto"])
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--prompts", type=int, default=12)

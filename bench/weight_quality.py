@@ -42,6 +42,7 @@ FORMATS = {  # name -> (dtype, weight_format)
     "bf16": (torch.bfloat16, "dense"),
     "int8": (torch.bfloat16, "int8"),
     "int4": (torch.bfloat16, "int4"),
+    "int4a8": (torch.bfloat16, "int4a8"),
 }
 
 

@@ -13,7 +13,7 @@ import yaml
 SPEC_METHODS = ("none", "ngram", "draft")
 DTYPES = ("bfloat16", "float32")
 # verispec.model.quant.WEIGHT_FORMATS (repeated here: config must not import torch)
-WEIGHT_FORMATS = ("auto", "dense", "int8", "int4")
+WEIGHT_FORMATS = ("auto", "dense", "int8", "int4", "int4a8")
 KERNELS = ("auto", "on", "off")
 
 
@@ -91,7 +91,7 @@ class EngineConfig:
             value = getattr(self, name)
             if value not in WEIGHT_FORMATS:
                 raise ValueError(f"{name} must be one of {WEIGHT_FORMATS}, got {value!r}")
-            if value in ("int8", "int4") and self.dtype != "bfloat16":
+            if value not in ("auto", "dense") and self.dtype != "bfloat16":
                 raise ValueError(f"{name} {value!r} needs dtype bfloat16, got {self.dtype!r}")
 
     def to_dict(self) -> dict:

@@ -66,6 +66,10 @@ class LLMEngine:
             ops = kernels.load(required=config.kernels == "on")
         for model in (target, draft):
             if model is not None:
+                if ops is None and model.weight_format == "int4a8":
+                    raise ValueError("weight format 'int4a8' (int4 on the 8-bit activation grid) runs on "
+                                     "verispec's kernels only; they are off (kernels: off, or a device "
+                                     "other than the CPU) or could not be built")
                 model.kernels = ops
         # The config as run: "auto" weight formats and kernels replaced by what resolved.
         self.config = config = replace(

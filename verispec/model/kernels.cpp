@@ -78,6 +78,23 @@ inline __m256 load_bf16_avx2(const c10::BFloat16* p) {
       _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))), 16));
 }
 
+// 16 outputs' bf16 results (lo: outputs 0-7, hi: 8-15) to y, the first `valid` of them.
+inline void store_bf16x16(c10::BFloat16* y, __m256 lo, __m256 hi, int64_t valid) {
+  alignas(32) uint16_t tmp[16];
+  uint16_t* dst = valid >= 16 ? reinterpret_cast<uint16_t*>(y) : tmp;
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(dst), round_bf16_avx2(lo));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + 8), round_bf16_avx2(hi));
+  if (valid < 16) std::memcpy(y, tmp, valid * sizeof(uint16_t));
+}
+
+// 16 bf16 (the first `valid`, zeros past them) -> float32, outputs 0-7 and 8-15.
+inline void load_bf16x16(const c10::BFloat16* p, int64_t valid, __m256& lo, __m256& hi) {
+  alignas(32) c10::BFloat16 tmp[16] = {};
+  const c10::BFloat16* src = valid >= 16 ? p : (std::memcpy(tmp, p, valid * sizeof(c10::BFloat16)), tmp);
+  lo = load_bf16_avx2(src);
+  hi = load_bf16_avx2(src + 8);
+}
+
 // exp(x) in float32 for softmax's shifted scores (x <= 0; below -87, where exp(x) is below
 // float32's normal range, exactly 0; NaN stays NaN), within ~2 ulp: the Cephes expf
 // polynomial, as exp_ps (the AVX-512 form, below), 2^n built in the exponent bits.
@@ -303,6 +320,9 @@ struct Int4Args {
   // the int16s m[k0], m[k0+4], m[k0+1], m[k0+5], m[k0+2], m[k0+6], m[k0+3], m[k0+7] (the
   // order the vector path's transposed codes pair them; the portable loop reads it too).
   const int16_t* xq;
+  // Or, on the 8-bit grid (below; nullptr: the 16-bit one), m (K) int8 in k order; q4 is then
+  // in the lane layout (below).
+  const int8_t* xq8;
   const float* step;   // (T, K / 32): p per group
   const float* msum;   // (T, K / 32): float(sum m) * p per group
   c10::BFloat16* y;    // (T, N)
@@ -315,7 +335,8 @@ constexpr int kPairOrder[8] = {0, 4, 1, 5, 2, 6, 3, 7};
 #if defined(__AVX512F__)
 inline __m512 load16(const c10::BFloat16* p) { return load_bf16(p); }
 inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
-#elif defined(__AVX2__) && defined(__FMA__)
+#endif
+#if defined(__AVX2__) && defined(__FMA__)
 inline __m256 load8(const c10::BFloat16* p) { return load_bf16_avx2(p); }
 inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
 #endif
@@ -403,9 +424,88 @@ void round_activations(const X* x, int64_t tokens, int64_t K, bool pair_order, i
   }
 }
 
+// The 8-bit grid (the int4 kernel's `act_bits` = 8; GGUF's Q8_0 activations, as llama.cpp
+// multiplies Q4 weights): per group of 32, with e the exponent of the largest |x| (big < 2^e)
+// and norm = big 2^-e in [1/2, 1), m[k] = round(x[k] 2^-e * (127 / norm)), |m| <= 127, and
+// p = (norm / 127) 2^e, so |x - m p| <= p / 2 = big / 254: 128x coarser than the 16-bit
+// grid, near bf16's own rounding of the group's largest (2^-9). The products are integers
+// again (exact in any order: vector and portable agree bit for bit), and cost half the
+// instructions: one _mm256_maddubs_epi16 multiplies 32 code bytes by 32 activation bytes.
+// The same as round_activations otherwise (inf or NaN in a group: p = NaN, m = 0).
+template <typename X>
+void round_activations8(const X* x, int64_t tokens, int64_t K, int8_t* xq, float* step, float* msum) {
+  constexpr int64_t G = 32;
+  const int64_t groups = K / G;
+  for (int64_t i = 0; i < tokens * groups; ++i) {
+    const X* xg = x + i * G;
+    int8_t* q = xq + i * G;
+#if defined(__AVX2__) && defined(__FMA__)
+    __m256 v[4], top = _mm256_setzero_ps(), ok = _mm256_castsi256_ps(_mm256_set1_epi32(-1));
+    for (int j = 0; j < 4; ++j) {
+      v[j] = load8(xg + 8 * j);
+      const __m256 mag = _mm256_andnot_ps(_mm256_set1_ps(-0.f), v[j]);
+      ok = _mm256_and_ps(ok, _mm256_cmp_ps(mag, _mm256_set1_ps(std::numeric_limits<float>::max()), _CMP_LE_OQ));
+      top = _mm256_max_ps(top, mag);
+    }
+    const bool finite = _mm256_movemask_ps(ok) == 0xFF;  // no NaN, no inf
+    alignas(32) float tops[8];
+    _mm256_store_ps(tops, top);
+    const float big = *std::max_element(tops, tops + 8);
+#else
+    float big = 0.f;
+    bool finite = true;
+    for (int64_t k = 0; k < G; ++k) {
+      const float v = static_cast<float>(xg[k]);
+      finite = finite && std::isfinite(v);
+      big = std::max(big, std::fabs(v));
+    }
+#endif
+    int e = 0;
+    std::frexp(finite ? big : 0.f, &e);  // big < 2^e (0 -> e = 0)
+    // 2^-e as two exact power-of-two factors (one alone overflows float for subnormals)
+    const int shift = -e, first = std::min(shift, 127);
+    const float up = std::ldexp(1.f, first), up2 = std::ldexp(1.f, shift - first);
+    const float norm = big * up * up2, inv = norm > 0.f ? 127.f / norm : 0.f;  // norm in [1/2, 1)
+    int32_t sum = 0;
+    if (!finite) {
+      std::fill(q, q + G, int8_t{0});
+    } else {
+#if defined(__AVX2__) && defined(__FMA__)
+      // round to nearest even (MXCSR's default, as nearbyint), narrow to bytes in k order
+      __m256i total = _mm256_setzero_si256();
+      for (int j = 0; j < 4; j += 2) {
+        __m256i m[2];
+        for (int h = 0; h < 2; ++h) {
+          const __m256 s = _mm256_mul_ps(_mm256_mul_ps(_mm256_mul_ps(v[j + h], _mm256_set1_ps(up)),
+                                                       _mm256_set1_ps(up2)), _mm256_set1_ps(inv));
+          m[h] = _mm256_cvtps_epi32(s);
+          total = _mm256_add_epi32(total, m[h]);
+        }
+        const __m128i m16a = _mm_packs_epi32(_mm256_castsi256_si128(m[0]), _mm256_extracti128_si256(m[0], 1));
+        const __m128i m16b = _mm_packs_epi32(_mm256_castsi256_si128(m[1]), _mm256_extracti128_si256(m[1], 1));
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(q + 8 * j), _mm_packs_epi16(m16a, m16b));
+      }
+      alignas(32) int32_t sums[8];
+      _mm256_store_si256(reinterpret_cast<__m256i*>(sums), total);
+      for (int32_t part : sums) sum += part;
+#else
+      for (int64_t k = 0; k < G; ++k) {
+        const float v = static_cast<float>(xg[k]);
+        const int32_t m = static_cast<int32_t>(std::nearbyint(v * up * up2 * inv));
+        q[k] = static_cast<int8_t>(m);
+        sum += m;
+      }
+#endif
+    }
+    step[i] = finite ? std::ldexp(norm / 127.f, e) : std::numeric_limits<float>::quiet_NaN();
+    msum[i] = static_cast<float>(sum) * step[i];
+  }
+}
+
 // One call's rounded activations (a caller keeps one thread_local: the buffers are reused).
 struct RoundedActivations {
   std::vector<int16_t> xq;
+  std::vector<int8_t> xq8;
   std::vector<float> step, msum;
 
   template <typename X>
@@ -414,6 +514,14 @@ struct RoundedActivations {
     step.resize(tokens * (K / 32));
     msum.resize(tokens * (K / 32));
     round_activations(x, tokens, K, pair_order, xq.data(), step.data(), msum.data());
+  }
+
+  template <typename X>
+  void round8(const X* x, int64_t tokens, int64_t K) {
+    xq8.resize(tokens * K);
+    step.resize(tokens * (K / 32));
+    msum.resize(tokens * (K / 32));
+    round_activations8(x, tokens, K, xq8.data(), step.data(), msum.data());
   }
 };
 
@@ -424,12 +532,17 @@ void int4_block_portable(const Int4Args& a, int64_t blk, int64_t tokens) {
     for (int64_t j = 0; j < kInt4Block && n0 + j < a.N; ++j) {
       float total = a.bias ? static_cast<float>(a.bias[n0 + j]) : 0.f;
       for (int64_t g = 0; g < a.groups; ++g) {
-        const int16_t* m = a.xq + t * a.K + g * kInt4Group;
         int32_t dot = 0;
         for (int64_t i = 0; i < kInt4Group; ++i) {
-          const int64_t k = g * kInt4Group + (i / 8) * 8 + kPairOrder[i % 8];
-          const uint8_t byte = qb[(k / 2) * kInt4Block + j];
-          dot += static_cast<int32_t>(k % 2 ? byte >> 4 : byte & 15) * m[i];
+          if (a.xq8) {  // the lane layout, k order
+            const int64_t k = g * kInt4Group + i;
+            const uint8_t byte = qb[(k / 8) * 4 * kInt4Block + 4 * j + k % 4];
+            dot += static_cast<int32_t>(k % 8 < 4 ? byte & 15 : byte >> 4) * a.xq8[t * a.K + k];
+          } else {      // the pair layout, pair order
+            const int64_t k = g * kInt4Group + (i / 8) * 8 + kPairOrder[i % 8];
+            const uint8_t byte = qb[(k / 2) * kInt4Block + j];
+            dot += static_cast<int32_t>(k % 2 ? byte >> 4 : byte & 15) * a.xq[t * a.K + g * kInt4Group + i];
+          }
         }
         const int64_t s = (blk * a.groups + g) * kInt4Block + j;
         const float p = a.step[t * a.groups + g];
@@ -947,23 +1060,6 @@ constexpr bool kBf16Avx512 = false;
 // the portable loops) and the bf16 kernel's fused multiply-adds in the portable loop's
 // order (bit-identical too). Only the packed layouts' in-lane shuffles differ.
 #if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
-// 16 outputs' bf16 results (lo: outputs 0-7, hi: 8-15) to y, the first `valid` of them.
-inline void store_bf16x16(c10::BFloat16* y, __m256 lo, __m256 hi, int64_t valid) {
-  alignas(32) uint16_t tmp[16];
-  uint16_t* dst = valid >= 16 ? reinterpret_cast<uint16_t*>(y) : tmp;
-  _mm_storeu_si128(reinterpret_cast<__m128i*>(dst), round_bf16_avx2(lo));
-  _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + 8), round_bf16_avx2(hi));
-  if (valid < 16) std::memcpy(y, tmp, valid * sizeof(uint16_t));
-}
-
-// 16 bf16 (the first `valid`, zeros past them) -> float32, outputs 0-7 and 8-15.
-inline void load_bf16x16(const c10::BFloat16* p, int64_t valid, __m256& lo, __m256& hi) {
-  alignas(32) c10::BFloat16 tmp[16] = {};
-  const c10::BFloat16* src = valid >= 16 ? p : (std::memcpy(tmp, p, valid * sizeof(c10::BFloat16)), tmp);
-  lo = load_bf16_avx2(src);
-  hi = load_bf16_avx2(src + 8);
-}
-
 // The int4 tile, TT tokens of one block of 16 outputs. 64 bytes of codes are 4 rows (8 k)
 // of the 16 outputs; byte then 16-bit interleaves within 128 bits (cross-lane 256-bit
 // shuffles are slow on some AVX2 CPUs: 8 micro-ops each on Zen 1) make each 32-bit lane one
@@ -1127,13 +1223,82 @@ void bf16_block_avx2(const Bf16Args&, int64_t, int64_t) {}
 constexpr bool kInt4Avx2 = false, kQ8Avx2 = false, kBf16Avx2 = false;
 #endif
 
+// --- the int4 kernel on the 8-bit activation grid (AVX2; AVX-512 CPUs run it too) ----------
+//
+// Its own weight layout, the lane layout (quant.pack_int4 with act_bits 8): per 8 k of a
+// block's 16 outputs, 64 bytes, output j's 4 at 4 j, byte i = q[j, k0 + i] | q[j, k0 + 4 + i] << 4:
+//   q4 (N/16, K/2, 16) uint8 as (N/16, K/8, 16, 4)
+// so each 32-bit lane of a 32-byte load is one output's 8 codes, no shuffle needed: the low
+// nibbles are q[k0..k3], the high ones q[k4..k7], and one _mm256_maddubs_epi16 (unsigned
+// codes times signed activations, in k order) sums them in pairs: 32 products an
+// instruction, where the 16-bit grid's _mm256_madd_epi16 makes 16. The pairs (|sum| <= 2 *
+// 15 * 127) add up in 16 bits over a group's 8 (|total| <= 30480: no saturation, exact),
+// then one _mm256_madd_epi16 by ones widens them to an int32 per output.
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+template <int TT>
+void int4_tile8_avx2(const Int4Args& a, int64_t blk, int64_t t0) {
+  const int64_t n0 = blk * kInt4Block, valid = std::min<int64_t>(kInt4Block, a.N - n0);
+  const uint8_t* qb = a.q4 + blk * (a.K / 2) * kInt4Block;
+  const __m256i low = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+  __m256 bias[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
+  if (a.bias) load_bf16x16(a.bias + n0, valid, bias[0], bias[1]);
+  __m256 total[TT][2];
+  for (int t = 0; t < TT; ++t) total[t][0] = bias[0], total[t][1] = bias[1];
+  for (int64_t g = 0; g < a.groups; ++g) {
+    __m256i acc[TT][2];
+    for (int t = 0; t < TT; ++t) acc[t][0] = acc[t][1] = _mm256_setzero_si256();
+    const int32_t* xg = reinterpret_cast<const int32_t*>(a.xq8 + t0 * a.K + g * kInt4Group);
+    const uint8_t* qg = qb + g * (kInt4Group / 2) * kInt4Block;
+    for (int line = 0; line < kInt4Group / 2 * kInt4Block; line += 64)  // the codes ahead
+      _mm_prefetch(reinterpret_cast<const char*>(qg + kInt4Prefetch + line), _MM_HINT_T0);
+    for (int chunk = 0; chunk < 4; ++chunk) {
+      for (int h = 0; h < 2; ++h) {  // outputs 0-7, 8-15
+        const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qg + chunk * 64 + 32 * h));
+        const __m256i lo = _mm256_and_si256(w, low), hi = _mm256_and_si256(_mm256_srli_epi16(w, 4), low);
+        for (int t = 0; t < TT; ++t) {
+          const int32_t* xt = xg + t * a.K / 4 + chunk * 2;
+          acc[t][h] = _mm256_add_epi16(acc[t][h], _mm256_maddubs_epi16(lo, _mm256_set1_epi32(xt[0])));
+          acc[t][h] = _mm256_add_epi16(acc[t][h], _mm256_maddubs_epi16(hi, _mm256_set1_epi32(xt[1])));
+        }
+      }
+    }
+    const int64_t s = (blk * a.groups + g) * kInt4Block;
+    const __m256 scale[2] = {_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(a.scale + s))),
+                             _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(a.scale + s + 8)))};
+    const __m256 min[2] = {_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(a.min + s))),
+                           _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(a.min + s + 8)))};
+    for (int t = 0; t < TT; ++t) {
+      const int64_t tg = (t0 + t) * a.groups + g;
+      for (int h = 0; h < 2; ++h) {
+        const __m256i d = _mm256_madd_epi16(acc[t][h], ones);
+        total[t][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d), _mm256_mul_ps(scale[h], _mm256_set1_ps(a.step[tg])),
+                                      total[t][h]);
+        total[t][h] = _mm256_fmadd_ps(_mm256_set1_ps(a.msum[tg]), min[h], total[t][h]);
+      }
+    }
+  }
+  for (int t = 0; t < TT; ++t) store_bf16x16(a.y + (t0 + t) * a.N + n0, total[t][0], total[t][1], valid);
+}
+
+void int4_block8_avx2(const Int4Args& a, int64_t blk, int64_t tokens) {
+  static const TileFn<Int4Args> tile[5] = {nullptr, int4_tile8_avx2<1>, int4_tile8_avx2<2>, int4_tile8_avx2<3>,
+                                           int4_tile8_avx2<4>};
+  run_tiles<4>(tile, a, blk, tokens);
+}
+constexpr bool kInt4Act8Vector = true;
+#else
+void int4_block8_avx2(const Int4Args&, int64_t, int64_t) {}
+constexpr bool kInt4Act8Vector = false;
+#endif
+
 // The vector path each kernel has on this CPU (AVX-512, else AVX2), if any.
 constexpr bool kInt4Vector = kInt4Avx512 || kInt4Avx2, kQ8Vector = kQ8Avx512 || kQ8Avx2,
                kBf16Vector = kBf16Avx512 || kBf16Avx2;
 constexpr const char* kIsa = kInt4Avx512 ? "avx512" : (kInt4Avx2 ? "avx2" : "portable");
 
 void int4_block_vector(const Int4Args& a, int64_t blk, int64_t tokens) {
-  if (kInt4Avx512) int4_block_avx512(a, blk, tokens);
+  if (a.xq8) int4_block8_avx2(a, blk, tokens);
+  else if (kInt4Avx512) int4_block_avx512(a, blk, tokens);
   else int4_block_avx2(a, blk, tokens);
 }
 void q8_block_vector(const Q8Args& a, int64_t blk, int64_t tokens) {
@@ -1266,10 +1431,12 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_pool, const
   return out;
 }
 
-// x (T, K) bf16 @ W.T + bias -> (T, N) bf16, W int4 in the layout above. `portable`: the
-// plain C++ loop even where AVX-512 is available (tests compare the two bit for bit).
+// x (T, K) bf16 @ W.T + bias -> (T, N) bf16, W int4 in the layout above, the activations on
+// the 16-bit or the 8-bit grid (act_bits). `portable`: the plain C++ loop even where a
+// vector path is available (tests compare the two bit for bit).
 at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& q4, const at::Tensor& scale, const at::Tensor& min,
-                       int64_t out_features, const c10::optional<at::Tensor>& bias, bool portable) {
+                       int64_t out_features, const c10::optional<at::Tensor>& bias, bool portable, int64_t act_bits) {
+  check(act_bits == 16 || act_bits == 8, "act_bits must be 16 or 8");
   check(x.dim() == 2 && x.is_contiguous() && x.scalar_type() == at::kBFloat16, "x must be contiguous bf16 (T, K)");
   const int64_t tokens = x.size(0), K = x.size(1), blocks = q4.size(0);
   check(K % kInt4Group == 0 && q4.dim() == 3 && q4.is_contiguous() && q4.scalar_type() == at::kByte &&
@@ -1285,12 +1452,15 @@ at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& q4, const at::Tens
     bias_p = bias->data_ptr<c10::BFloat16>();
   }
   thread_local RoundedActivations r;
-  r.round(x.data_ptr<c10::BFloat16>(), tokens, K, true);
+  const bool act8 = act_bits == 8;
+  if (act8) r.round8(x.data_ptr<c10::BFloat16>(), tokens, K);
+  else r.round(x.data_ptr<c10::BFloat16>(), tokens, K, true);
   const int64_t groups = K / kInt4Group;
   at::Tensor y = at::empty({tokens, out_features}, x.options());
   const Int4Args args{q4.data_ptr<uint8_t>(), scale.data_ptr<c10::Half>(), min.data_ptr<c10::Half>(), bias_p,
-                      r.xq.data(), r.step.data(), r.msum.data(), y.data_ptr<c10::BFloat16>(), K, out_features, groups};
-  const bool vector = kInt4Vector && !portable;
+                      act8 ? nullptr : r.xq.data(), act8 ? r.xq8.data() : nullptr, r.step.data(), r.msum.data(),
+                      y.data_ptr<c10::BFloat16>(), K, out_features, groups};
+  const bool vector = (act8 ? kInt4Act8Vector : kInt4Vector) && !portable;
   at::parallel_for(0, blocks, 4, [&](int64_t b0, int64_t b1) {
     for (int64_t b = b0; b < b1; ++b) {
       if (vector) int4_block_vector(args, b, tokens);
@@ -1420,7 +1590,7 @@ int64_t refine_head(at::Tensor logits, const at::Tensor& x, const at::Tensor& we
 // LlamaModel.forward calls them with kernels on (the same functions: bit-identical), so a
 // step costs one Python call instead of ~10 a layer plus their views and dispatch.
 struct StackLinear {
-  int64_t kind;                    // 0: int4 (q4, scale, min), 1: bf16 (w16)
+  int64_t kind;                    // 0: int4 (q4, scale, min), 2: the same on the 8-bit grid, 1: bf16 (w16)
   std::vector<at::Tensor> weights;
   int64_t out_features;
   c10::optional<at::Tensor> bias;
@@ -1442,8 +1612,8 @@ class DecoderStack {
     check(linears.size() == 4, "a layer needs 4 linears: qkv, o, gate_up, down");
     std::vector<StackLinear> ls;
     for (const auto& [kind, weights, out, bias] : linears) {
-      check((kind == 0 && weights.size() == 3) || (kind == 1 && weights.size() == 1),
-            "a linear is int4 (kind 0: q4, scale, min) or bf16 (kind 1: w16)");
+      check(((kind == 0 || kind == 2) && weights.size() == 3) || (kind == 1 && weights.size() == 1),
+            "a linear is int4 (kind 0, or 2 on the 8-bit activation grid: q4, scale, min) or bf16 (kind 1: w16)");
       ls.push_back({kind, weights, out, bias});
     }
     layers_.push_back({input_norm, post_norm, ls[0], ls[1], ls[2], ls[3]});
@@ -1484,7 +1654,9 @@ class DecoderStack {
  private:
   static at::Tensor linear(const at::Tensor& x, const StackLinear& w) {
     const at::Tensor xc = x.contiguous();
-    if (w.kind == 0) return int4_linear(xc, w.weights[0], w.weights[1], w.weights[2], w.out_features, w.bias, false);
+    if (w.kind != 1)
+      return int4_linear(xc, w.weights[0], w.weights[1], w.weights[2], w.out_features, w.bias, false,
+                         w.kind == 2 ? 8 : 16);
     return bf16_linear(xc, w.weights[0], w.out_features, w.bias, false);
   }
 
@@ -1501,8 +1673,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rotary_store_", &rotary_store_, "rotate q, k in place and write k, v to the pools at slots");
   m.def("int4_linear", &int4_linear, "x @ W.T + bias with W int4 (groups of 32, fp16 scale and min)",
         py::arg("x"), py::arg("q4"), py::arg("scale"), py::arg("min"), py::arg("out_features"),
-        py::arg("bias") = py::none(), py::arg("portable") = false);
+        py::arg("bias") = py::none(), py::arg("portable") = false, py::arg("act_bits") = 16);
   m.attr("int4_vector") = kInt4Vector;
+  m.attr("int4_act8_vector") = kInt4Act8Vector;
   m.def("bf16_linear", &bf16_linear, "x @ W.T + bias with W bf16 (blocks of 16 outputs, k in pairs)",
         py::arg("x"), py::arg("w16"), py::arg("out_features"), py::arg("bias") = py::none(),
         py::arg("portable") = false);

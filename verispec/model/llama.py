@@ -255,7 +255,7 @@ class LlamaModel(nn.Module):
         `ApproxHead` (no float32 refinement), and its "auto" is int8 (int4 for a Q4 GGUF).
         """
         fmt = resolve_weight_format(weight_format, dtype, gguf_path, draft=draft)
-        if weight_format == "auto" and fmt == "int4" and any(
+        if weight_format == "auto" and fmt.startswith("int4") and any(
                 n % INT4_GROUP for n in (cfg.hidden_size, cfg.intermediate_size, cfg.num_heads * cfg.head_dim)):
             fmt = "dense"  # the int4 kernel needs in_features in whole groups of 32
         if fmt != "dense" and torch.device(device).type != "cpu":
@@ -285,7 +285,7 @@ class LlamaModel(nn.Module):
             raise ValueError(f"weights do not match the {cfg.family} architecture: "
                              f"missing {sorted(missing)[:5]}, unexpected {sorted(unexpected)[:5]}")
         if fmt != "dense":
-            int4_groups = _gguf_int4_groups(cfg, gguf_path) if fmt == "int4" and gguf_path else {}
+            int4_groups = _gguf_int4_groups(cfg, gguf_path) if fmt.startswith("int4") and gguf_path else {}
             if draft:
                 head = ApproxHead.quantize(quantized["lm_head.weight"], fmt, dtype)
             else:
@@ -331,8 +331,8 @@ def _build_stack(model: LlamaModel, ops):
         return None
 
     def spec(layer: nn.Module):
-        if isinstance(layer, Int4Linear) and ops.int4_vector:
-            return 0, [layer.q4, layer.scale, layer.min], layer.out_features, layer.bias
+        if isinstance(layer, Int4Linear) and (layer.act_bits == 8 or ops.int4_vector):
+            return 0 if layer.act_bits == 16 else 2, [layer.q4, layer.scale, layer.min], layer.out_features, layer.bias
         if isinstance(layer, Bf16Linear) and ops.bf16_vector:
             return 1, [layer.w16], layer.out_features, layer.bias
         return None

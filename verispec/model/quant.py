@@ -51,7 +51,8 @@ import torch.nn.functional as F
 
 log = logging.getLogger("verispec")
 
-WEIGHT_FORMATS = ("auto", "dense", "int8", "int4")
+WEIGHT_FORMATS = ("auto", "dense", "int8", "int4", "int4a8")
+INT4_FORMATS = {"int4": 16, "int4a8": 8}  # int4 format -> the kernel's activation grid (bits)
 INT4_GROUP = 32
 # ggml block types whose blocks are int4 groups of 32 (gguf.GGMLQuantizationType values)
 _GGML_Q4_0, _GGML_Q4_1, _GGML_Q8_0 = 2, 3, 8
@@ -78,12 +79,16 @@ class Int4Linear(nn.Module):
     """y = x @ W.T + b with W in int4 groups of 32 along K (see `pack_int4` for the layout).
 
     `kernels`: verispec's compiled kernels (set through `LlamaModel.kernels`); without them,
-    or on a CPU without AVX-512, PyTorch's int4 kernel runs on a copy packed on first use.
+    or on a CPU without a vector path for them, PyTorch's int4 kernel runs on a copy packed
+    on first use. `act_bits` 8 (weight format "int4a8"): the kernel rounds activations onto
+    its 8-bit grid, which only verispec's kernels compute (no kernels: an error).
     """
 
     def __init__(self, q4: torch.Tensor, scale: torch.Tensor, min: torch.Tensor, out_features: int,
-                 bias: torch.Tensor | None):
+                 bias: torch.Tensor | None, act_bits: int = 16):
         super().__init__()
+        _check_act_bits(act_bits)
+        self.act_bits = act_bits
         self.register_buffer("q4", q4)        # (N_pad / 16, K / 2, 16) uint8
         self.register_buffer("scale", scale)  # (N_pad / 16, K / 32, 16) fp16
         self.register_buffer("min", min)      # (N_pad / 16, K / 32, 16) fp16
@@ -94,6 +99,12 @@ class Int4Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         ops = self.kernels
+        if self.act_bits == 8:
+            if ops is None:
+                raise RuntimeError("weight format 'int4a8' (int4 on the 8-bit activation grid) runs on "
+                                   "verispec's kernels only, and they are off")
+            return ops.int4_linear(x.contiguous(), self.q4, self.scale, self.min, self.out_features, self.bias,
+                                   act_bits=8)
         if ops is not None and ops.int4_vector:
             return ops.int4_linear(x.contiguous(), self.q4, self.scale, self.min, self.out_features, self.bias)
         if self._torch_packed is None:
@@ -227,13 +238,17 @@ class Int4Groups:
         return Int4Groups(*(torch.cat([getattr(p, f) for p in parts]) for f in ("q", "scale", "min")))
 
 
-def pack_int4(groups: Int4Groups) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def pack_int4(groups: Int4Groups, act_bits: int = 16) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Int4 groups -> (q4, scale, min) in the kernel's layout (kernels.cpp), rows padded to 16:
 
         q4[b, c, j] = q[16 b + j, 2 c] | q[16 b + j, 2 c + 1] << 4     (N_pad / 16, K / 2, 16) uint8
         scale[b, g, j], min[b, g, j] of row 16 b + j, group g          (N_pad / 16, K / 32, 16) fp16
 
-    Scales and mins are rounded to fp16 (exact for GGUF blocks, whose values are fp16)."""
+    or, for the 8-bit activation grid (`act_bits` 8), q4 in the lane layout: the same shape
+    viewed as (N_pad / 16, K / 8, 16, 4), q4[b, c, j, i] = q[16 b + j, 8 c + i] |
+    q[16 b + j, 8 c + 4 + i] << 4. Scales and mins are rounded to fp16 (exact for GGUF
+    blocks, whose values are fp16)."""
+    _check_act_bits(act_bits)
     n, k = groups.q.shape
     if k % INT4_GROUP:
         raise ValueError(f"int4 needs in_features divisible by {INT4_GROUP}, got {k}")
@@ -246,17 +261,33 @@ def pack_int4(groups: Int4Groups) -> tuple[torch.Tensor, torch.Tensor, torch.Ten
         q = torch.cat([q, q.new_zeros(pad, k)])
         scale, mn = (torch.cat([t, t.new_zeros(pad, t.shape[1])]) for t in (scale, mn))
     nb = (n + pad) // 16
-    pairs = q.view(nb, 16, k // 2, 2).permute(0, 2, 3, 1)                   # (nb, K/2, 2, 16)
-    q4 = (pairs[:, :, 0] | (pairs[:, :, 1] << 4)).contiguous()              # (nb, K/2, 16)
+    if act_bits == 8:
+        lanes = q.view(nb, 16, k // 8, 2, 4)                                # (nb, 16, K/8, lo|hi, 4)
+        q4 = (lanes[:, :, :, 0] | (lanes[:, :, :, 1] << 4)).permute(0, 2, 1, 3).reshape(nb, k // 2, 16)
+    else:
+        pairs = q.view(nb, 16, k // 2, 2).permute(0, 2, 3, 1)               # (nb, K/2, 2, 16)
+        q4 = (pairs[:, :, 0] | (pairs[:, :, 1] << 4)).contiguous()          # (nb, K/2, 16)
     scale, mn = (t.view(nb, 16, -1).permute(0, 2, 1).half().contiguous() for t in (scale, mn))
     return q4, scale, mn
 
 
-def unpack_int4(q4: torch.Tensor, scale: torch.Tensor, mn: torch.Tensor, out_features: int) -> Int4Groups:
+def _check_act_bits(act_bits: int) -> None:
+    if act_bits not in (8, 16):
+        raise ValueError(f"int4 act_bits must be 8 or 16, got {act_bits!r}")
+
+
+def unpack_int4(q4: torch.Tensor, scale: torch.Tensor, mn: torch.Tensor, out_features: int,
+                act_bits: int = 16) -> Int4Groups:
     """The inverse of `pack_int4` (padding rows dropped)."""
+    _check_act_bits(act_bits)
     nb, half_k, _ = q4.shape
-    q = torch.stack([q4 & 15, q4 >> 4], dim=2)                              # (nb, K/2, 2, 16)
-    q = q.permute(0, 3, 1, 2).reshape(nb * 16, 2 * half_k)[:out_features]
+    if act_bits == 8:
+        lanes = q4.view(nb, half_k // 4, 16, 4)
+        q = torch.stack([lanes & 15, lanes >> 4], dim=3)                    # (nb, K/8, 16, 2, 4)
+        q = q.permute(0, 2, 1, 3, 4).reshape(nb * 16, 2 * half_k)[:out_features]
+    else:
+        q = torch.stack([q4 & 15, q4 >> 4], dim=2)                          # (nb, K/2, 2, 16)
+        q = q.permute(0, 3, 1, 2).reshape(nb * 16, 2 * half_k)[:out_features]
     scale, mn = (t.permute(0, 2, 1).reshape(nb * 16, -1)[:out_features].float() for t in (scale, mn))
     return Int4Groups(q.contiguous(), scale.contiguous(), mn.contiguous())
 
@@ -307,8 +338,10 @@ def make_int8_linear(weight: torch.Tensor, bias: torch.Tensor | None, dtype: tor
     return Int8Linear(q, scales, None if bias is None else bias.to(dtype))
 
 
-def make_int4_linear(groups: Int4Groups, bias: torch.Tensor | None, dtype: torch.dtype) -> Int4Linear:
-    return Int4Linear(*pack_int4(groups), groups.q.shape[0], None if bias is None else bias.to(dtype))
+def make_int4_linear(groups: Int4Groups, bias: torch.Tensor | None, dtype: torch.dtype,
+                     act_bits: int = 16) -> Int4Linear:
+    return Int4Linear(*pack_int4(groups, act_bits), groups.q.shape[0], None if bias is None else bias.to(dtype),
+                      act_bits)
 
 
 def quantize_model(model: nn.Module, weights: dict[str, torch.Tensor], fmt: str, dtype: torch.dtype,
@@ -319,8 +352,8 @@ def quantize_model(model: nn.Module, weights: dict[str, torch.Tensor], fmt: str,
     (from a GGUF's Q4 blocks) are used as they are; other weights are quantized
     round-to-nearest.
     """
-    if fmt not in ("int8", "int4"):
-        raise ValueError(f"quantize_model: fmt must be 'int8' or 'int4', got {fmt!r}")
+    if fmt != "int8" and fmt not in INT4_FORMATS:
+        raise ValueError(f"quantize_model: fmt must be 'int8', 'int4' or 'int4a8', got {fmt!r}")
     int4_groups = int4_groups or {}
     for name, w in weights.items():
         if name == "lm_head.weight":
@@ -335,7 +368,8 @@ def quantize_model(model: nn.Module, weights: dict[str, torch.Tensor], fmt: str,
             groups = int4_groups.get(name)
             if groups is not None and tuple(groups.q.shape) != tuple(w.shape):
                 raise ValueError(f"{name}: GGUF int4 groups are {tuple(groups.q.shape)}, weight is {tuple(w.shape)}")
-            layer = make_int4_linear(groups if groups is not None else quantize_int4(w), bias, dtype)
+            layer = make_int4_linear(groups if groups is not None else quantize_int4(w), bias, dtype,
+                                     INT4_FORMATS[fmt])
         setattr(parent, attr, layer)
 
 
@@ -354,7 +388,7 @@ class ApproxHead(nn.Module):
     @classmethod
     def quantize(cls, weight: torch.Tensor, fmt: str, dtype: torch.dtype = torch.bfloat16) -> "ApproxHead":
         layer = make_int8_linear(weight, None, dtype) if fmt == "int8" else \
-            make_int4_linear(quantize_int4(weight), None, dtype)
+            make_int4_linear(quantize_int4(weight), None, dtype, INT4_FORMATS[fmt])
         return cls(layer, dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -618,7 +652,7 @@ def resolve_weight_format(requested: str, dtype: torch.dtype, gguf_path: Path | 
         if draft:
             return "int4" if q4 else "int8"
         return "int4" if q4 else "dense"
-    if requested in ("int8", "int4") and dtype != torch.bfloat16:
+    if requested != "dense" and dtype != torch.bfloat16:
         raise ValueError(f"weight_format {requested!r} needs dtype bfloat16 (the packed CPU kernels "
                          f"are 10-30x slower with {dtype} activations), got {dtype}")
     return requested
@@ -644,6 +678,8 @@ def quantized_metadata(model: nn.Module) -> dict[str, str]:
     for name, mod in model.named_modules():
         if isinstance(mod, (Int4Linear, Q8Linear)):
             meta[f"{name}.out_features"] = str(mod.out_features)
+            if isinstance(mod, Int4Linear):
+                meta[f"{name}.act_bits"] = str(mod.act_bits)
         elif isinstance(mod, Bf16Linear):
             meta[f"{name}.out_features"] = str(mod.out_features)
             meta[f"{name}.in_features"] = str(mod.in_features)
@@ -667,7 +703,7 @@ def restore_quantized(model: nn.Module, state: dict[str, torch.Tensor], meta: di
         bias = state.get(f"{prefix}.bias")
         if f"{prefix}.q4" in state:
             return Int4Linear(state[f"{prefix}.q4"], state[f"{prefix}.scale"], state[f"{prefix}.min"],
-                              int(meta[f"{prefix}.out_features"]), bias)
+                              int(meta[f"{prefix}.out_features"]), bias, int(meta.get(f"{prefix}.act_bits", 16)))
         if f"{prefix}.q8" in state:
             return Q8Linear(state[f"{prefix}.q8"], state[f"{prefix}.scale"], int(meta[f"{prefix}.out_features"]))
         if f"{prefix}.w16" in state:
