@@ -12,7 +12,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tiny import tiny_config
+from tiny import TinyTokenizer, tiny_config
+from verispec.config import EngineConfig
+from verispec.engine.engine import LLMEngine
 from verispec.model import kernels
 from verispec.model import attention
 from verispec.model.attention import KERNEL_QUERY_LIMIT, AttentionMetadata
@@ -132,10 +134,11 @@ def test_decode_attention_refuses_bad_input():
         OPS.decode_attention(q.bfloat16(), pool, pool, torch.tensor([[1]]), row, torch.tensor([1]), 1.0)
 
 
-def _int4_layer(n: int = 40, k: int = 96, bias: bool = True, seed: int = 0):
+def _int4_layer(n: int = 40, k: int = 96, bias: bool = True, seed: int = 0, act_bits: int = 16):
     g = torch.Generator().manual_seed(seed)
     w = torch.randn(n, k, generator=g) * torch.rand(n, 1, generator=g)
-    return make_int4_linear(quantize_int4(w), torch.randn(n, generator=g) if bias else None, torch.bfloat16)
+    return make_int4_linear(quantize_int4(w), torch.randn(n, generator=g) if bias else None, torch.bfloat16,
+                            act_bits)
 
 
 def _activation_grid_error(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -172,6 +175,70 @@ def test_int4_linear_computes_the_stored_weights(bias, broken):
     assert bool((err <= want.abs() * 2 ** -8 + act + accumulate).all()) != broken
     if not broken:  # the activations really are rounded: without that term the bound fails
         assert not bool((err <= want.abs() * 2 ** -9 + accumulate).all())
+
+
+@pytest.mark.parametrize("broken", [False, True], ids=["ok", "nibbles swapped"])
+def test_int4_linear_on_the_8_bit_grid_computes_the_stored_weights(broken):
+    """act_bits 8 (weight format int4a8, the lane layout): x @ W.T + b against float64 within
+    the 8-bit grid's bound (per group of 32, |x - m p| <= p / 2 = max|x| / 254), float32
+    accumulation and the output's bf16 rounding; a layout bug (the lane's two nibbles
+    swapped) is caught, and the 16-bit grid's bound fails: the activations really are on
+    the coarser grid."""
+    layer = _int4_layer(act_bits=8)
+    w = unpack_int4(layer.q4, layer.scale, layer.min, 40, act_bits=8).dequantize().double()
+    q4 = (layer.q4 >> 4) | (layer.q4 << 4) if broken else layer.q4
+    x = torch.randn(13, 96)
+    x[:, 0] *= 300
+    x = x.bfloat16()
+    want = x.double() @ w.t() + layer.bias.double()
+    for portable in (False, True):
+        got = OPS.int4_linear(x, q4, layer.scale, layer.min, 40, layer.bias, portable=portable, act_bits=8)
+        half_step = x.double().view(13, -1, 32).abs().amax(-1) / 254 * (1 + 2 ** -20)
+        act = half_step @ w.abs().view(40, -1, 32).sum(-1).t()
+        accumulate = (x.double().abs() @ w.abs().t() + want.abs()) * 2 ** -22
+        err = (got.double() - want).abs()
+        assert bool((err <= want.abs() * 2 ** -8 + act + accumulate).all()) != broken
+        if not broken:
+            assert not bool((err <= want.abs() * 2 ** -8 + _activation_grid_error(x, w) + accumulate).all())
+
+
+def test_int4_linear_on_the_8_bit_grid_rows_do_not_depend_on_the_pass():
+    """act_bits 8: bit for bit alone, in any pass width (tiles of 1..4), on the portable loop;
+    a non-finite activation makes its row NaN; act_bits other than 8 or 16 are refused."""
+    layer = _int4_layer(n=72, k=160, seed=1, act_bits=8)
+    x = torch.randn(21, 160).bfloat16()
+    full = OPS.int4_linear(x, layer.q4, layer.scale, layer.min, 72, layer.bias, act_bits=8)
+    assert torch.equal(full, OPS.int4_linear(x, layer.q4, layer.scale, layer.min, 72, layer.bias, portable=True,
+                                             act_bits=8))
+    for width in (1, 3, 5, 8):
+        parts = [OPS.int4_linear(x[i: i + width].contiguous(), layer.q4, layer.scale, layer.min, 72, layer.bias,
+                                 act_bits=8) for i in range(0, 21, width)]
+        assert torch.equal(torch.cat(parts), full), width
+    q4 = layer.q4.clone()
+    q4[0, 0, 0] ^= 1  # the check bites
+    assert not torch.equal(OPS.int4_linear(x, q4, layer.scale, layer.min, 72, layer.bias, act_bits=8), full)
+    x[1, 40] = float("inf")
+    for portable in (False, True):
+        got = OPS.int4_linear(x[:3].contiguous(), layer.q4, layer.scale, layer.min, 72, layer.bias,
+                              portable=portable, act_bits=8)
+        assert bool(got[0].isfinite().all()) and bool(got[1].isnan().all())
+    with pytest.raises(RuntimeError, match="act_bits must be 16 or 8"):
+        OPS.int4_linear(x, layer.q4, layer.scale, layer.min, 72, act_bits=4)
+
+
+def test_int4a8_layers_need_the_kernels():
+    """No silent fallback to another arithmetic: without verispec's kernels an int4a8 layer
+    refuses to run, and an engine over an int4a8 model with kernels off refuses to start."""
+    layer = _int4_layer(act_bits=8)
+    with pytest.raises(RuntimeError, match="int4a8"):
+        layer(torch.randn(2, 96).bfloat16())
+    layer.kernels = OPS
+    assert layer(torch.randn(2, 96).bfloat16()).shape == (2, 40)
+    model = _packed_tiny_model("int4a8")
+    model.weight_format = "int4a8"
+    config = EngineConfig(model="tiny", weight_format="int4a8", kernels="off")
+    with pytest.raises(ValueError, match="'int4a8'.*kernels only"):
+        LLMEngine(config, model, TinyTokenizer(64))
 
 
 @pytest.mark.skipif(not OPS.int4_vector, reason="no AVX-512 or AVX2 here")
@@ -489,12 +556,12 @@ def _packed_tiny_model(fmt: str) -> LlamaModel:
                                  (block.mlp, "gate_up_proj"), (block.mlp, "down_proj")):
                 lin = getattr(parent, name)
                 setattr(parent, name, make_int4_linear(quantize_int4(lin.weight.detach().float()), lin.bias,
-                                                       torch.bfloat16))
+                                                       torch.bfloat16, 8 if fmt == "int4a8" else 16))
     return model
 
 
 @pytest.mark.skipif(not (OPS.int4_vector and OPS.bf16_vector), reason="no AVX-512 or AVX2 here: no packed layers")
-@pytest.mark.parametrize("fmt", ["int4", "bf16"])
+@pytest.mark.parametrize("fmt", ["int4", "int4a8", "bf16"])
 def test_decoder_stack_equals_the_per_layer_path(fmt):
     """Decode and verify rows, every query in the attention kernel: the layers in one C++
     call give the per-layer Python path's logits bit for bit (the K/V it writes too); a

@@ -4,6 +4,7 @@ import torch
 
 from verispec.config import EngineConfig
 from verispec.engine.engine import load_model
+from verispec.model import kernels
 from verispec.model.attention import AttentionMetadata
 from verispec.model.quant import Int4Linear, RefinedHead
 
@@ -21,7 +22,7 @@ def cache_dir(tmp_path_factory):
     return tmp_path_factory.mktemp("cache")
 
 
-@pytest.mark.parametrize("weight_format", ["dense", "auto", "int8"])
+@pytest.mark.parametrize("weight_format", ["dense", "auto", "int8", "int4a8"])
 def test_second_load_uses_the_runtime_cache_and_gives_identical_weights(cache_dir, monkeypatch, weight_format):
     monkeypatch.setenv("VERISPEC_CACHE", str(cache_dir))
     config = EngineConfig(dtype="bfloat16", weight_format=weight_format)
@@ -36,9 +37,12 @@ def test_second_load_uses_the_runtime_cache_and_gives_identical_weights(cache_di
     assert [type(m) for m in first.modules()] == [type(m) for m in second.modules()]
     if weight_format != "dense":
         assert type(second.lm_head) is RefinedHead and second.lm_head.norm_coef == first.lm_head.norm_coef
-    if weight_format == "auto":
+    if weight_format in ("auto", "int4a8"):
         assert isinstance(second.layers[0].self_attn.qkv_proj, Int4Linear)
+        assert second.layers[0].self_attn.qkv_proj.act_bits == {"auto": 16, "int4a8": 8}[weight_format]
     a, b = first.state_dict(), second.state_dict()
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) and a[k].dtype == b[k].dtype for k in a)
     ids = tok.encode("The capital of France is")
+    if weight_format == "int4a8":  # only verispec's kernels compute it
+        first.kernels = second.kernels = kernels.load(required=True)
     assert torch.equal(logits(first, ids), logits(second, ids))

@@ -71,7 +71,7 @@ class EngineConfig:
     model: str = "smollm2-135m-instruct"
     draft_model: str | None = None   # None with spec method "draft": the model's registered draft
     dtype: str = "bfloat16"
-    weight_format: str = "auto"      # "auto" (int4 for a Q4 GGUF, else dense) | "dense" | "int8" | "int4"
+    weight_format: str = "auto"      # "auto" (int4 for a Q4 GGUF, else dense) | "dense" | "int8" | "int4" | "int4a8"
     draft_weight_format: str = "auto"  # the draft model's; "auto" = int4 for a Q4 GGUF, else int8 (bf16)
     threads: int | None = None       # torch intra-op threads; None = torch's default (one per core)
     kernels: str = "auto"            # fused C++ CPU kernels (model/kernels.py): "auto" (if they build) | "on" | "off"
@@ -133,7 +133,9 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--dtype", choices=DTYPES)
     g.add_argument("--weight-format", choices=WEIGHT_FORMATS,
                    help="linear-layer weights: auto (default: int4 for a Q4_0/Q4_1 GGUF in bfloat16, "
-                        "else dense), dense (in --dtype), or int8 / int4 weight-only")
+                        "else dense), dense (in --dtype), int8 / int4 weight-only, or int4a8 (int4 with "
+                        "8-bit activations, llama.cpp's arithmetic: faster, a measured quality change; "
+                        "verispec's kernels only)")
     g.add_argument("--draft-weight-format", choices=WEIGHT_FORMATS,
                    help="the draft model's weights: auto (default, in bfloat16: int4 for a Q4_0/Q4_1 GGUF, "
                         "else int8; a draft's precision moves acceptance, never the output), dense, "

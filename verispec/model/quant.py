@@ -13,6 +13,10 @@ request must read the same ones (choosing a kernel per pass width would change t
     int4   groups of 32 along k, w = q * scale + min, q in [0, 15], scale and min fp16
                                   verispec's kernel (kernels.int4_linear), else
                                   torch._weight_int4pack_mm_for_cpu
+    int4a8 the same weights, the kernel's activations on an 8-bit grid per group of 32
+           (GGUF's Q8_0 activations, llama.cpp's arithmetic for Q4 weights): ~1.25x faster
+           a step on an AVX2 CPU, KL to the float32 model ~5x int4's (docs/benchmarks.md);
+           verispec's kernels only (no fallback), opt-in: `auto` never picks it
     auto   int4 for a GGUF whose linear weights are all Q4_0 / Q4_1 (the mapping below is
            exact, so it is the file's own weights), else dense
 
