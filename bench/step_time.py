@@ -28,7 +28,7 @@ def _use_tree(tree: str) -> None:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--weight-format", default="int4",
-                    help="dense | int8 | int4 | auto | none (a tree that predates weight formats)")
+                    help="dense | int8 | int4 | int4a8 | auto | none (a tree that predates weight formats)")
     ap.add_argument("--stub-kernels", action="store_true")
     ap.add_argument("--tree", default=None)
     ap.add_argument("--steps", type=int, default=30)

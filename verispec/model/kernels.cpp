@@ -341,6 +341,47 @@ inline __m256 load8(const c10::BFloat16* p) { return load_bf16_avx2(p); }
 inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
 #endif
 
+// A group of 32 activations' largest |x| and whether all are finite (the activation grids'
+// first pass); with AVX2 the group also stays loaded in v, 8 lanes at a time, for the rounding.
+template <typename X>
+struct GroupScan {
+  float big = 0.f;
+  bool finite = true;
+#if defined(__AVX2__) && defined(__FMA__)
+  __m256 v[4];
+
+  explicit GroupScan(const X* xg) {
+    __m256 top = _mm256_setzero_ps(), ok = _mm256_castsi256_ps(_mm256_set1_epi32(-1));
+    for (int j = 0; j < 4; ++j) {
+      v[j] = load8(xg + 8 * j);
+      const __m256 mag = _mm256_andnot_ps(_mm256_set1_ps(-0.f), v[j]);
+      ok = _mm256_and_ps(ok, _mm256_cmp_ps(mag, _mm256_set1_ps(std::numeric_limits<float>::max()), _CMP_LE_OQ));
+      top = _mm256_max_ps(top, mag);
+    }
+    finite = _mm256_movemask_ps(ok) == 0xFF;  // no NaN, no inf
+    alignas(32) float tops[8];
+    _mm256_store_ps(tops, top);
+    big = *std::max_element(tops, tops + 8);
+  }
+#else
+  explicit GroupScan(const X* xg) {
+    for (int64_t k = 0; k < 32; ++k) {
+      const float x = static_cast<float>(xg[k]);
+      finite = finite && std::isfinite(x);
+      big = std::max(big, std::fabs(x));
+    }
+  }
+#endif
+};
+
+// 2^shift as two exact power-of-two factors, up * up2 (2^shift alone overflows float for a
+// group of subnormals).
+inline void pow2_factors(int shift, float& up, float& up2) {
+  const int first = std::min(shift, 127);
+  up = std::ldexp(1.f, first);
+  up2 = std::ldexp(1.f, shift - first);
+}
+
 // Rounds x (T, K) (bf16 or float32) onto the grid above: xq (T, K), step and msum (T, K / 32).
 // `pair_order`: within each 8 k the int4 kernel's pairing (k0, k4, k1, k5, ...); else k order.
 // (With AVX-512 or AVX2 the same products and the same round-to-nearest-even, 16 or 8 at a time.)
@@ -356,33 +397,15 @@ void round_activations(const X* x, int64_t tokens, int64_t K, bool pair_order, i
     const __m512 lo = load16(xg), hi = load16(xg + 16);
     const bool finite = !(_mm512_fpclass_ps_mask(lo, 0x99) | _mm512_fpclass_ps_mask(hi, 0x99));  // NaN, inf
     const float big = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(lo), _mm512_abs_ps(hi)));
-#elif defined(__AVX2__) && defined(__FMA__)
-    __m256 v[4], top = _mm256_setzero_ps(), ok = _mm256_castsi256_ps(_mm256_set1_epi32(-1));
-    for (int j = 0; j < 4; ++j) {
-      v[j] = load8(xg + 8 * j);
-      const __m256 mag = _mm256_andnot_ps(_mm256_set1_ps(-0.f), v[j]);
-      ok = _mm256_and_ps(ok, _mm256_cmp_ps(mag, _mm256_set1_ps(std::numeric_limits<float>::max()), _CMP_LE_OQ));
-      top = _mm256_max_ps(top, mag);
-    }
-    const bool finite = _mm256_movemask_ps(ok) == 0xFF;  // no NaN, no inf
-    alignas(32) float tops[8];
-    _mm256_store_ps(tops, top);
-    const float big = *std::max_element(tops, tops + 8);
 #else
-    float big = 0.f;
-    bool finite = true;
-    for (int64_t k = 0; k < G; ++k) {
-      const float v = static_cast<float>(xg[k]);
-      finite = finite && std::isfinite(v);
-      big = std::max(big, std::fabs(v));
-    }
+    const GroupScan<X> scan(xg);
+    const float big = scan.big;
+    const bool finite = scan.finite;
 #endif
     int e = 0;
     std::frexp(finite ? big : 0.f, &e);  // big < 2^e (0 -> e = 0)
-    // x * 2^(14 - e) as two exact power-of-two products (2^(14 - e) alone overflows float
-    // for a group of subnormals)
-    const int shift = 14 - e, first = std::min(shift, 127);
-    const float up = std::ldexp(1.f, first), up2 = std::ldexp(1.f, shift - first);
+    float up, up2;  // x * 2^(14 - e) = x * up * up2, exactly
+    pow2_factors(14 - e, up, up2);
     int32_t sum = 0;
     if (!finite) {
       std::fill(q, q + G, int16_t{0});
@@ -401,7 +424,8 @@ void round_activations(const X* x, int64_t tokens, int64_t K, bool pair_order, i
       // round to nearest even (MXCSR's default, as nearbyint), narrow, then the pair order
       __m256i total = _mm256_setzero_si256();
       for (int j = 0; j < 4; ++j) {
-        const __m256i m = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_mul_ps(v[j], _mm256_set1_ps(up)), _mm256_set1_ps(up2)));
+        const __m256i m = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_mul_ps(scan.v[j], _mm256_set1_ps(up)),
+                                                           _mm256_set1_ps(up2)));
         total = _mm256_add_epi32(total, m);
         const __m128i m16 = _mm_packs_epi32(_mm256_castsi256_si128(m), _mm256_extracti128_si256(m, 1));  // k order
         _mm_storeu_si128(reinterpret_cast<__m128i*>(q + 8 * j),
@@ -439,32 +463,13 @@ void round_activations8(const X* x, int64_t tokens, int64_t K, int8_t* xq, float
   for (int64_t i = 0; i < tokens * groups; ++i) {
     const X* xg = x + i * G;
     int8_t* q = xq + i * G;
-#if defined(__AVX2__) && defined(__FMA__)
-    __m256 v[4], top = _mm256_setzero_ps(), ok = _mm256_castsi256_ps(_mm256_set1_epi32(-1));
-    for (int j = 0; j < 4; ++j) {
-      v[j] = load8(xg + 8 * j);
-      const __m256 mag = _mm256_andnot_ps(_mm256_set1_ps(-0.f), v[j]);
-      ok = _mm256_and_ps(ok, _mm256_cmp_ps(mag, _mm256_set1_ps(std::numeric_limits<float>::max()), _CMP_LE_OQ));
-      top = _mm256_max_ps(top, mag);
-    }
-    const bool finite = _mm256_movemask_ps(ok) == 0xFF;  // no NaN, no inf
-    alignas(32) float tops[8];
-    _mm256_store_ps(tops, top);
-    const float big = *std::max_element(tops, tops + 8);
-#else
-    float big = 0.f;
-    bool finite = true;
-    for (int64_t k = 0; k < G; ++k) {
-      const float v = static_cast<float>(xg[k]);
-      finite = finite && std::isfinite(v);
-      big = std::max(big, std::fabs(v));
-    }
-#endif
+    const GroupScan<X> scan(xg);
+    const float big = scan.big;
+    const bool finite = scan.finite;
     int e = 0;
     std::frexp(finite ? big : 0.f, &e);  // big < 2^e (0 -> e = 0)
-    // 2^-e as two exact power-of-two factors (one alone overflows float for subnormals)
-    const int shift = -e, first = std::min(shift, 127);
-    const float up = std::ldexp(1.f, first), up2 = std::ldexp(1.f, shift - first);
+    float up, up2;  // x * 2^-e = x * up * up2, exactly
+    pow2_factors(-e, up, up2);
     const float norm = big * up * up2, inv = norm > 0.f ? 127.f / norm : 0.f;  // norm in [1/2, 1)
     int32_t sum = 0;
     if (!finite) {
@@ -476,7 +481,7 @@ void round_activations8(const X* x, int64_t tokens, int64_t K, int8_t* xq, float
       for (int j = 0; j < 4; j += 2) {
         __m256i m[2];
         for (int h = 0; h < 2; ++h) {
-          const __m256 s = _mm256_mul_ps(_mm256_mul_ps(_mm256_mul_ps(v[j + h], _mm256_set1_ps(up)),
+          const __m256 s = _mm256_mul_ps(_mm256_mul_ps(_mm256_mul_ps(scan.v[j + h], _mm256_set1_ps(up)),
                                                        _mm256_set1_ps(up2)), _mm256_set1_ps(inv));
           m[h] = _mm256_cvtps_epi32(s);
           total = _mm256_add_epi32(total, m[h]);
@@ -1675,7 +1680,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("x"), py::arg("q4"), py::arg("scale"), py::arg("min"), py::arg("out_features"),
         py::arg("bias") = py::none(), py::arg("portable") = false, py::arg("act_bits") = 16);
   m.attr("int4_vector") = kInt4Vector;
-  m.attr("int4_act8_vector") = kInt4Act8Vector;
   m.def("bf16_linear", &bf16_linear, "x @ W.T + bias with W bf16 (blocks of 16 outputs, k in pairs)",
         py::arg("x"), py::arg("w16"), py::arg("out_features"), py::arg("bias") = py::none(),
         py::arg("portable") = false);

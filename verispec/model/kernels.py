@@ -20,8 +20,8 @@ accumulation, one rounding to the activation dtype at the same points):
                                    x @ W.T + bias, W int4 in groups of 32 with fp16 scale
                                    and min (quant.Int4Linear's layout); act_bits 8: the
                                    activations on an 8-bit grid, q4 in the lane layout
-                                   (weight format int4a8; vector path: AVX2, which AVX-512
-                                   CPUs run too, `int4_act8_vector`)
+                                   (weight format int4a8; its vector path is AVX2's, which
+                                   AVX-512 CPUs run too; else the portable loop)
     bf16_linear(x, w16, out_features, bias=None, portable=False)
                                    x @ W.T + bias, W bf16 in blocks of 16 rows, k in pairs
                                    (quant.Bf16Linear's layout)

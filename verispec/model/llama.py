@@ -17,8 +17,8 @@ import torch.nn.functional as F
 
 from verispec.model.attention import AttentionMetadata, KVStore, paged_attention
 from verispec.model.config import ModelConfig
-from verispec.model.quant import (INT4_GROUP, ApproxHead, Bf16Linear, Int4Linear, Q8Linear, RefinedHead, fuse_int4_groups,
-                                  gguf_int4_groups, gguf_q8_0_head, make_bf16_linear, quantize_model,
+from verispec.model.quant import (INT4_FORMATS, INT4_GROUP, ApproxHead, Bf16Linear, Int4Linear, Q8Linear, RefinedHead,
+                                  fuse_int4_groups, gguf_int4_groups, gguf_q8_0_head, make_bf16_linear, quantize_model,
                                   quantized_metadata, resolve_weight_format, restore_quantized)
 
 log = logging.getLogger("verispec")
@@ -255,7 +255,7 @@ class LlamaModel(nn.Module):
         `ApproxHead` (no float32 refinement), and its "auto" is int8 (int4 for a Q4 GGUF).
         """
         fmt = resolve_weight_format(weight_format, dtype, gguf_path, draft=draft)
-        if weight_format == "auto" and fmt.startswith("int4") and any(
+        if weight_format == "auto" and fmt in INT4_FORMATS and any(
                 n % INT4_GROUP for n in (cfg.hidden_size, cfg.intermediate_size, cfg.num_heads * cfg.head_dim)):
             fmt = "dense"  # the int4 kernel needs in_features in whole groups of 32
         if fmt != "dense" and torch.device(device).type != "cpu":
@@ -285,7 +285,7 @@ class LlamaModel(nn.Module):
             raise ValueError(f"weights do not match the {cfg.family} architecture: "
                              f"missing {sorted(missing)[:5]}, unexpected {sorted(unexpected)[:5]}")
         if fmt != "dense":
-            int4_groups = _gguf_int4_groups(cfg, gguf_path) if fmt.startswith("int4") and gguf_path else {}
+            int4_groups = _gguf_int4_groups(cfg, gguf_path) if fmt in INT4_FORMATS and gguf_path else {}
             if draft:
                 head = ApproxHead.quantize(quantized["lm_head.weight"], fmt, dtype)
             else:
