@@ -204,7 +204,7 @@ def test_int4_linear_on_the_8_bit_grid_computes_the_stored_weights(broken):
 
 def test_int4_linear_on_the_8_bit_grid_rows_do_not_depend_on_the_pass():
     """act_bits 8: each token's output bit for bit the same alone, in any pass width (tiles of
-    1..4), and on the portable loop."""
+    1..4 on AVX2, 1..8 on AVX-512), and on the portable loop."""
     layer = _int4_layer(n=72, k=160, seed=1, act_bits=8)
     x = torch.randn(21, 160).bfloat16()
     full = OPS.int4_linear(x, layer.q4, layer.scale, layer.min, 72, layer.bias, act_bits=8)
@@ -537,10 +537,10 @@ def test_model_with_kernels_matches_the_model_without(dtype, broken, spill, monk
     assert (bool(((fused - plain).abs() <= tol).all())) != broken
 
 
-def _packed_tiny_model(fmt: str) -> LlamaModel:
+def _packed_tiny_model(fmt: str, hidden: int = 64) -> LlamaModel:
     """A tiny bf16 model whose linears are on verispec's packed kernels (int4 or bf16)."""
     torch.manual_seed(5)
-    model = LlamaModel(tiny_config(vocab=64, hidden=64, layers=3)).eval()
+    model = LlamaModel(tiny_config(vocab=64, hidden=hidden, layers=3)).eval()
     for p in model.parameters():
         torch.nn.init.normal_(p, 0, 0.2)
     model.layers.to(torch.bfloat16)
@@ -558,14 +558,17 @@ def _packed_tiny_model(fmt: str) -> LlamaModel:
 
 
 @pytest.mark.skipif(not (OPS.int4_vector and OPS.bf16_vector), reason="no AVX-512 or AVX2 here: no packed layers")
-@pytest.mark.parametrize("fmt", ["int4", "int4a8", "bf16"])
-def test_decoder_stack_equals_the_per_layer_path(fmt):
+@pytest.mark.parametrize("fmt,threads", [("int4", 1), ("int4a8", 1), ("bf16", 1), ("int4", 2), ("int4a8", 3),
+                                         ("bf16", 2)])
+def test_decoder_stack_equals_the_per_layer_path(fmt, threads):
     """Decode and verify rows, every query in the attention kernel: the layers in one C++
     call give the per-layer Python path's logits bit for bit (the K/V it writes too); a
-    stack wired wrong (layers in reverse order) is caught."""
-    model = _packed_tiny_model(fmt)
-    rows = [([5], 30), ([1, 2, 3], 12), ([9], 7), ([4, 8], 20)]  # (new tokens, start)
-    slots = [list(range(r * 64 + s, r * 64 + s + len(t))) for r, (t, s) in enumerate(rows)]
+    stack wired wrong (layers in reverse order) is caught. With 2 or 3 threads the stack's
+    team splits every linear and the attention (contexts long enough for the attention
+    kernel to go parallel) and meets at barriers; the per-layer path forks per kernel."""
+    model = _packed_tiny_model(fmt, hidden=256)  # head_dim 64: the vector attention path
+    rows = [([5], 230), ([1, 2, 3], 112), ([9], 70), ([4, 8], 200)]  # (new tokens, start)
+    slots = [list(range(r * 256 + s, r * 256 + s + len(t))) for r, (t, s) in enumerate(rows)]
     ids = torch.tensor([i for t, _ in rows for i in t])
     model.kernels = OPS
 
@@ -573,15 +576,19 @@ def test_decoder_stack_equals_the_per_layer_path(fmt):
         meta = AttentionMetadata.build(
             [len(t) for t, _ in rows], [s + len(t) for t, s in rows],
             [list(range(s, s + len(t))) for t, s in rows], slots,
-            [list(range(r * 64, r * 64 + s + len(t))) for r, (t, s) in enumerate(rows)],
+            [list(range(r * 256, r * 256 + s + len(t))) for r, (t, s) in enumerate(rows)],
             kernel_queries=KERNEL_QUERY_LIMIT)
         assert meta.kernel is not None and meta.kernel.tokens is None and not meta.groups
-        kv = model.new_kv_store(4 * 64)
+        kv = model.new_kv_store(4 * 256)
         g = torch.Generator().manual_seed(4)
         kv.k.copy_(torch.randn(kv.k.shape, generator=g))
         kv.v.copy_(torch.randn(kv.v.shape, generator=g))
         model.fused_stack = stack
-        return model(ids, meta, kv), kv
+        torch.set_num_threads(threads)
+        try:
+            return model(ids, meta, kv), kv
+        finally:
+            torch.set_num_threads(1)
 
     (want, kv_want), (got, kv_got) = run(False), run(True)
     assert model._stack and model._stack.num_layers == 3  # the stack ran

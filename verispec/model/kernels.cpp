@@ -8,6 +8,7 @@
 #include <torch/extension.h>
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
+#include <omp.h>
 
 #include <immintrin.h>
 
@@ -22,6 +23,24 @@
 namespace {
 
 template <typename T> inline float f32(T v) { return static_cast<float>(v); }
+
+// Who runs a kernel's parallel loop. Called alone, a kernel forks with at::parallel_for.
+// Inside DecoderStack's parallel region (one per pass, see there) every thread of the team
+// calls the kernel with the same arguments and runs its own share of the items: no fork and
+// join per call, and a loop too small to split (n <= grain) runs on the team's first thread.
+struct Team {
+  int id = 0, size = 0;  // size 0: not in a team
+};
+thread_local Team t_team;
+
+template <typename F>
+void for_range(int64_t begin, int64_t end, int64_t grain, const F& f) {
+  if (t_team.size == 0) return at::parallel_for(begin, end, grain, f);
+  const int64_t n = end - begin, chunks = std::min<int64_t>(t_team.size, std::max<int64_t>(1, (n + grain - 1) / grain));
+  if (t_team.id >= chunks) return;
+  const int64_t b0 = begin + n * t_team.id / chunks, b1 = begin + n * (t_team.id + 1) / chunks;
+  if (b0 < b1) f(b0, b1);
+}
 
 // Dot product of n floats with a T vector, in 16 independent lanes (vectorizable without
 // reassociation flags).
@@ -119,7 +138,7 @@ inline __m256 exp_ps_avx2(__m256 x) {
 // float32, rounded once, as F.rms_norm is). x, delta, h: (rows, n) contiguous.
 template <typename T>
 void add_rms_norm_impl(T* x, const T* delta, const T* w, T* h, int64_t rows, int64_t n, float eps) {
-  at::parallel_for(0, rows, 16, [&](int64_t r0, int64_t r1) {
+  for_range(0, rows, 16, [&](int64_t r0, int64_t r1) {
     std::vector<float> xs(n);
     for (int64_t r = r0; r < r1; ++r) {
       T* xr = x + r * n;
@@ -164,7 +183,7 @@ template <typename T>
 void rotary_impl(T* x, int64_t tokens, int64_t heads, int64_t d, int64_t s_tok, int64_t s_head,
                  const T* cos, const T* sin) {
   const int64_t half = d / 2;
-  at::parallel_for(0, tokens * heads, 64, [&](int64_t i0, int64_t i1) {
+  for_range(0, tokens * heads, 64, [&](int64_t i0, int64_t i1) {
     std::vector<float> row(d);
     for (int64_t i = i0; i < i1; ++i) {
       const int64_t t = i / heads, hd = i % heads;
@@ -199,7 +218,7 @@ void rotary_impl(T* x, int64_t tokens, int64_t heads, int64_t d, int64_t s_tok, 
 // gate_up (rows, 2n) = [gate | up] per row, out (rows, n).
 template <typename T>
 void silu_mul_impl(const T* gu, T* out, int64_t rows, int64_t n) {
-  at::parallel_for(0, rows, 4, [&](int64_t r0, int64_t r1) {
+  for_range(0, rows, 4, [&](int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; ++r) {
       const T* g = gu + r * 2 * n;
       const T* u = g + n;
@@ -229,9 +248,12 @@ void silu_mul_impl(const T* gu, T* out, int64_t rows, int64_t n) {
 template <typename T>
 void store_impl(const T* x, int64_t s_tok, int64_t s_head, T* pool, const int64_t* slots, int64_t tokens,
                 int64_t heads, int64_t d) {
-  for (int64_t t = 0; t < tokens; ++t)
-    for (int64_t h = 0; h < heads; ++h)
+  for_range(0, tokens * heads, 64, [&](int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; ++i) {
+      const int64_t t = i / heads, h = i % heads;
       std::copy(x + t * s_tok + h * s_head, x + t * s_tok + h * s_head + d, pool + (slots[t] * heads + h) * d);
+    }
+  });
 }
 
 // Runs item(b, h, scores) for every query row b and head h, in parallel over all of them
@@ -241,7 +263,7 @@ void for_each_query_head(int64_t rows, int64_t heads, int64_t d, const int64_t* 
   int64_t work = 0;
   for (int64_t b = 0; b < rows; ++b) work += lens[b];
   const int64_t grain = work * heads * d < 65536 ? rows * heads : 1;  // small: one thread
-  at::parallel_for(0, rows * heads, grain, [&](int64_t i0, int64_t i1) {
+  for_range(0, rows * heads, grain, [&](int64_t i0, int64_t i1) {
     std::vector<float> scores;
     for (int64_t i = i0; i < i1; ++i) item(i / heads, i % heads, scores);
   });
@@ -614,6 +636,11 @@ inline __m512 exp_ps(__m512 x) {
   return _mm512_maskz_mov_ps(live, _mm512_scalef_ps(p, n));
 }
 
+// The cache lines of d bf16 at p, fetched ahead.
+inline void prefetch_row(const c10::BFloat16* p, int64_t d) {
+  for (int64_t i = 0; i < d; i += 32) _mm_prefetch(reinterpret_cast<const char*>(p + i), _MM_HINT_T0);
+}
+
 // decode_attention_impl for bf16 with D = 16 DV (64 or 128): one work item is one query's head;
 // dot products 16 keys at a time, exponentials and the weighted sum of values 16 lanes at a time.
 // Per query: scores s_c = (q . k_c) * scale, m = max s, p_c = exp(s_c - m),
@@ -645,6 +672,10 @@ void decode_attention_bf16_avx512(const c10::BFloat16* q, int64_t q_row, int64_t
       for (int64_t c = 0; c < 16; ++c) {
         __m512 acc = _mm512_setzero_ps();
         if (c < m) {
+          // The pools come from memory (a step's weights stream through the caches in
+          // between): the keys two chunks ahead, and this key's value for the loop below.
+          if (c0 + 32 + c < n) prefetch_row(kp + sl[c0 + 32 + c] * slot_stride + kh * d, d);
+          prefetch_row(vp + sl[c0 + c] * slot_stride + kh * d, d);
           const c10::BFloat16* kr = kp + sl[c0 + c] * slot_stride + kh * d;
 #if defined(__AVX512BF16__)
           for (int j = 0; j < DV / 2; ++j) acc = _mm512_dpbf16_ps(acc, qv[j], (__m512bh)_mm512_loadu_si512(kr + 32 * j));
@@ -1228,7 +1259,7 @@ void bf16_block_avx2(const Bf16Args&, int64_t, int64_t) {}
 constexpr bool kInt4Avx2 = false, kQ8Avx2 = false, kBf16Avx2 = false;
 #endif
 
-// --- the int4 kernel on the 8-bit activation grid (AVX2; AVX-512 CPUs run it too) ----------
+// --- the int4 kernel on the 8-bit activation grid (AVX2, AVX-512) ---------------------------
 //
 // Its own weight layout, the lane layout (quant.pack_int4 with act_bits 8): per 8 k of a
 // block's 16 outputs, 64 bytes, output j's 4 at 4 j, byte i = q[j, k0 + i] | q[j, k0 + 4 + i] << 4:
@@ -1290,19 +1321,92 @@ void int4_block8_avx2(const Int4Args& a, int64_t blk, int64_t tokens) {
                                            int4_tile8_avx2<4>};
   run_tiles<4>(tile, a, blk, tokens);
 }
-constexpr bool kInt4Act8Vector = true;
+constexpr bool kInt4Act8Avx2 = true;
 #else
 void int4_block8_avx2(const Int4Args&, int64_t, int64_t) {}
-constexpr bool kInt4Act8Vector = false;
+constexpr bool kInt4Act8Avx2 = false;
+#endif
+
+// The same on AVX-512: a 64-byte load is all 16 outputs' 8 codes (no halves), and with VNNI
+// one _mm512_dpbusd_epi32 multiplies 64 code bytes by 64 activation bytes and adds each
+// lane's 4 products to its int32 sum (exact), replacing the AVX2 tile's maddubs, 16-bit add
+// and final widening. Without VNNI, maddubs then madd by ones: the same integers.
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+inline __m512i dot_quads(__m512i acc, __m512i w, __m512i x) {
+#if defined(__AVX512VNNI__)
+  return _mm512_dpbusd_epi32(acc, w, x);
+#else
+  return _mm512_add_epi32(acc, _mm512_madd_epi16(_mm512_maddubs_epi16(w, x), _mm512_set1_epi16(1)));
+#endif
+}
+
+template <int TT>
+void int4_tile8_avx512(const Int4Args& a, int64_t blk, int64_t t0) {
+  const int64_t n0 = blk * kInt4Block;
+  const __mmask16 mask = a.N - n0 >= kInt4Block ? 0xFFFF : static_cast<__mmask16>((1u << (a.N - n0)) - 1);
+  const uint8_t* qb = a.q4 + blk * (a.K / 2) * kInt4Block;
+  const __m512i low = _mm512_set1_epi8(0x0F);
+  __m512 bias = _mm512_setzero_ps();
+  if (a.bias) {  // bf16 -> float32: the 16 bits moved to the top
+    const __m256i b16 = _mm256_maskz_loadu_epi16(mask, a.bias + n0);
+    bias = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(b16), 16));
+  }
+  __m512 total[TT];
+  for (int t = 0; t < TT; ++t) total[t] = bias;
+  for (int64_t g = 0; g < a.groups; ++g) {
+    // NA independent sums per token (a dot product waits ~5 cycles on the one before it)
+    constexpr int NA = TT == 1 ? 4 : (TT <= 3 ? 2 : 1);
+    __m512i dot[TT][NA];
+    for (int t = 0; t < TT; ++t)
+      for (int u = 0; u < NA; ++u) dot[t][u] = _mm512_setzero_si512();
+    const int32_t* xg = reinterpret_cast<const int32_t*>(a.xq8 + t0 * a.K + g * kInt4Group);
+    const uint8_t* qg = qb + g * (kInt4Group / 2) * kInt4Block;
+    for (int line = 0; line < kInt4Group / 2 * kInt4Block; line += 64)  // the codes ahead
+      _mm_prefetch(reinterpret_cast<const char*>(qg + kInt4Prefetch + line), _MM_HINT_T0);
+    for (int chunk = 0; chunk < 4; ++chunk) {
+      const __m512i w = _mm512_loadu_si512(qg + chunk * 64);
+      const __m512i lo = _mm512_and_si512(w, low), hi = _mm512_and_si512(_mm512_srli_epi16(w, 4), low);
+      for (int t = 0; t < TT; ++t) {
+        const int32_t* xt = xg + t * a.K / 4 + chunk * 2;
+        dot[t][(2 * chunk) % NA] = dot_quads(dot[t][(2 * chunk) % NA], lo, _mm512_set1_epi32(xt[0]));
+        dot[t][(2 * chunk + 1) % NA] = dot_quads(dot[t][(2 * chunk + 1) % NA], hi, _mm512_set1_epi32(xt[1]));
+      }
+    }
+    const int64_t s = (blk * a.groups + g) * kInt4Block;
+    const __m512 scale = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.scale + s)));
+    const __m512 min = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.min + s)));
+    for (int t = 0; t < TT; ++t) {
+      for (int u = 1; u < NA; ++u) dot[t][0] = _mm512_add_epi32(dot[t][0], dot[t][u]);
+      const int64_t tg = (t0 + t) * a.groups + g;
+      total[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[t][0]), _mm512_mul_ps(scale, _mm512_set1_ps(a.step[tg])),
+                                 total[t]);
+      total[t] = _mm512_fmadd_ps(_mm512_set1_ps(a.msum[tg]), min, total[t]);
+    }
+  }
+  for (int t = 0; t < TT; ++t)
+    _mm256_mask_storeu_epi16(a.y + (t0 + t) * a.N + n0, mask, round_bf16(total[t]));
+}
+
+void int4_block8_avx512(const Int4Args& a, int64_t blk, int64_t tokens) {
+  static const TileFn<Int4Args> tile[9] = {nullptr, int4_tile8_avx512<1>, int4_tile8_avx512<2>, int4_tile8_avx512<3>,
+                                           int4_tile8_avx512<4>, int4_tile8_avx512<5>, int4_tile8_avx512<6>,
+                                           int4_tile8_avx512<7>, int4_tile8_avx512<8>};
+  run_tiles<8>(tile, a, blk, tokens);
+}
+constexpr bool kInt4Act8Avx512 = true;
+#else
+void int4_block8_avx512(const Int4Args&, int64_t, int64_t) {}
+constexpr bool kInt4Act8Avx512 = false;
 #endif
 
 // The vector path each kernel has on this CPU (AVX-512, else AVX2), if any.
-constexpr bool kInt4Vector = kInt4Avx512 || kInt4Avx2, kQ8Vector = kQ8Avx512 || kQ8Avx2,
-               kBf16Vector = kBf16Avx512 || kBf16Avx2;
+constexpr bool kInt4Vector = kInt4Avx512 || kInt4Avx2, kInt4Act8Vector = kInt4Act8Avx512 || kInt4Act8Avx2,
+               kQ8Vector = kQ8Avx512 || kQ8Avx2, kBf16Vector = kBf16Avx512 || kBf16Avx2;
 constexpr const char* kIsa = kInt4Avx512 ? "avx512" : (kInt4Avx2 ? "avx2" : "portable");
 
 void int4_block_vector(const Int4Args& a, int64_t blk, int64_t tokens) {
-  if (a.xq8) int4_block8_avx2(a, blk, tokens);
+  if (a.xq8 && kInt4Act8Avx512) int4_block8_avx512(a, blk, tokens);
+  else if (a.xq8) int4_block8_avx2(a, blk, tokens);
   else if (kInt4Avx512) int4_block_avx512(a, blk, tokens);
   else int4_block_avx2(a, blk, tokens);
 }
@@ -1315,7 +1419,100 @@ void bf16_block_vector(const Bf16Args& a, int64_t blk, int64_t tokens) {
   else bf16_block_avx2(a, blk, tokens);
 }
 
+// decode_attention's work on checked arguments: the vector path for bf16 with D = 64 or 128.
+template <typename T>
+void attention_run(const T* q, int64_t q_row, int64_t q_head, const T* kp, const T* vp, const int64_t* slots,
+                   const int64_t* row_of, const int64_t* lens, T* out, int64_t rows, int64_t heads,
+                   int64_t kv_heads, int64_t d, int64_t ctx_stride, float scale) {
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
+  if constexpr (std::is_same_v<T, c10::BFloat16>) {
+    if (d == 64 || d == 128) {
+#if defined(__AVX512F__)
+      auto run = d == 64 ? decode_attention_bf16_avx512<4> : decode_attention_bf16_avx512<8>;
+#else
+      auto run = d == 64 ? decode_attention_bf16_avx2<4> : decode_attention_bf16_avx2<8>;
+#endif
+      return run(q, q_row, q_head, kp, vp, slots, row_of, lens, out, rows, heads, kv_heads, ctx_stride, scale);
+    }
+  }
+#endif
+  decode_attention_impl<T>(q, q_row, q_head, kp, vp, slots, row_of, lens, out, rows, heads, kv_heads, d, ctx_stride,
+                           scale);
+}
+
 void check(bool ok, const char* what) { TORCH_CHECK(ok, "verispec kernels: ", what); }
+
+// int4_linear's weight arguments checked for inputs of K features; returns the bias's data.
+const c10::BFloat16* int4_checked(int64_t K, const at::Tensor& q4, const at::Tensor& scale, const at::Tensor& min,
+                                  int64_t out_features, const c10::optional<at::Tensor>& bias, int64_t act_bits) {
+  check(act_bits == 16 || act_bits == 8, "act_bits must be 16 or 8");
+  const int64_t blocks = q4.size(0);
+  check(K % kInt4Group == 0 && q4.dim() == 3 && q4.is_contiguous() && q4.scalar_type() == at::kByte &&
+        q4.size(1) == K / 2 && q4.size(2) == kInt4Block, "q4 must be contiguous uint8 (N/16, K/2, 16)");
+  check(out_features > (blocks - 1) * kInt4Block && out_features <= blocks * kInt4Block, "out_features must fit q4's blocks");
+  for (const at::Tensor* s : {&scale, &min})
+    check(s->is_contiguous() && s->scalar_type() == at::kHalf && s->dim() == 3 && s->size(0) == blocks &&
+          s->size(1) == K / kInt4Group && s->size(2) == kInt4Block, "scale and min must be contiguous fp16 (N/16, K/32, 16)");
+  if (!bias.has_value() || !bias->defined()) return nullptr;
+  check(bias->dim() == 1 && bias->is_contiguous() && bias->numel() == out_features &&
+        bias->scalar_type() == at::kBFloat16, "bias must be contiguous bf16 (N,)");
+  return bias->data_ptr<c10::BFloat16>();
+}
+
+// y (T, N) = x (T, K) @ W.T + bias on checked arguments: x rounded into this thread's
+// buffers, then the output blocks through for_range.
+void int4_run(const c10::BFloat16* x, int64_t tokens, const at::Tensor& q4, const at::Tensor& scale,
+              const at::Tensor& min, int64_t out_features, const c10::BFloat16* bias, bool portable, int64_t act_bits,
+              c10::BFloat16* y) {
+  const int64_t K = q4.size(1) * 2, blocks = q4.size(0), groups = K / kInt4Group;
+  thread_local RoundedActivations r;
+  const bool act8 = act_bits == 8;
+  if (act8) r.round8(x, tokens, K);
+  else r.round(x, tokens, K, true);
+  const Int4Args args{q4.data_ptr<uint8_t>(), scale.data_ptr<c10::Half>(), min.data_ptr<c10::Half>(), bias,
+                      act8 ? nullptr : r.xq.data(), act8 ? r.xq8.data() : nullptr, r.step.data(), r.msum.data(), y,
+                      K, out_features, groups};
+  const bool vector = (act8 ? kInt4Act8Vector : kInt4Vector) && !portable;
+  for_range(0, blocks, 4, [&](int64_t b0, int64_t b1) {
+    for (int64_t b = b0; b < b1; ++b) {
+      if (vector) int4_block_vector(args, b, tokens);
+      else int4_block_portable(args, b, tokens);
+    }
+  });
+}
+
+// bf16_linear's weight arguments checked for inputs of K features; returns the bias's data.
+const c10::BFloat16* bf16_checked(int64_t K, const at::Tensor& w16, int64_t out_features,
+                                  const c10::optional<at::Tensor>& bias) {
+  const int64_t blocks = w16.size(0), pairs = (K + 1) / 2;
+  check(w16.dim() == 3 && w16.is_contiguous() && w16.scalar_type() == at::kBFloat16 && w16.size(1) == pairs &&
+        w16.size(2) == 2 * kBf16Block, "w16 must be contiguous bf16 (N/16, ceil(K/2), 32)");
+  check(out_features > (blocks - 1) * kBf16Block && out_features <= blocks * kBf16Block,
+        "out_features must fit w16's blocks");
+  if (!bias.has_value() || !bias->defined()) return nullptr;
+  check(bias->dim() == 1 && bias->is_contiguous() && bias->numel() == out_features &&
+        bias->scalar_type() == at::kBFloat16, "bias must be contiguous bf16 (N,)");
+  return bias->data_ptr<c10::BFloat16>();
+}
+
+// y (T, N) = x (T, K) @ W.T + bias on checked arguments: x widened into this thread's
+// buffer, then the output blocks through for_range.
+void bf16_run(const c10::BFloat16* x, int64_t tokens, int64_t K, const at::Tensor& w16, int64_t out_features,
+              const c10::BFloat16* bias, bool portable, c10::BFloat16* y) {
+  const int64_t blocks = w16.size(0), pairs = (K + 1) / 2;
+  thread_local std::vector<float> xf;  // x in float32, rows padded to whole pairs (reused across calls)
+  xf.assign(tokens * 2 * pairs, 0.f);
+  for (int64_t t = 0; t < tokens; ++t)
+    for (int64_t k = 0; k < K; ++k) xf[t * 2 * pairs + k] = static_cast<float>(x[t * K + k]);
+  const Bf16Args args{w16.data_ptr<c10::BFloat16>(), bias, xf.data(), y, pairs, out_features};
+  const bool vector = kBf16Vector && !portable;
+  for_range(0, blocks, 4, [&](int64_t b0, int64_t b1) {
+    for (int64_t b = b0; b < b1; ++b) {
+      if (vector) bf16_block_vector(args, b, tokens);
+      else bf16_block_portable(args, b, tokens);
+    }
+  });
+}
 
 }  // namespace
 
@@ -1408,30 +1605,10 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_pool, const
             "slot out of range");
   }
   at::Tensor out = at::empty(q.sizes(), q.options());
-#if defined(__AVX512F__)
-  const int64_t d = q.size(2);
-  if (q.scalar_type() == at::kBFloat16 && (d == 64 || d == 128)) {
-    auto run = d == 64 ? decode_attention_bf16_avx512<4> : decode_attention_bf16_avx512<8>;
-    run(q.data_ptr<c10::BFloat16>(), q.stride(0), q.stride(1), k_pool.data_ptr<c10::BFloat16>(),
-        v_pool.data_ptr<c10::BFloat16>(), sp, rp, lp, out.data_ptr<c10::BFloat16>(), q.size(0), q.size(1),
-        k_pool.size(1), slots.size(1), static_cast<float>(scale));
-    return out;
-  }
-#elif defined(__AVX2__) && defined(__FMA__)
-  const int64_t d = q.size(2);
-  if (q.scalar_type() == at::kBFloat16 && (d == 64 || d == 128)) {
-    auto run = d == 64 ? decode_attention_bf16_avx2<4> : decode_attention_bf16_avx2<8>;
-    run(q.data_ptr<c10::BFloat16>(), q.stride(0), q.stride(1), k_pool.data_ptr<c10::BFloat16>(),
-        v_pool.data_ptr<c10::BFloat16>(), sp, rp, lp, out.data_ptr<c10::BFloat16>(), q.size(0), q.size(1),
-        k_pool.size(1), slots.size(1), static_cast<float>(scale));
-    return out;
-  }
-#endif
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "decode_attention", [&] {
-    decode_attention_impl<scalar_t>(q.data_ptr<scalar_t>(), q.stride(0), q.stride(1), k_pool.data_ptr<scalar_t>(),
-                                    v_pool.data_ptr<scalar_t>(), sp, rp, lp,
-                                    out.data_ptr<scalar_t>(), q.size(0), q.size(1), k_pool.size(1),
-                                    q.size(2), slots.size(1), static_cast<float>(scale));
+    attention_run<scalar_t>(q.data_ptr<scalar_t>(), q.stride(0), q.stride(1), k_pool.data_ptr<scalar_t>(),
+                            v_pool.data_ptr<scalar_t>(), sp, rp, lp, out.data_ptr<scalar_t>(), q.size(0), q.size(1),
+                            k_pool.size(1), q.size(2), slots.size(1), static_cast<float>(scale));
   });
   return out;
 }
@@ -1441,37 +1618,11 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_pool, const
 // vector path is available (tests compare the two bit for bit).
 at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& q4, const at::Tensor& scale, const at::Tensor& min,
                        int64_t out_features, const c10::optional<at::Tensor>& bias, bool portable, int64_t act_bits) {
-  check(act_bits == 16 || act_bits == 8, "act_bits must be 16 or 8");
   check(x.dim() == 2 && x.is_contiguous() && x.scalar_type() == at::kBFloat16, "x must be contiguous bf16 (T, K)");
-  const int64_t tokens = x.size(0), K = x.size(1), blocks = q4.size(0);
-  check(K % kInt4Group == 0 && q4.dim() == 3 && q4.is_contiguous() && q4.scalar_type() == at::kByte &&
-        q4.size(1) == K / 2 && q4.size(2) == kInt4Block, "q4 must be contiguous uint8 (N/16, K/2, 16)");
-  check(out_features > (blocks - 1) * kInt4Block && out_features <= blocks * kInt4Block, "out_features must fit q4's blocks");
-  for (const at::Tensor* s : {&scale, &min})
-    check(s->is_contiguous() && s->scalar_type() == at::kHalf && s->dim() == 3 && s->size(0) == blocks &&
-          s->size(1) == K / kInt4Group && s->size(2) == kInt4Block, "scale and min must be contiguous fp16 (N/16, K/32, 16)");
-  const c10::BFloat16* bias_p = nullptr;
-  if (bias.has_value() && bias->defined()) {
-    check(bias->dim() == 1 && bias->is_contiguous() && bias->numel() == out_features &&
-          bias->scalar_type() == at::kBFloat16, "bias must be contiguous bf16 (N,)");
-    bias_p = bias->data_ptr<c10::BFloat16>();
-  }
-  thread_local RoundedActivations r;
-  const bool act8 = act_bits == 8;
-  if (act8) r.round8(x.data_ptr<c10::BFloat16>(), tokens, K);
-  else r.round(x.data_ptr<c10::BFloat16>(), tokens, K, true);
-  const int64_t groups = K / kInt4Group;
-  at::Tensor y = at::empty({tokens, out_features}, x.options());
-  const Int4Args args{q4.data_ptr<uint8_t>(), scale.data_ptr<c10::Half>(), min.data_ptr<c10::Half>(), bias_p,
-                      act8 ? nullptr : r.xq.data(), act8 ? r.xq8.data() : nullptr, r.step.data(), r.msum.data(),
-                      y.data_ptr<c10::BFloat16>(), K, out_features, groups};
-  const bool vector = (act8 ? kInt4Act8Vector : kInt4Vector) && !portable;
-  at::parallel_for(0, blocks, 4, [&](int64_t b0, int64_t b1) {
-    for (int64_t b = b0; b < b1; ++b) {
-      if (vector) int4_block_vector(args, b, tokens);
-      else int4_block_portable(args, b, tokens);
-    }
-  });
+  const c10::BFloat16* bias_p = int4_checked(x.size(1), q4, scale, min, out_features, bias, act_bits);
+  at::Tensor y = at::empty({x.size(0), out_features}, x.options());
+  int4_run(x.data_ptr<c10::BFloat16>(), x.size(0), q4, scale, min, out_features, bias_p, portable, act_bits,
+           y.data_ptr<c10::BFloat16>());
   return y;
 }
 
@@ -1493,7 +1644,7 @@ at::Tensor q8_linear(const at::Tensor& x, const at::Tensor& q8, const at::Tensor
   const Q8Args args{q8.data_ptr<int8_t>(), scale.data_ptr<c10::Half>(), r.xq.data(), r.step.data(),
                     y.data_ptr<float>(), K, out_features, groups};
   const bool vector = kQ8Vector && !portable;
-  at::parallel_for(0, blocks, 4, [&](int64_t b0, int64_t b1) {
+  for_range(0, blocks, 4, [&](int64_t b0, int64_t b1) {
     for (int64_t b = b0; b < b1; ++b) {
       if (vector) q8_block_vector(args, b, tokens);
       else q8_block_portable(args, b, tokens);
@@ -1507,32 +1658,10 @@ at::Tensor q8_linear(const at::Tensor& x, const at::Tensor& q8, const at::Tensor
 at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& w16, int64_t out_features,
                        const c10::optional<at::Tensor>& bias, bool portable) {
   check(x.dim() == 2 && x.is_contiguous() && x.scalar_type() == at::kBFloat16, "x must be contiguous bf16 (T, K)");
-  const int64_t tokens = x.size(0), K = x.size(1), blocks = w16.size(0), pairs = (K + 1) / 2;
-  check(w16.dim() == 3 && w16.is_contiguous() && w16.scalar_type() == at::kBFloat16 && w16.size(1) == pairs &&
-        w16.size(2) == 2 * kBf16Block, "w16 must be contiguous bf16 (N/16, ceil(K/2), 32)");
-  check(out_features > (blocks - 1) * kBf16Block && out_features <= blocks * kBf16Block,
-        "out_features must fit w16's blocks");
-  const c10::BFloat16* bias_p = nullptr;
-  if (bias.has_value() && bias->defined()) {
-    check(bias->dim() == 1 && bias->is_contiguous() && bias->numel() == out_features &&
-          bias->scalar_type() == at::kBFloat16, "bias must be contiguous bf16 (N,)");
-    bias_p = bias->data_ptr<c10::BFloat16>();
-  }
-  thread_local std::vector<float> xf;  // x in float32, rows padded to whole pairs (reused across calls)
-  xf.assign(tokens * 2 * pairs, 0.f);
-  const c10::BFloat16* xp = x.data_ptr<c10::BFloat16>();
-  for (int64_t t = 0; t < tokens; ++t)
-    for (int64_t k = 0; k < K; ++k) xf[t * 2 * pairs + k] = static_cast<float>(xp[t * K + k]);
-  at::Tensor y = at::empty({tokens, out_features}, x.options());
-  const Bf16Args args{w16.data_ptr<c10::BFloat16>(), bias_p, xf.data(), y.data_ptr<c10::BFloat16>(), pairs,
-                      out_features};
-  const bool vector = kBf16Vector && !portable;
-  at::parallel_for(0, blocks, 4, [&](int64_t b0, int64_t b1) {
-    for (int64_t b = b0; b < b1; ++b) {
-      if (vector) bf16_block_vector(args, b, tokens);
-      else bf16_block_portable(args, b, tokens);
-    }
-  });
+  const c10::BFloat16* bias_p = bf16_checked(x.size(1), w16, out_features, bias);
+  at::Tensor y = at::empty({x.size(0), out_features}, x.options());
+  bf16_run(x.data_ptr<c10::BFloat16>(), x.size(0), x.size(1), w16, out_features, bias_p, portable,
+           y.data_ptr<c10::BFloat16>());
   return y;
 }
 
@@ -1555,7 +1684,7 @@ int64_t refine_head(at::Tensor logits, const at::Tensor& x, const at::Tensor& we
   const float* xp = x.data_ptr<float>();
   const float* wp = weight.data_ptr<float>();
   std::atomic<int64_t> count{0};
-  at::parallel_for(0, rows, 1, [&](int64_t r0, int64_t r1) {
+  for_range(0, rows, 1, [&](int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1 && count.load() <= max_count; ++r) {
       const float* xr = xp + r * K;
       float* lr = lp + r * V;
@@ -1594,16 +1723,37 @@ int64_t refine_head(at::Tensor logits, const at::Tensor& x, const at::Tensor& we
 // prefill chunk), the layers run here with the kernels above, in exactly the order
 // LlamaModel.forward calls them with kernels on (the same functions: bit-identical), so a
 // step costs one Python call instead of ~10 a layer plus their views and dispatch.
+//
+// The whole pass is one OpenMP parallel region: every thread walks the layers and runs its
+// share of each kernel (for_range), with a barrier wherever the next kernel reads what the
+// last one wrote. Called one by one, each kernel forks and joins its own threads and
+// allocates its output; at batch 1 that is ~150 forks a step for ~100 us of streaming each,
+// and each fork restarts the weight streams cold. Arguments are checked before the region
+// (add_layer checks the weights once), buffers are allocated once a pass, and nothing in
+// the region can throw.
 struct StackLinear {
   int64_t kind;                    // 0: int4 (q4, scale, min), 2: the same on the 8-bit grid, 1: bf16 (w16)
   std::vector<at::Tensor> weights;
-  int64_t out_features;
+  int64_t in_features, out_features;
   c10::optional<at::Tensor> bias;
+  const c10::BFloat16* bias_data;  // bias's, checked (nullptr: none)
+
+  // y (T, out_features) = x (T, in_features) @ W.T + bias: this thread's share.
+  void run(const c10::BFloat16* x, int64_t tokens, c10::BFloat16* y) const {
+    if (kind == 1) bf16_run(x, tokens, in_features, weights[0], out_features, bias_data, false, y);
+    else int4_run(x, tokens, weights[0], weights[1], weights[2], out_features, bias_data, false, kind == 2 ? 8 : 16, y);
+  }
 };
 
 struct StackLayer {
   at::Tensor input_norm, post_norm;
   StackLinear qkv, o, gate_up, down;
+};
+
+// Marks the calling thread as member `id` of a team of `size` for its lifetime (see for_range).
+struct TeamMember {
+  TeamMember(int id, int size) { t_team = {id, size}; }
+  ~TeamMember() { t_team = {}; }
 };
 
 class DecoderStack {
@@ -1615,59 +1765,125 @@ class DecoderStack {
 
   void add_layer(const at::Tensor& input_norm, const at::Tensor& post_norm, const std::vector<LinearSpec>& linears) {
     check(linears.size() == 4, "a layer needs 4 linears: qkv, o, gate_up, down");
+    const int64_t hidden = input_norm.numel();
+    check(hidden > 0 && (layers_.empty() || hidden == hidden_), "every layer has the same hidden size");
+    for (const at::Tensor* w : {&input_norm, &post_norm})
+      check(w->is_contiguous() && w->scalar_type() == at::kBFloat16 && w->numel() == hidden,
+            "norm weights must be contiguous bf16 (hidden,)");
+    const int64_t intermediate = std::get<2>(linears[2]) / 2;
+    const int64_t in[4] = {hidden, heads_ * d_, hidden, intermediate};
+    const int64_t out[4] = {(heads_ + 2 * kv_heads_) * d_, hidden, 2 * intermediate, hidden};
+    check(layers_.empty() || intermediate == intermediate_, "every layer has the same intermediate size");
     std::vector<StackLinear> ls;
-    for (const auto& [kind, weights, out, bias] : linears) {
+    for (int i = 0; i < 4; ++i) {
+      const auto& [kind, weights, out_features, bias] = linears[i];
+      check(out_features == out[i], "linear shapes must be qkv (H + 2 Hkv) D, o hidden, gate_up 2 I, down hidden");
       check(((kind == 0 || kind == 2) && weights.size() == 3) || (kind == 1 && weights.size() == 1),
             "a linear is int4 (kind 0, or 2 on the 8-bit activation grid: q4, scale, min) or bf16 (kind 1: w16)");
-      ls.push_back({kind, weights, out, bias});
+      const c10::BFloat16* bias_data =
+          kind == 1 ? bf16_checked(in[i], weights[0], out_features, bias)
+                    : int4_checked(in[i], weights[0], weights[1], weights[2], out_features, bias, kind == 2 ? 8 : 16);
+      ls.push_back({kind, weights, in[i], out_features, bias, bias_data});
     }
+    hidden_ = hidden;
+    intermediate_ = intermediate;
     layers_.push_back({input_norm, post_norm, ls[0], ls[1], ls[2], ls[3]});
   }
 
   int64_t num_layers() const { return static_cast<int64_t>(layers_.size()); }
 
   // x (T, hidden) -> the last layer's output (the residual stream, before the final norm).
-  at::Tensor forward(at::Tensor x, const at::Tensor& cos, const at::Tensor& sin, const std::vector<at::Tensor>& k_pools,
-                     const std::vector<at::Tensor>& v_pools, const at::Tensor& slot_mapping,
-                     const at::Tensor& context_slots, const at::Tensor& rows, const at::Tensor& lens,
-                     double scale) const {
+  at::Tensor forward(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin,
+                     const std::vector<at::Tensor>& k_pools, const std::vector<at::Tensor>& v_pools,
+                     const at::Tensor& slot_mapping, const at::Tensor& context_slots, const at::Tensor& rows,
+                     const at::Tensor& lens, double scale) const {
+    using BF16 = c10::BFloat16;
+    check(!layers_.empty(), "the stack has no layers");
     check(k_pools.size() == layers_.size() && v_pools.size() == layers_.size(), "one K and one V pool per layer");
-    const int64_t tokens = x.size(0);
-    at::Tensor delta, h;
-    for (size_t l = 0; l < layers_.size(); ++l) {
-      const StackLayer& L = layers_[l];
-      if (!delta.defined()) {
-        h = at::rms_norm(x, {x.size(-1)}, L.input_norm, eps_);
-      } else {
-        auto r = add_rms_norm(x, delta, L.input_norm, eps_);
-        x = r[0];
-        h = r[1];
-      }
-      const at::Tensor per_head = linear(h, L.qkv).view({tokens, heads_ + 2 * kv_heads_, d_});
-      const at::Tensor qk = per_head.narrow(1, 0, heads_ + kv_heads_);
-      rotary_store_(qk, per_head.narrow(1, heads_ + kv_heads_, kv_heads_), cos, sin, k_pools[l], v_pools[l],
-                    slot_mapping);
-      const at::Tensor o = decode_attention(qk.narrow(1, 0, heads_), k_pools[l], v_pools[l], context_slots, rows,
-                                            lens, scale);
-      auto r = add_rms_norm(x, linear(o.view({o.size(0), -1}), L.o), L.post_norm, eps_);
-      x = r[0];
-      delta = linear(silu_mul(linear(r[1], L.gate_up)), L.down);
+    check(x.dim() == 2 && x.size(1) == hidden_ && x.scalar_type() == at::kBFloat16, "x must be bf16 (T, hidden)");
+    const int64_t T = x.size(0), H = heads_, Hkv = kv_heads_, D = d_;
+    check(cos.is_contiguous() && sin.is_contiguous() && cos.scalar_type() == at::kBFloat16 &&
+          sin.scalar_type() == at::kBFloat16 && cos.numel() == T * D && sin.numel() == T * D,
+          "cos and sin must be contiguous bf16 (T, 1, D)");
+    const int64_t S = k_pools[0].size(0);
+    for (size_t l = 0; l < layers_.size(); ++l)
+      for (const at::Tensor* pool : {&k_pools[l], &v_pools[l]})
+        check(pool->is_contiguous() && pool->scalar_type() == at::kBFloat16 && pool->dim() == 3 &&
+              pool->size(0) == S && pool->size(1) == Hkv && pool->size(2) == D,
+              "pools must be contiguous bf16 (S, Hkv, D), the same S in every layer");
+    check(slot_mapping.is_contiguous() && slot_mapping.scalar_type() == at::kLong && slot_mapping.numel() == T,
+          "slot_mapping must be contiguous int64 (T,)");
+    const int64_t* slot_p = slot_mapping.data_ptr<int64_t>();
+    for (int64_t t = 0; t < T; ++t) check(slot_p[t] >= 0 && slot_p[t] < S, "slot out of range");
+    check(context_slots.dim() == 2 && context_slots.is_contiguous() && context_slots.scalar_type() == at::kLong,
+          "context slots must be contiguous int64 (R, C)");
+    check(lens.is_contiguous() && lens.scalar_type() == at::kLong && lens.numel() == T && rows.is_contiguous() &&
+          rows.scalar_type() == at::kLong && rows.numel() == T, "rows and lens must be contiguous int64 (T,)");
+    const int64_t C = context_slots.size(1);
+    const int64_t *ctx_p = context_slots.data_ptr<int64_t>(), *rows_p = rows.data_ptr<int64_t>(),
+                  *lens_p = lens.data_ptr<int64_t>();
+    for (int64_t t = 0; t < T; ++t) {
+      check(rows_p[t] >= 0 && rows_p[t] < context_slots.size(0), "row_of out of range");
+      check(lens_p[t] >= 1 && lens_p[t] <= C, "each query needs 1..C context slots");
+      for (int64_t c = 0; c < lens_p[t]; ++c)
+        check(ctx_p[rows_p[t] * C + c] >= 0 && ctx_p[rows_p[t] * C + c] < S, "slot out of range");
     }
-    return delta.defined() ? x + delta : x;
+
+    // Layer 0's input norm as the per-layer path computes it; the residual stream x is then
+    // updated in place (add_rms_norm_impl), every kernel's output in a buffer of the pass.
+    const at::Tensor h = at::rms_norm(x, {hidden_}, layers_[0].input_norm, eps_).contiguous();
+    const at::Tensor res = x.clone(at::MemoryFormat::Contiguous);
+    const auto buffer = [&](int64_t n) { return at::empty({T, n}, x.options()); };
+    const int64_t qkv_row = (H + 2 * Hkv) * D;
+    const at::Tensor qkv = buffer(qkv_row), attn = buffer(H * D), o = buffer(hidden_),
+                     gate_up = buffer(2 * intermediate_), act = buffer(intermediate_), down = buffer(hidden_);
+    BF16 *res_p = res.data_ptr<BF16>(), *h_p = h.data_ptr<BF16>(), *qkv_p = qkv.data_ptr<BF16>(),
+         *attn_p = attn.data_ptr<BF16>(), *o_p = o.data_ptr<BF16>(), *gu_p = gate_up.data_ptr<BF16>(),
+         *act_p = act.data_ptr<BF16>(), *down_p = down.data_ptr<BF16>();
+    const BF16 *cos_p = cos.data_ptr<BF16>(), *sin_p = sin.data_ptr<BF16>();
+    const float eps = static_cast<float>(eps_);
+    at::internal::lazy_init_num_threads();  // this thread's OpenMP team size = torch's thread count
+#pragma omp parallel
+    {
+      const TeamMember member(omp_get_thread_num(), omp_get_num_threads());
+      for (size_t l = 0; l < layers_.size(); ++l) {
+        const StackLayer& L = layers_[l];
+        BF16* kp = k_pools[l].data_ptr<BF16>();
+        BF16* vp = v_pools[l].data_ptr<BF16>();
+        if (l > 0) {
+          add_rms_norm_impl(res_p, down_p, L.input_norm.data_ptr<BF16>(), h_p, T, hidden_, eps);
+#pragma omp barrier
+        }
+        L.qkv.run(h_p, T, qkv_p);
+#pragma omp barrier
+        rotary_impl(qkv_p, T, H + Hkv, D, qkv_row, D, cos_p, sin_p);  // q and k
+#pragma omp barrier
+        store_impl(qkv_p + H * D, qkv_row, D, kp, slot_p, T, Hkv, D);
+        store_impl(qkv_p + (H + Hkv) * D, qkv_row, D, vp, slot_p, T, Hkv, D);
+#pragma omp barrier
+        attention_run(qkv_p, qkv_row, D, kp, vp, ctx_p, rows_p, lens_p, attn_p, T, H, Hkv, D, C,
+                      static_cast<float>(scale));
+#pragma omp barrier
+        L.o.run(attn_p, T, o_p);
+#pragma omp barrier
+        add_rms_norm_impl(res_p, o_p, L.post_norm.data_ptr<BF16>(), h_p, T, hidden_, eps);
+#pragma omp barrier
+        L.gate_up.run(h_p, T, gu_p);
+#pragma omp barrier
+        silu_mul_impl(gu_p, act_p, T, intermediate_);
+#pragma omp barrier
+        L.down.run(act_p, T, down_p);
+#pragma omp barrier
+      }
+    }
+    return res + down;
   }
 
  private:
-  static at::Tensor linear(const at::Tensor& x, const StackLinear& w) {
-    const at::Tensor xc = x.contiguous();
-    if (w.kind != 1)
-      return int4_linear(xc, w.weights[0], w.weights[1], w.weights[2], w.out_features, w.bias, false,
-                         w.kind == 2 ? 8 : 16);
-    return bf16_linear(xc, w.weights[0], w.out_features, w.bias, false);
-  }
-
   std::vector<StackLayer> layers_;
   int64_t heads_, kv_heads_, d_;
   double eps_;
+  int64_t hidden_ = 0, intermediate_ = 0;
 };
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
