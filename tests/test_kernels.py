@@ -16,7 +16,6 @@ from tiny import TinyTokenizer, tiny_config
 from verispec.config import EngineConfig
 from verispec.engine.engine import LLMEngine
 from verispec.model import kernels
-from verispec.model import attention
 from verispec.model.attention import KERNEL_QUERY_LIMIT, AttentionMetadata
 from verispec.model.llama import LlamaModel, _build_stack, _pack_bf16_linears, apply_rotary
 from verispec.model.quant import (Bf16Linear, Q8Linear, make_int4_linear, pack_bf16, pack_q8, quantize_int4, unpack_bf16,
@@ -500,13 +499,11 @@ def test_q8_layer_without_kernels_is_pytorchs_float32_matmul():
     assert ((layer.forward(x).double() - x.double() @ w.double().t()).abs() <= _q8_bound(x, w)).all()
 
 
-@pytest.mark.parametrize("spill", [False, True], ids=["kernel attention", "over KERNEL_MAX_PAIRS: SDPA"])
+@pytest.mark.parametrize("spill", [False, True], ids=["kernel attention", "kernels, attention by SDPA"])
 @pytest.mark.parametrize("broken", [False, True])
-def test_model_with_kernels_matches_the_model_without(dtype, broken, spill, monkeypatch):
-    """A prefill chunk (SDPA), verify and decode rows (the kernel) in one pass; or, past the
-    kernel's pair limit, every row through SDPA groups."""
-    if spill:
-        monkeypatch.setattr(attention, "KERNEL_MAX_PAIRS", 10)
+def test_model_with_kernels_matches_the_model_without(dtype, broken, spill):
+    """A prefill chunk (SDPA), verify and decode rows (the kernel) in one pass; or, with the
+    other kernels on, every row through SDPA groups (as rows longer than KERNEL_QUERY_LIMIT)."""
     torch.manual_seed(3)
     model = LlamaModel(tiny_config(vocab=64, hidden=64, layers=3)).eval()
     for p in model.parameters():
@@ -522,7 +519,7 @@ def test_model_with_kernels_matches_the_model_without(dtype, broken, spill, monk
             [len(t) for t, _ in rows], [s + len(t) for t, s in rows],
             [list(range(s, s + len(t))) for t, s in rows], slots,
             [list(range(r * 64, r * 64 + s + len(t))) for r, (t, s) in enumerate(rows)],
-            kernel_queries=0 if ops is None else KERNEL_QUERY_LIMIT)
+            kernel_queries=0 if ops is None or spill else KERNEL_QUERY_LIMIT)
         assert (meta.kernel is not None and len(meta.groups) == 1) == (ops is not None and not spill)
         kv = model.new_kv_store(4 * 64)
         g = torch.Generator().manual_seed(4)

@@ -137,13 +137,14 @@ class AttentionGroup:
 
 # Rows of at most this many tokens (decode rows, verify rows up to k = 31, short prefill
 # chunks) are attended by the fused kernel when the model has it; longer prefill chunks by
-# SDPA, whose blocked kernel is faster over many queries.
+# SDPA, whose blocked kernel is faster over many queries. There is no cap on the pairs a
+# pass sends through the kernel: until session 11 rows went to SDPA past 2,560 (query, key)
+# pairs (on the Intel machine 16 decode rows at ~250 keys were 6% faster a step there), but
+# on the AMD Zen 4 machine bf16 SDPA over single queries runs 4-14x slower than the kernel
+# (1 x 2,800 keys 1.56 ms a layer vs ~0.11; 16 x 700 keys 6.3 ms), and whole steps were
+# 4-6x slower past the cap (batch 1 at 2,800 tokens of context 66 vs 11 ms; 16 rows at ~370
+# keys 144 vs 31 ms). The kernel also keeps a query's result independent of the pass.
 KERNEL_QUERY_LIMIT = 32
-# ... and only while the pass reads at most this many (query, key) pairs through it: the
-# kernel has no blocking, so past that SDPA's gather + blocked kernel wins (measured, default
-# model, 2 threads: batch 1 at ~270 keys, ~2.4k pairs with k = 8, is faster with the kernel;
-# 16 decode rows at ~250 keys, ~4k pairs, were 6% slower a step).
-KERNEL_MAX_PAIRS = 2560
 
 
 @dataclass
@@ -215,8 +216,6 @@ class AttentionMetadata:
         for q in query_lens[:-1]:
             starts.append(starts[-1] + q)
         short = [b for b, q in enumerate(query_lens) if q <= kernel_queries]
-        if sum(p + 1 for b in short for p in positions[b]) > KERNEL_MAX_PAIRS:
-            short = []
         kernel = None
         if short:
             table = torch.zeros(len(short), max(context_lens[b] for b in short), dtype=torch.long)

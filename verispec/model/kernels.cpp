@@ -1442,6 +1442,14 @@ void attention_run(const T* q, int64_t q_row, int64_t q_head, const T* kp, const
 
 void check(bool ok, const char* what) { TORCH_CHECK(ok, "verispec kernels: ", what); }
 
+// A linear's optional bias checked: bf16 (N,); its data, or nullptr for none.
+const c10::BFloat16* bias_checked(const c10::optional<at::Tensor>& bias, int64_t out_features) {
+  if (!bias.has_value() || !bias->defined()) return nullptr;
+  check(bias->dim() == 1 && bias->is_contiguous() && bias->numel() == out_features &&
+        bias->scalar_type() == at::kBFloat16, "bias must be contiguous bf16 (N,)");
+  return bias->data_ptr<c10::BFloat16>();
+}
+
 // int4_linear's weight arguments checked for inputs of K features; returns the bias's data.
 const c10::BFloat16* int4_checked(int64_t K, const at::Tensor& q4, const at::Tensor& scale, const at::Tensor& min,
                                   int64_t out_features, const c10::optional<at::Tensor>& bias, int64_t act_bits) {
@@ -1453,10 +1461,7 @@ const c10::BFloat16* int4_checked(int64_t K, const at::Tensor& q4, const at::Ten
   for (const at::Tensor* s : {&scale, &min})
     check(s->is_contiguous() && s->scalar_type() == at::kHalf && s->dim() == 3 && s->size(0) == blocks &&
           s->size(1) == K / kInt4Group && s->size(2) == kInt4Block, "scale and min must be contiguous fp16 (N/16, K/32, 16)");
-  if (!bias.has_value() || !bias->defined()) return nullptr;
-  check(bias->dim() == 1 && bias->is_contiguous() && bias->numel() == out_features &&
-        bias->scalar_type() == at::kBFloat16, "bias must be contiguous bf16 (N,)");
-  return bias->data_ptr<c10::BFloat16>();
+  return bias_checked(bias, out_features);
 }
 
 // y (T, N) = x (T, K) @ W.T + bias on checked arguments: x rounded into this thread's
@@ -1489,10 +1494,7 @@ const c10::BFloat16* bf16_checked(int64_t K, const at::Tensor& w16, int64_t out_
         w16.size(2) == 2 * kBf16Block, "w16 must be contiguous bf16 (N/16, ceil(K/2), 32)");
   check(out_features > (blocks - 1) * kBf16Block && out_features <= blocks * kBf16Block,
         "out_features must fit w16's blocks");
-  if (!bias.has_value() || !bias->defined()) return nullptr;
-  check(bias->dim() == 1 && bias->is_contiguous() && bias->numel() == out_features &&
-        bias->scalar_type() == at::kBFloat16, "bias must be contiguous bf16 (N,)");
-  return bias->data_ptr<c10::BFloat16>();
+  return bias_checked(bias, out_features);
 }
 
 // y (T, N) = x (T, K) @ W.T + bias on checked arguments: x widened into this thread's
