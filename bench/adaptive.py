@@ -4,7 +4,10 @@ One cell = one task at one concurrency. In every cell each contender gets a fres
 over the shared weights (own KV pool, prefix cache and controller), runs unmeasured warm-up
 prompts of the same task (disjoint from the measured ones), then the measured prompts
 closed-loop (exactly C in flight, refilled as they finish), greedy. Contenders run one
-after the other in an order rotated from cell to cell.
+after the other in an order rotated from cell to cell. With --repeats R every contender runs
+R times per cell (fresh engine each time), the order rotated again each round, and a
+contender's rate is the median of its R runs: on a noisy machine one short run per
+contender moves by 10-25% and cannot resolve a 0.97 target.
 
 Contenders: plain (spec "none"), fixed k = 1, 2, 4, 8, and adaptive with k_max = 8 (the
 same range as the fixed grid; the engine default is k_max = 4). Drafting is n-gram, or
@@ -23,6 +26,7 @@ Target (issue 6): adaptive >= 0.97 x the best fixed k and >= 0.97 x plain in eve
 from __future__ import annotations
 
 import argparse
+import statistics
 import sys
 import time
 from dataclasses import replace
@@ -64,6 +68,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--num-warmup", type=int, default=4, help="warm-up prompts per engine (<= C of them at once)")
     p.add_argument("--warmup-tokens", type=int, default=16)
     p.add_argument("--adaptive-k-max", type=int, default=8)
+    p.add_argument("--repeats", type=int, default=1,
+                   help="runs per contender per cell, in rotated order; rates are their medians")
     p.add_argument("--contenders", default=None,
                    help="comma-separated subset of plain,k=1,k=2,k=4,k=8,adaptive (default all; "
                         "ratios need plain, adaptive and at least one fixed k)")
@@ -88,40 +94,58 @@ def run_cell(models, configs: dict[str, EngineConfig], task: str, c: int, cell_i
     warm_items = common.encode(models.tokenizer, warm, task)
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens)
     names = list(configs)
-    order = names[cell_index % len(names):] + names[: cell_index % len(names)]
-    runs = {}
-    for name in order:
-        engine = common.make_engine(models, configs[name])
-        common.warm_up(engine, warm_items, min(c, len(warm_items)), args.warmup_tokens, f"{name}-{task}-c{c}")
-        runs[name] = common.run_closed_loop(engine, items, c, params, f"{name}-{task}-c{c}")
-        del engine
-        r = runs[name]
-        print(f"[adaptive] {task:13s} C={c:2d} {name:8s} {r.tokens:5d} tok {r.seconds:7.1f} s "
-              f"{r.tokens_per_s:7.2f} tok/s acc={_fmt(r.acceptance)} load={common.load_average():.2f} "
-              f"others={_fmt(r.others_cpu_share)}",
-              file=sys.stderr, flush=True)
-    return _cell_result(runs, task, c, measured, warm, sources, order)
+    orders = [names[(cell_index + i) % len(names):] + names[: (cell_index + i) % len(names)]
+              for i in range(args.repeats)]
+    runs = {name: [] for name in names}
+    for order in orders:
+        for name in order:
+            engine = common.make_engine(models, configs[name])
+            common.warm_up(engine, warm_items, min(c, len(warm_items)), args.warmup_tokens, f"{name}-{task}-c{c}")
+            runs[name].append(common.run_closed_loop(engine, items, c, params, f"{name}-{task}-c{c}"))
+            del engine
+            r = runs[name][-1]
+            print(f"[adaptive] {task:13s} C={c:2d} {name:8s} {r.tokens:5d} tok {r.seconds:7.1f} s "
+                  f"{r.tokens_per_s:7.2f} tok/s acc={_fmt(r.acceptance)} load={common.load_average():.2f} "
+                  f"others={_fmt(r.others_cpu_share)}",
+                  file=sys.stderr, flush=True)
+    return _cell_result(runs, task, c, measured, warm, sources, orders)
 
 
-def _cell_result(runs, task, c, measured, warm, sources, order) -> dict:
-    rate = {name: r.tokens_per_s for name, r in runs.items()}
+def _contender(runs: list) -> dict:
+    """One contender's runs in a cell: the first run's summary, with tokens, seconds, drafts
+    and chosen k summed over the runs (tokens and seconds are what `overall` pools), each
+    run's rate, and as its rate their median."""
+    drafted, accepted = sum(r.drafted for r in runs), sum(r.accepted for r in runs)
+    return {**runs[0].summary(), "runs": len(runs), "tokens": sum(r.tokens for r in runs),
+            "seconds": sum(r.seconds for r in runs), "drafted": drafted, "accepted": accepted,
+            "acceptance": accepted / drafted if drafted else None,
+            "tokens_per_s": statistics.median(r.tokens_per_s for r in runs),
+            "tokens_per_s_runs": [r.tokens_per_s for r in runs],
+            "others_cpu_share": max((r.others_cpu_share for r in runs if r.others_cpu_share is not None), default=None),
+            "chosen_k_histogram": [sum(h) for h in zip(*(r.chosen_k for r in runs))]}
+
+
+def _cell_result(runs: dict[str, list], task, c, measured, warm, sources, orders) -> dict:
+    """`runs`: each contender's runs in the cell (one per repeat); rates are medians."""
+    summaries = {name: _contender(rs) for name, rs in runs.items()}
+    rate = {name: v["tokens_per_s"] for name, v in summaries.items()}
     if not {"plain", "adaptive"} <= set(rate) or not any(f"k={k}" in rate for k in FIXED_KS):
-        return {"task": task, "concurrency": c, "order": order, "tokens_per_s": rate, "incomplete": True,
-                "contenders": {name: r.summary() for name, r in runs.items()}}
+        return {"task": task, "concurrency": c, "orders": orders, "tokens_per_s": rate, "incomplete": True,
+                "contenders": summaries}
     best_fixed = max((f"k={k}" for k in FIXED_KS if f"k={k}" in rate), key=rate.get)
     vs_best, vs_plain = rate["adaptive"] / rate[best_fixed], rate["adaptive"] / rate["plain"]
-    hist = runs["adaptive"].chosen_k
+    hist = summaries["adaptive"]["chosen_k_histogram"]
     return {
-        "task": task, "concurrency": c, "order": order,
+        "task": task, "concurrency": c, "orders": orders,
         "prompt_ids": [it for it in (f"{p.dataset}:{p.prompt_id}" for p in measured)],
         "warmup_prompt_ids": [f"{p.dataset}:{p.prompt_id}" for p in warm], "datasets": sources,
         "tokens_per_s": rate, "best_fixed": best_fixed,
         "adaptive_vs_best_fixed": vs_best, "adaptive_vs_plain": vs_plain,
         "meets_target": vs_best >= TARGET and vs_plain >= TARGET,
-        "max_others_cpu_share": max(r.others_cpu_share or 0.0 for r in runs.values()),
+        "max_others_cpu_share": max(v["others_cpu_share"] or 0.0 for v in summaries.values()),
         "adaptive_mean_k": sum(k * n for k, n in enumerate(hist)) / sum(hist) if sum(hist) else None,
-        "contenders": {name: {**r.summary(), "identical_to_plain": common.same_outputs(r, runs["plain"])}
-                       for name, r in runs.items()},
+        "contenders": {name: {**v, "identical_to_plain": common.same_outputs(runs[name][0], runs["plain"][0])}
+                       for name, v in summaries.items()},
     }
 
 
@@ -198,7 +222,8 @@ def main(argv=None) -> int:
                             "concurrency": args.concurrency, "num_prompts": args.num_prompts,
                             "prompts_per_slot": args.prompts_per_slot, "max_tokens": args.max_tokens,
                             "num_warmup": args.num_warmup, "warmup_tokens": args.warmup_tokens,
-                            "adaptive_k_max": args.adaptive_k_max, "target": TARGET, "quick": args.quick,
+                            "adaptive_k_max": args.adaptive_k_max, "repeats": args.repeats, "target": TARGET,
+                            "quick": args.quick,
                             "model_load_s": models.load_seconds},
                "engine_configs": {name: common.resolved(models, cfg).to_dict() for name, cfg in configs.items()},
                "cells": cells, "pooled": pooled, "cells_missing_target": misses, "table_markdown": text}
