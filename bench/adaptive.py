@@ -79,6 +79,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     bad = [t for t in args.tasks if t not in TASKS]
     if bad:
         p.error(f"--tasks: unknown {bad}; choose from {list(TASKS)}")
+    if args.repeats < 1:
+        p.error(f"--repeats must be at least 1, got {args.repeats}")
     if args.quick:
         args.concurrency = [1, 4] if args.concurrency == [1, 4, 16] else args.concurrency
         args.num_prompts, args.prompts_per_slot = min(args.num_prompts, 2), 1

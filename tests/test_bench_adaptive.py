@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import importlib.util
+
+import pytest
 import sys
 from pathlib import Path
 
@@ -47,3 +49,8 @@ def test_pooled_rows_sum_tokens_and_seconds_over_every_run():
     (row,) = adaptive.overall([_cell(runs)])
     assert row["tokens_per_s"] == {"plain": 50.0, "k=1": 100.0, "adaptive": 50.0}
     assert row["best_fixed"] == "k=1"
+
+
+def test_repeats_below_one_is_refused():
+    with pytest.raises(SystemExit):
+        adaptive.parse_args(["--repeats", "0"])
