@@ -815,6 +815,47 @@ void decode_attention_bf16_avx2(const c10::BFloat16* q, int64_t q_row, int64_t q
 }
 #endif
 
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+// What the AVX-512 int4 tiles (16- and 8-bit activation grids) share: a block's output
+// mask and bias, each group's integer sums into the float32 totals, the rounded store.
+template <int TT>
+struct Int4Totals512 {
+  const Int4Args& a;
+  const int64_t blk, n0, t0;
+  const __mmask16 mask;
+  __m512 total[TT];
+
+  Int4Totals512(const Int4Args& args, int64_t block, int64_t first)
+      : a(args), blk(block), n0(block * kInt4Block), t0(first),
+        mask(a.N - n0 >= kInt4Block ? 0xFFFF : static_cast<__mmask16>((1u << (a.N - n0)) - 1)) {
+    __m512 bias = _mm512_setzero_ps();
+    if (a.bias) {  // bf16 -> float32: the 16 bits moved to the top
+      const __m256i b16 = _mm256_maskz_loadu_epi16(mask, a.bias + n0);
+      bias = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(b16), 16));
+    }
+    for (int t = 0; t < TT; ++t) total[t] = bias;
+  }
+
+  // Group g: total += float(dot) * (scale * p) + msum * min, dot[t] token t0 + t's sums.
+  void add_group(int64_t g, const __m512i (&dot)[TT]) {
+    const int64_t s = (blk * a.groups + g) * kInt4Block;
+    const __m512 scale = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.scale + s)));
+    const __m512 min = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.min + s)));
+    for (int t = 0; t < TT; ++t) {
+      const int64_t tg = (t0 + t) * a.groups + g;
+      total[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[t]), _mm512_mul_ps(scale, _mm512_set1_ps(a.step[tg])),
+                                 total[t]);
+      total[t] = _mm512_fmadd_ps(_mm512_set1_ps(a.msum[tg]), min, total[t]);
+    }
+  }
+
+  void store() const {
+    for (int t = 0; t < TT; ++t)
+      _mm256_mask_storeu_epi16(a.y + (t0 + t) * a.N + n0, mask, round_bf16(total[t]));
+  }
+};
+#endif
+
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VBMI__)
 // acc + the dot products of the int16 pairs in each 32-bit lane (exact: integers).
 inline __m512i dot_pairs(__m512i acc, __m512i w, __m512i x) {
@@ -831,8 +872,7 @@ inline __m512i dot_pairs(__m512i acc, __m512i w, __m512i x) {
 // both halves by 4 i and masking leaves the pair (q[k0 + i], q[k0 + 4 + i]).
 template <int TT>
 void int4_tile_avx512(const Int4Args& a, int64_t blk, int64_t t0) {
-  const int64_t n0 = blk * kInt4Block;
-  const __mmask16 mask = a.N - n0 >= kInt4Block ? 0xFFFF : static_cast<__mmask16>((1u << (a.N - n0)) - 1);
+  Int4Totals512<TT> out(a, blk, t0);
   const uint8_t* qb = a.q4 + blk * (a.K / 2) * kInt4Block;
   alignas(64) static const uint8_t kTranspose[64] = {
       0, 16, 32, 48, 1, 17, 33, 49, 2, 18, 34, 50, 3, 19, 35, 51, 4, 20, 36, 52, 5, 21, 37, 53,
@@ -840,13 +880,6 @@ void int4_tile_avx512(const Int4Args& a, int64_t blk, int64_t t0) {
       12, 28, 44, 60, 13, 29, 45, 61, 14, 30, 46, 62, 15, 31, 47, 63};
   const __m512i transpose = _mm512_load_si512(kTranspose);
   const __m512i nibble = _mm512_set1_epi32(0x000F000F);
-  __m512 bias = _mm512_setzero_ps();
-  if (a.bias) {  // bf16 -> float32: the 16 bits moved to the top
-    const __m256i b16 = _mm256_maskz_loadu_epi16(mask, a.bias + n0);
-    bias = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(b16), 16));
-  }
-  __m512 total[TT];
-  for (int t = 0; t < TT; ++t) total[t] = bias;
   for (int64_t g = 0; g < a.groups; ++g) {
     // NA independent sums per token (a dot product's latency is ~5 cycles; one chain would
     // wait on it); integer sums, so how they are split does not change the result
@@ -872,23 +905,18 @@ void int4_tile_avx512(const Int4Args& a, int64_t blk, int64_t t0) {
           dot[t][i % NA] = dot_pairs(dot[t][i % NA], wi, _mm512_set1_epi32(xg[t * a.K / 2 + chunk * 4 + i]));
       }
     }
-    const int64_t s = (blk * a.groups + g) * kInt4Block;
-    const __m512 scale = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.scale + s)));
-    const __m512 min = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.min + s)));
+    __m512i sums[TT];
     for (int t = 0; t < TT; ++t) {
       if (NA == 4) {  // exact: those sums are multiples of 16 and 256
         dot[t][1] = _mm512_srai_epi32(dot[t][1], 4);
         dot[t][2] = _mm512_srai_epi32(dot[t][2], 8);
       }
-      for (int u = 1; u < NA; ++u) dot[t][0] = _mm512_add_epi32(dot[t][0], dot[t][u]);
-      const int64_t tg = (t0 + t) * a.groups + g;
-      total[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[t][0]), _mm512_mul_ps(scale, _mm512_set1_ps(a.step[tg])),
-                                 total[t]);
-      total[t] = _mm512_fmadd_ps(_mm512_set1_ps(a.msum[tg]), min, total[t]);
+      sums[t] = dot[t][0];
+      for (int u = 1; u < NA; ++u) sums[t] = _mm512_add_epi32(sums[t], dot[t][u]);
     }
+    out.add_group(g, sums);
   }
-  for (int t = 0; t < TT; ++t)
-    _mm256_mask_storeu_epi16(a.y + (t0 + t) * a.N + n0, mask, round_bf16(total[t]));
+  out.store();
 }
 
 void int4_block_avx512(const Int4Args& a, int64_t blk, int64_t tokens) {
@@ -1342,17 +1370,9 @@ inline __m512i dot_quads(__m512i acc, __m512i w, __m512i x) {
 
 template <int TT>
 void int4_tile8_avx512(const Int4Args& a, int64_t blk, int64_t t0) {
-  const int64_t n0 = blk * kInt4Block;
-  const __mmask16 mask = a.N - n0 >= kInt4Block ? 0xFFFF : static_cast<__mmask16>((1u << (a.N - n0)) - 1);
+  Int4Totals512<TT> out(a, blk, t0);
   const uint8_t* qb = a.q4 + blk * (a.K / 2) * kInt4Block;
   const __m512i low = _mm512_set1_epi8(0x0F);
-  __m512 bias = _mm512_setzero_ps();
-  if (a.bias) {  // bf16 -> float32: the 16 bits moved to the top
-    const __m256i b16 = _mm256_maskz_loadu_epi16(mask, a.bias + n0);
-    bias = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(b16), 16));
-  }
-  __m512 total[TT];
-  for (int t = 0; t < TT; ++t) total[t] = bias;
   for (int64_t g = 0; g < a.groups; ++g) {
     // NA independent sums per token (a dot product waits ~5 cycles on the one before it)
     constexpr int NA = TT == 1 ? 4 : (TT <= 3 ? 2 : 1);
@@ -1372,19 +1392,14 @@ void int4_tile8_avx512(const Int4Args& a, int64_t blk, int64_t t0) {
         dot[t][(2 * chunk + 1) % NA] = dot_quads(dot[t][(2 * chunk + 1) % NA], hi, _mm512_set1_epi32(xt[1]));
       }
     }
-    const int64_t s = (blk * a.groups + g) * kInt4Block;
-    const __m512 scale = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.scale + s)));
-    const __m512 min = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.min + s)));
+    __m512i sums[TT];
     for (int t = 0; t < TT; ++t) {
-      for (int u = 1; u < NA; ++u) dot[t][0] = _mm512_add_epi32(dot[t][0], dot[t][u]);
-      const int64_t tg = (t0 + t) * a.groups + g;
-      total[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[t][0]), _mm512_mul_ps(scale, _mm512_set1_ps(a.step[tg])),
-                                 total[t]);
-      total[t] = _mm512_fmadd_ps(_mm512_set1_ps(a.msum[tg]), min, total[t]);
+      sums[t] = dot[t][0];
+      for (int u = 1; u < NA; ++u) sums[t] = _mm512_add_epi32(sums[t], dot[t][u]);
     }
+    out.add_group(g, sums);
   }
-  for (int t = 0; t < TT; ++t)
-    _mm256_mask_storeu_epi16(a.y + (t0 + t) * a.N + n0, mask, round_bf16(total[t]));
+  out.store();
 }
 
 void int4_block8_avx512(const Int4Args& a, int64_t blk, int64_t tokens) {
