@@ -836,8 +836,15 @@ struct Int4Totals512 {
     for (int t = 0; t < TT; ++t) total[t] = bias;
   }
 
-  // Group g: total += float(dot) * (scale * p) + msum * min, dot[t] token t0 + t's sums.
-  void add_group(int64_t g, const __m512i (&dot)[TT]) {
+  // Group g: total += float(dot) * (scale * p) + msum * min, dot token t0 + t's integer
+  // sum, split over dot[t][0..NA) (independent chains: any split gives the same integers).
+  template <int NA>
+  void add_group(int64_t g, const __m512i (&parts)[TT][NA]) {
+    __m512i dot[TT];
+    for (int t = 0; t < TT; ++t) {
+      dot[t] = parts[t][0];
+      for (int u = 1; u < NA; ++u) dot[t] = _mm512_add_epi32(dot[t], parts[t][u]);
+    }
     const int64_t s = (blk * a.groups + g) * kInt4Block;
     const __m512 scale = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.scale + s)));
     const __m512 min = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.min + s)));
@@ -905,16 +912,12 @@ void int4_tile_avx512(const Int4Args& a, int64_t blk, int64_t t0) {
           dot[t][i % NA] = dot_pairs(dot[t][i % NA], wi, _mm512_set1_epi32(xg[t * a.K / 2 + chunk * 4 + i]));
       }
     }
-    __m512i sums[TT];
-    for (int t = 0; t < TT; ++t) {
-      if (NA == 4) {  // exact: those sums are multiples of 16 and 256
+    if (NA == 4)  // exact: those sums are multiples of 16 and 256
+      for (int t = 0; t < TT; ++t) {
         dot[t][1] = _mm512_srai_epi32(dot[t][1], 4);
         dot[t][2] = _mm512_srai_epi32(dot[t][2], 8);
       }
-      sums[t] = dot[t][0];
-      for (int u = 1; u < NA; ++u) sums[t] = _mm512_add_epi32(sums[t], dot[t][u]);
-    }
-    out.add_group(g, sums);
+    out.add_group(g, dot);
   }
   out.store();
 }
@@ -1392,12 +1395,7 @@ void int4_tile8_avx512(const Int4Args& a, int64_t blk, int64_t t0) {
         dot[t][(2 * chunk + 1) % NA] = dot_quads(dot[t][(2 * chunk + 1) % NA], hi, _mm512_set1_epi32(xt[1]));
       }
     }
-    __m512i sums[TT];
-    for (int t = 0; t < TT; ++t) {
-      sums[t] = dot[t][0];
-      for (int u = 1; u < NA; ++u) sums[t] = _mm512_add_epi32(sums[t], dot[t][u]);
-    }
-    out.add_group(g, sums);
+    out.add_group(g, dot);
   }
   out.store();
 }
