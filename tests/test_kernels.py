@@ -597,6 +597,32 @@ def test_decoder_stack_equals_the_per_layer_path(fmt, threads):
     assert not torch.equal(run(True)[0], want)
 
 
+@pytest.mark.skipif(not OPS.int4_vector, reason="no AVX-512 or AVX2 here: no packed layers")
+def test_decoder_stack_checks_its_arguments_before_running():
+    """Bad input to the stack raises naming the problem (before its parallel region, where
+    nothing may throw) and leaves the pools untouched."""
+    model = _packed_tiny_model("int4")
+    stack = _build_stack(model, OPS)
+    d, hkv = model.cfg.head_dim, model.cfg.num_kv_heads
+    pools = [torch.zeros(64, hkv, d, dtype=torch.bfloat16) for _ in range(3)]
+    x = torch.randn(1, 64).bfloat16()
+    cos, sin = torch.ones(1, 1, d).bfloat16(), torch.zeros(1, 1, d).bfloat16()
+    ctx, rows, lens = torch.arange(5).view(1, 5), torch.zeros(1, dtype=torch.long), torch.tensor([5])
+
+    def forward(slot=4, ctx=ctx, lens=lens, k_pools=pools):
+        return stack.forward(x, cos, sin, k_pools, pools, torch.tensor([slot]), ctx, rows, lens, 0.25)
+
+    assert forward().shape == (1, 64)  # the arguments are fine
+    pools[0].zero_()
+    for bad, message in [(dict(slot=64), "slot out of range"), (dict(ctx=torch.tensor([[0, 1, 2, 3, 99]])),
+                                                                "slot out of range"),
+                         (dict(lens=torch.tensor([6])), "1..C context slots"),
+                         (dict(k_pools=pools[:2]), "one K and one V pool per layer")]:
+        with pytest.raises(RuntimeError, match=message):
+            forward(**bad)
+    assert not pools[0].any()
+
+
 def test_decoder_stack_is_not_built_for_layers_off_the_packed_kernels():
     """A dense float32 model (nn.Linear layers): the per-layer path runs."""
     model = LlamaModel(tiny_config(vocab=64, hidden=64, layers=2)).eval()

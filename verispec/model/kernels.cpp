@@ -1455,6 +1455,25 @@ void attention_run(const T* q, int64_t q_row, int64_t q_head, const T* kp, const
 
 void check(bool ok, const char* what) { TORCH_CHECK(ok, "verispec kernels: ", what); }
 
+// The attention kernel's indices checked for n queries over pools of S slots: slots (R, C),
+// row_of and lens (n,) contiguous int64; each query's row in range, 1..C keys, every slot it
+// reads in [0, S).
+void check_context(const at::Tensor& slots, const at::Tensor& row_of, const at::Tensor& lens, int64_t n, int64_t S) {
+  check(slots.dim() == 2 && slots.is_contiguous() && slots.scalar_type() == at::kLong,
+        "slots must be contiguous int64 (R, C)");
+  check(lens.is_contiguous() && lens.scalar_type() == at::kLong && lens.numel() == n &&
+        row_of.is_contiguous() && row_of.scalar_type() == at::kLong && row_of.numel() == n,
+        "row_of and lens must be contiguous int64 (N,)");
+  const int64_t C = slots.size(1);
+  const int64_t *sp = slots.data_ptr<int64_t>(), *rp = row_of.data_ptr<int64_t>(), *lp = lens.data_ptr<int64_t>();
+  for (int64_t i = 0; i < n; ++i) {
+    check(rp[i] >= 0 && rp[i] < slots.size(0), "row_of out of range");
+    check(lp[i] >= 1 && lp[i] <= C, "each query needs 1..C context slots");
+    for (int64_t c = 0; c < lp[i]; ++c)
+      check(sp[rp[i] * C + c] >= 0 && sp[rp[i] * C + c] < S, "slot out of range");
+  }
+}
+
 // A linear's optional bias checked: bf16 (N,); its data, or nullptr for none.
 const c10::BFloat16* bias_checked(const c10::optional<at::Tensor>& bias, int64_t out_features) {
   if (!bias.has_value() || !bias->defined()) return nullptr;
@@ -1604,21 +1623,8 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_pool, const
         k_pool.sizes() == v_pool.sizes(), "pools must be contiguous (S, Hkv, D)");
   check(q.size(2) == k_pool.size(2) && q.size(1) % k_pool.size(1) == 0, "head shapes must match");
   check(q.scalar_type() == k_pool.scalar_type() && v_pool.scalar_type() == q.scalar_type(), "dtypes must match");
-  check(slots.dim() == 2 && slots.is_contiguous() && slots.scalar_type() == at::kLong,
-        "slots must be contiguous int64 (R, C)");
-  check(lens.is_contiguous() && lens.scalar_type() == at::kLong && lens.numel() == q.size(0) &&
-        row_of.is_contiguous() && row_of.scalar_type() == at::kLong && row_of.numel() == q.size(0),
-        "row_of and lens must be contiguous int64 (N,)");
-  const int64_t* lp = lens.data_ptr<int64_t>();
-  const int64_t* rp = row_of.data_ptr<int64_t>();
-  const int64_t* sp = slots.data_ptr<int64_t>();
-  for (int64_t i = 0; i < q.size(0); ++i) {
-    check(rp[i] >= 0 && rp[i] < slots.size(0), "row_of out of range");
-    check(lp[i] >= 1 && lp[i] <= slots.size(1), "each query needs 1..C context slots");
-    for (int64_t c = 0; c < lp[i]; ++c)
-      check(sp[rp[i] * slots.size(1) + c] >= 0 && sp[rp[i] * slots.size(1) + c] < k_pool.size(0),
-            "slot out of range");
-  }
+  check_context(slots, row_of, lens, q.size(0), k_pool.size(0));
+  const int64_t *sp = slots.data_ptr<int64_t>(), *rp = row_of.data_ptr<int64_t>(), *lp = lens.data_ptr<int64_t>();
   at::Tensor out = at::empty(q.sizes(), q.options());
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "decode_attention", [&] {
     attention_run<scalar_t>(q.data_ptr<scalar_t>(), q.stride(0), q.stride(1), k_pool.data_ptr<scalar_t>(),
@@ -1745,7 +1751,8 @@ int64_t refine_head(at::Tensor logits, const at::Tensor& x, const at::Tensor& we
 // allocates its output; at batch 1 that is ~150 forks a step for ~100 us of streaming each,
 // and each fork restarts the weight streams cold. Arguments are checked before the region
 // (add_layer checks the weights once), buffers are allocated once a pass, and nothing in
-// the region can throw.
+// the region can throw. Each thread rounds a linear's input into its own buffers (a few
+// hundred values, repeated per thread) rather than waiting at one more barrier.
 struct StackLinear {
   int64_t kind;                    // 0: int4 (q4, scale, min), 2: the same on the 8-bit grid, 1: bf16 (w16)
   std::vector<at::Tensor> weights;
@@ -1830,19 +1837,10 @@ class DecoderStack {
           "slot_mapping must be contiguous int64 (T,)");
     const int64_t* slot_p = slot_mapping.data_ptr<int64_t>();
     for (int64_t t = 0; t < T; ++t) check(slot_p[t] >= 0 && slot_p[t] < S, "slot out of range");
-    check(context_slots.dim() == 2 && context_slots.is_contiguous() && context_slots.scalar_type() == at::kLong,
-          "context slots must be contiguous int64 (R, C)");
-    check(lens.is_contiguous() && lens.scalar_type() == at::kLong && lens.numel() == T && rows.is_contiguous() &&
-          rows.scalar_type() == at::kLong && rows.numel() == T, "rows and lens must be contiguous int64 (T,)");
+    check_context(context_slots, rows, lens, T, S);
     const int64_t C = context_slots.size(1);
     const int64_t *ctx_p = context_slots.data_ptr<int64_t>(), *rows_p = rows.data_ptr<int64_t>(),
                   *lens_p = lens.data_ptr<int64_t>();
-    for (int64_t t = 0; t < T; ++t) {
-      check(rows_p[t] >= 0 && rows_p[t] < context_slots.size(0), "row_of out of range");
-      check(lens_p[t] >= 1 && lens_p[t] <= C, "each query needs 1..C context slots");
-      for (int64_t c = 0; c < lens_p[t]; ++c)
-        check(ctx_p[rows_p[t] * C + c] >= 0 && ctx_p[rows_p[t] * C + c] < S, "slot out of range");
-    }
 
     // Layer 0's input norm as the per-layer path computes it; the residual stream x is then
     // updated in place (add_rms_norm_impl), every kernel's output in a buffer of the pass.
