@@ -40,6 +40,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--num-warmup", type=int, default=2)
     p.add_argument("--warmup-tokens", type=int, default=32)
     p.add_argument("--k-max", type=int, default=8)
+    p.add_argument("--fixed-k", type=int, default=None,
+                   help="trace a fixed-k contender instead of adaptive (same estimates, for comparison)")
     common.add_common_args(p, "4")
     args = p.parse_args(argv)
     if len(args.concurrency) != 1:
@@ -63,7 +65,7 @@ class Tracer:
         behind = sum(c for c, x in zip(catch_up or [0] * len(ids), k) if x)
         per_token = ctl.estimated_cost("catch_up", 1, 1)
         self.cur.update(
-            batch=batch_size, ks=k, alphas=[round(a, 3) for a in alphas],
+            batch=batch_size, ks=k, available=list(available) if available is not None else None, alphas=[round(a, 3) for a in alphas],
             est_tokens=sum(expected_tokens(a, x) for a, x in zip(alphas, k)) + batch_size - len(ids),
             est_verify_s=ctl.estimated_cost("verify", batch_size, drafts),
             est_plain_s=ctl.estimated_cost("verify", batch_size, 0),
@@ -102,7 +104,10 @@ def main(argv=None) -> int:
     header = common.start_run(args)
     method = "draft" if args.draft_model else "ngram"
     models = common.load_models(replace(common.base_config(args, args.draft_model), spec=SpecConfig(method=method)))
-    spec = SpecConfig(method=method, num_spec_tokens=args.k_max, adaptive=True)
+    if args.fixed_k is None:
+        spec = SpecConfig(method=method, num_spec_tokens=args.k_max, adaptive=True)
+    else:
+        spec = SpecConfig(method=method, num_spec_tokens=args.fixed_k, adaptive=False)
     config = replace(common.base_config(args), draft_model=args.draft_model, spec=spec)
     c = args.concurrency[0]
     measured, warm, sources = common.pick_prompts(TASKS[args.task], args.num_prompts or c, args.num_warmup,
@@ -127,6 +132,7 @@ def main(argv=None) -> int:
                "tokens": run.tokens, "seconds": run.seconds, "tokens_per_s": run.tokens_per_s,
                "rounds": rounds, "steps": tracer.log, "controller": engine.controller.snapshot()}
     stem = f"controller-trace-{args.task}-c{c}-{args.draft_model or 'ngram'}"
+    stem += "" if args.fixed_k is None else f"-k{args.fixed_k}"
     common.write_json(args.out or common.RESULTS_DIR / f"{stem}.json", payload)
     return 0
 

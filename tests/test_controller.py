@@ -226,6 +226,32 @@ def test_exploration_budget_bounds_the_cold_start_loss(budget, loses):
         assert max(debts) <= budget + 0.015, debts
 
 
+@pytest.mark.parametrize("upper", [True, False], ids=["upper bounds", "broken: trusted cells only"])
+def test_a_spent_budget_still_drafts_where_measured_passes_bound_the_price(upper, monkeypatch):
+    """The exploration budget is spent (a probe at 4 rows went badly), then a row finishes:
+    at 3 rows no drafting pass is measured, so every drafting plan is unmeasured. The
+    4-row pass with 4 drafts (trusted) costs no less than a 3-row pass with 3, so drafting at
+    3 rows is priced safely at most that and still beats plain: the controller drafts.
+    Without upper bounds it played plain for 58 rounds in a row (code, 4 in flight)."""
+    if not upper:
+        monkeypatch.setattr(CostTable, "upper", lambda self, bucket, size: None)
+    ctl = AdaptiveController(ControllerConfig(explore=0.0, explore_budget=0.0))
+    _measured(ctl, 4, lambda n: 0.010 + 0.0005 * n, (0, 4))
+    _measured(ctl, 3, lambda n: 0.009, (0,))
+    ids = [f"r{i}" for i in range(4)]
+    _accepting(ctl, ids, accepted=4)             # alpha ~0.8
+    ks = ctl.choose_k(ids, 4, [8] * 4)           # an unmeasured wider pass looks best: a probe
+    assert sum(ks.values()) > 4
+    for rid in ids:
+        ctl.observe_acceptance(rid, ks[rid], 0)
+    ctl.observe_cost("verify", 4, sum(ks.values()), 0.1)   # ... that cost 10 plain rounds
+    assert ctl.snapshot()["explore_debt_s"] > 0            # the budget (0) is spent
+    ctl.finish("r3")
+    ks = ctl.choose_k(ids[:3], 3, [8] * 3)
+    assert (sum(ks.values()) >= 3) == upper, ks
+    assert ctl.estimated_cost("verify", 3, 0) == 0.009
+
+
 def test_assumed_cost_controller_drafts_when_it_should_not():
     sc = sim.SCENARIOS["costly draft a=0.6"]
     assert run(sc, 0, AssumedCostController).drafted_per_row_round(1) > 0.1
@@ -405,6 +431,49 @@ def test_unmeasured_cost_is_the_tightest_lower_bound_from_neighbours():
     assert ctl.estimated_cost("verify", 4, 15) == 2.0                      # 15 is size bucket 16
     ctl.observe_cost("draft", 1, 4, 0.4)
     assert ctl.estimated_cost("draft", 1, 2) == 0.2                        # a draft step per k
+
+
+def _measured(ctl, batch_size, cost, sizes, times=3):
+    """Report `times` identical verify passes for each size (trusted cells, no noise)."""
+    for n in sizes:
+        for _ in range(times):
+            ctl.observe_cost("verify", batch_size, n, cost(n))
+
+
+def _accepting(ctl, ids, accepted, drafted=4, rounds=40):
+    for rid in ids:
+        ctl.start(rid, "ngram")
+        for _ in range(rounds):
+            ctl.observe_acceptance(rid, drafted, accepted)
+
+
+@pytest.mark.parametrize("secant", [True, False], ids=["secant", "broken: flat bound only"])
+def test_a_pass_past_the_measured_sizes_is_priced_on_the_measured_slope(secant, monkeypatch):
+    """Past the widest measured pass the cost keeps its slope (convex in tokens): the
+    secant through the narrowest and widest trusted drafting cells bounds it from below.
+    The flat bound alone prices a 4-row pass of 28 drafts at the 12-draft one's cost and
+    sends the controller to probe it (measured on this CPU: 26 ms bound, 50 ms real)."""
+    if not secant:
+        monkeypatch.setattr(CostTable, "_secant", lambda self, bucket, size: None)
+    cost = lambda n: 0.010 + 0.0013 * n  # noqa: E731 (seconds: 4 rows, n drafts in all)
+    ctl = AdaptiveController(ControllerConfig(explore=0.0))
+    _measured(ctl, 4, cost, (0, 1, 4, 12))
+    ids = [f"r{i}" for i in range(4)]
+    _accepting(ctl, ids, accepted=3)             # alpha ~0.76 per row
+    if secant:
+        assert math.isclose(ctl.estimated_cost("verify", 4, 28), cost(28))
+        assert math.isclose(ctl.estimated_cost("verify", 4, 20), cost(20))
+    else:
+        assert ctl.estimated_cost("verify", 4, 28) == cost(12)
+    drafts = sum(ctl.choose_k(ids, 4, [8] * 4).values())
+    assert (drafts <= 12) == secant, drafts    # E/T is best at 1-2 drafts a row here
+    noisy = AdaptiveController(ControllerConfig(explore=0.0))
+    for n, times in ((1, (0.0112, 0.0134)), (4, (0.0135, 0.0161))):  # close sizes, 10% noise
+        for t in times * 2:
+            noisy.observe_cost("verify", 4, n, t)
+    # the slope's two-standard-error lower end is ~0: the bound stays at the widest cell's
+    # lower end instead of extrapolating noise (the means' slope, 1e-3 s a draft, doubled the bound at 28)
+    assert noisy.estimated_cost("verify", 4, 28) < 0.016
 
 
 def test_size_buckets_are_exact_to_8_then_4_per_octave():

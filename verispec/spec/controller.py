@@ -94,7 +94,16 @@ tokens grow, and cost per row or per token never grows with them (a fixed overhe
 most linear work). For a measured cell (b', n') with cost c that gives
     cost(b, n) >= c * min(1, b / b') * min(1, size(b, n) / size(b', n')),
 where size is the pass's tokens (b + n for verify, n for the draft model's k steps), and
-the estimate is the largest such bound. A plain round is bounded by plain rounds only: a
+the estimate is the largest such bound. Past the widest trusted pass of its batch bucket a
+third assumption tightens it: cost is convex in tokens (a fixed part while memory-bound,
+then a per-token part), so it lies above the secant through the narrowest and widest
+trusted drafting passes, continued (each end moved two standard errors of its mean toward
+the other, so timing noise between close sizes does not read as a slope). Without it a
+4-row pass of 28 drafts was priced at its 12-draft neighbour's 26 ms, took 50 ms, and was
+probed three times in one run (default model, code, 4 in flight). The same two assumptions
+give an upper bound: a pass costs no more than a trusted cell with no fewer rows and no
+fewer draft tokens (a plain round no more than any such, a verifying one no more than a
+verifying one), and no estimate is above it. A plain round is bounded by plain rounds only: a
 round verifying drafts does more per token (rejection sampling, KV rollback, the drafts'
 bookkeeping), so its time is no lower bound for a plain round of as many tokens. (It was
 taken as one: on Qwen2.5-Coder chat at 4 in flight plain decoding at batch 4 was priced at
@@ -158,8 +167,12 @@ entered whole it cost a cold controller on Qwen2.5-Coder code at 1 in flight (wh
 drafting is worth 1.6x) ~5% of an answer in one round, which shut drafting out for good.
 An exploring round that beat the trusted plan pays its debt back. The controller
 explores only while the debt is at most `explore_budget` of all the rounds' seconds, and
-otherwise plays the best trusted plan: exploration then costs at most that
-fraction of the run, plus one round. Exploration that pays (drafting at batch 1) funds
+otherwise plays the best safe plan: the best rate at prices a plan cannot exceed, its
+trusted cells' or, for an unmeasured pass, the upper bound from trusted ones (above).
+Exploration then costs at most that fraction of the run, plus one round. (With trusted
+plans only, a spent budget kept 3 rows at plain decoding for 58 rounds after a 4-row
+batch lost a row, though the 4-row pass with 4 drafts, measured, showed that drafting
+paid: code, 4 in flight.) Exploration that pays (drafting at batch 1) funds
 itself; exploration that loses waits until the run has earned it. (Simulated: 16 rows of
 64 tokens where drafting never pays, a cold controller 0.94x plain without the budget,
 0.97x with 3%.)
@@ -377,12 +390,14 @@ class CostTable:
             speed.observe(seconds / expected, self, cell)  # (a stall is not the machine's pace)
 
     def _refresh(self, cell: "_Cell") -> None:
-        """The cell's robust mean of its stored timings."""
+        """The cell's robust mean of its stored timings, and that mean's error."""
         ordered = sorted(cell.samples)
         m = len(ordered)
         median = 0.5 * (ordered[(m - 1) // 2] + ordered[m // 2])
         kept = [t for t in ordered if t <= self._outlier * median]
-        cell.seconds = sum(kept) / len(kept)
+        cell.seconds = mean = sum(kept) / len(kept)
+        n = len(kept)
+        cell.error = 2.0 * math.sqrt(sum((t - mean) ** 2 for t in kept) / (n - 1) / n) if n > 1 else mean
 
     @property
     def empty(self) -> bool:
@@ -423,7 +438,7 @@ class CostTable:
         f = self._speed.factor
         if cell is not None and cell.count >= self._min_samples:
             return cell.seconds * f
-        best, best_any, work = None, None, self._tokens(bucket, size)
+        best, best_any, work = self._secant(bucket, size), None, self._tokens(bucket, size)
         for other, c in self._cells.items():
             if other == key:
                 continue
@@ -433,11 +448,52 @@ class CostTable:
             if self._bounds(size, n):
                 best = bound if best is None else max(best, bound)
         if cell is None:
-            return None if best is None else best * f
-        # a young cell is distrusted down to its bound, or, with no comparable cell, to any
-        # cell's (that only makes the estimate more optimistic)
-        bound = best if best is not None else best_any
-        return f * (cell.seconds if bound is None else min(cell.seconds, bound))
+            estimate = None if best is None else best * f
+        else:
+            # a young cell is distrusted down to its bound, or, with no comparable cell, to
+            # any cell's (that only makes the estimate more optimistic)
+            bound = best if best is not None else best_any
+            estimate = f * (cell.seconds if bound is None else min(cell.seconds, bound))
+        # never above what trusted cells show it cannot exceed: a young cell's stall (100 ms
+        # for a 4-row pass) bounds its neighbours from below at a price their trusted upper
+        # bound rules out
+        upper = self.upper(bucket, size)
+        return estimate if upper is None or estimate is None else min(estimate, upper)
+
+    def _secant(self, bucket: int, size: int) -> float | None:
+        """The convexity bound past the measured sizes of this batch bucket (speed-free).
+
+        A pass's cost is a fixed part while it is memory-bound, then grows with its tokens
+        once it is compute-bound: convex in its tokens. So past the widest trusted cell (n1)
+        below `size`, cost lies above the line through it and the narrowest one (n0):
+        c1 + (w - w1) (c1 - c0) / (w1 - w0), w the work measure. The flat bound alone priced
+        a 4-row pass of 28 drafts at its 12-draft neighbour's 26 ms; it took 50 ms, and the
+        probe ran three times (default model, code, 4 in flight; the secant through 4 and 12
+        drafts gives 44 ms). Only trusted cells of at least one draft count: a young cell's
+        slow first sample would make the slope, and the bound, too steep, and a plain round
+        does less per token than any verifying one.
+        """
+        cells = sorted((n, c) for (b, n), c in self._cells.items()
+                       if b == bucket and 1 <= n < size and c.count >= self._min_samples and self._bounds(size, n))
+        if len(cells) < 2:
+            return None
+        (n0, c0), (n1, c1) = cells[0], cells[-1]
+        w0, w1 = self._tokens(bucket, n0), self._tokens(bucket, n1)
+        # the slope's lower end: each mean moved two standard errors toward the other (timing
+        # noise between close sizes would otherwise read as a steep slope and price wide
+        # passes out: 16 rows, a fixed 60% for any drafting, 5% noise lost 0.8% of throughput)
+        low, high = c1.seconds - c1.error, c0.seconds + c0.error
+        return low + (self._tokens(bucket, size) - w1) * max(0.0, low - high) / (w1 - w0)
+
+    def upper(self, bucket: int, size: int) -> float | None:
+        """A price this pass cannot exceed, from trusted cells: the cheapest trusted cell of
+        no fewer rows and no fewer draft tokens (cost never falls as either grows), or None.
+        A plain round is bounded by verifying ones too (they do more per token); a verifying
+        round by verifying ones only (n >= size > 0)."""
+        size = size_bucket(size)
+        least = min((c.seconds for (b, n), c in self._cells.items()
+                     if b >= bucket and n >= size and c.count >= self._min_samples), default=None)
+        return None if least is None else least * self._speed.factor
 
     def rescale(self, factor: float, cell: "_Cell | None" = None, last: int | None = None) -> None:
         """Multiply stored (speed-free) timings by `factor`: every cell's, or `cell`'s `last` ones."""
@@ -503,6 +559,7 @@ class _Cell:
 
     samples: deque
     seconds: float = 0.0
+    error: float = 0.0  # two standard errors of that mean (its whole value from one timing)
     count: int = 0
     stamp: int = -1
 
@@ -746,15 +803,17 @@ class AdaptiveController:
             if starters:
                 first = min(starters, key=lambda i: (-alphas[i], catch_up[i]))
                 variants.append([t for t in gains if not charge[t[1]] or t[1] == first])
-        verify_s: dict[int, float] = {}
-        draft_cost: dict[tuple[int, int] | None, float] = {}
+        verify_s: dict[int, tuple[float, float | None]] = {}  # size bucket -> (estimate, upper)
+        draft_cost: dict[tuple[int, int] | None, tuple[float, float | None]] = {}
         needy = {i for i, c in enumerate(catch_up) if c}
         catch_up_known = self._catch_up[1] > 0
 
-        def plan(pool: list, depth: int) -> list[tuple[float, int, bool, float]]:
-            """(rate, D, trusted, catch-up share) for D = 0 and the largest D of every size
-            bucket within the limit; the draft pass (`depth` steps) priced at the rows that
-            draft in the first D. Trusted: priced by trusted cells only (plain always is)."""
+        def plan(pool: list, depth: int) -> list[tuple[float, int, bool, float, float | None]]:
+            """(rate, D, trusted, catch-up share, safe rate) for D = 0 and the largest D of
+            every size bucket within the limit; the draft pass (`depth` steps) priced at the
+            rows that draft in the first D. Trusted: priced by trusted cells only (plain
+            always is). Safe rate: the rate at prices it cannot exceed (its trusted cells',
+            else their upper bounds from trusted cells), None if there are none."""
             out, total, one_off, taken, rows = [], float(batch_size), 0.0, 0, set()
             for n in _sizes_upto(min(len(pool), limit)):
                 total += sum(t[0] for t in pool[taken:n])
@@ -764,15 +823,23 @@ class AdaptiveController:
                 taken = n
                 b = size_bucket(n)
                 if b not in verify_s:  # no estimate at all: unmeasured, so optimistic (free)
-                    verify_s[b] = self.estimated_cost("verify", batch_size, n) or 0.0
+                    verify_s[b] = (self.estimated_cost("verify", batch_size, n) or 0.0, verify.upper(bucket, n))
                 key = (batch_bucket(len(rows)), depth) if rows else None
                 passes_trusted = verify.trusted(bucket, n) and (not rows or draft.trusted(key[0], depth))
                 if len(rows & starters) > 1 and not passes_trusted:
                     continue  # several catch-ups bought on optimistic prices
                 if key not in draft_cost:
-                    draft_cost[key] = (self.estimated_cost("draft", len(rows), depth) or 0.0) if rows else 0.0
+                    draft_cost[key] = ((self.estimated_cost("draft", len(rows), depth) or 0.0, draft.upper(*key))
+                                       if rows else (0.0, 0.0))
+                (v, v_hi), (d, d_hi) = verify_s[b], draft_cost[key]
+                rate = _rate(total, v + one_off + d)
                 trusted = n == 0 or (passes_trusted and (catch_up_known or not rows & needy))
-                out.append((_rate(total, verify_s[b] + one_off + draft_cost[key]), n, trusted, one_off))
+                safe = None
+                if trusted:
+                    safe = rate
+                elif v_hi is not None and d_hi is not None and (catch_up_known or not rows & needy):
+                    safe = _rate(total, v_hi + one_off + d_hi)  # (estimates are never above these)
+                out.append((rate, n, trusted, one_off, safe))
             return out
 
         if drafters:  # the draft model runs as many steps as the deepest row: try each depth
@@ -800,13 +867,17 @@ class AdaptiveController:
             plans = [(gains, plan(gains, 0))]
         choices = [(pool, options, i) for pool, options in plans for i in range(len(options))]
         best = lambda t: (t[1][t[2]][0], -t[1][t[2]][1])  # noqa: E731 (highest rate, then fewest drafts)
-        safe = max((t for t in choices if t[1][t[2]][2]), key=best)  # D = 0 is always there
+        # The safe plan: the best rate at prices it cannot exceed. D = 0 is always there; an
+        # untrusted plan qualifies through upper bounds from trusted cells (see "Exploration
+        # budget"), so a spent budget does not keep a batch size whose drafting passes are
+        # unmeasured at plain decoding when a wider batch's measured passes show drafting pays.
+        safe = max((t for t in choices if t[1][t[2]][4] is not None), key=lambda t: (t[1][t[2]][4], -t[1][t[2]][1]))
         may_explore = self._explore_debt <= self.config.explore_budget * self._elapsed
         pool, options, i = max(choices, key=best) if may_explore else safe
         if self._probe_due():
             probe = self._probe(options, i, bucket)
             i = probe if may_explore or options[probe][2] else i
-        self._round = _Round(float(batch_size), explores=not options[i][2], safe_rate=safe[1][safe[2]][0],
+        self._round = _Round(float(batch_size), explores=not options[i][2], safe_rate=safe[1][safe[2]][4],
                              seconds=options[i][3])
         ks = [0] * len(reqs)
         for _, row, _ in pool[: options[i][1]]:
