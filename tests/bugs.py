@@ -91,19 +91,24 @@ SAMPLER_BUGS = {
 
 
 def _greedy_through(sampler):
-    """The engine's all-greedy path (`greedy_verify`) carrying the same bug: the argmaxes as
+    """The engine's all-greedy path (`greedy_accept`) carrying the same bug: the argmaxes as
     one-hot distributions through the broken sampler."""
-    def greedy_verify(target_argmax, draft_tokens, num_draft):
-        vocab = int(max(target_argmax.max(), draft_tokens.max())) + 1
-        p = torch.nn.functional.one_hot(target_argmax, vocab).float()
-        return sampler(p, draft_tokens, None, num_draft)
-    return greedy_verify
+    def greedy_accept(target_argmax, drafts):
+        k_max = max(len(t) for t in target_argmax) - 1
+        argmax = torch.tensor([list(t) + [0] * (k_max + 1 - len(t)) for t in target_argmax])
+        draft_tokens = torch.tensor([list(d) + [0] * (k_max - len(d)) for d in drafts]).view(len(drafts), k_max)
+        vocab = int(max(argmax.max(), draft_tokens.max() if draft_tokens.numel() else 0)) + 1
+        p = torch.nn.functional.one_hot(argmax, vocab).float()
+        result = sampler(p, draft_tokens, None, [len(d) for d in drafts])
+        emitted = [e[:n] for e, n in zip(result.output_tokens.tolist(), result.num_output.tolist())]
+        return result.accepted_len.tolist(), emitted
+    return greedy_accept
 
 
 def inject(monkeypatch, bug: str, top_p: float = 1.0) -> None:
     if bug in SAMPLER_BUGS:
         monkeypatch.setattr(engine_mod, "rejection_sample", SAMPLER_BUGS[bug])
-        monkeypatch.setattr(engine_mod, "greedy_verify", _greedy_through(SAMPLER_BUGS[bug]))
+        monkeypatch.setattr(engine_mod, "greedy_accept", _greedy_through(SAMPLER_BUGS[bug]))
     elif bug == "top_p_on_target_only":
         top_p_on_target_only(monkeypatch, top_p)
     elif bug == "stale_draft_kv":

@@ -128,3 +128,36 @@ def test_partition_rows():
     assert partition_rows([1, 5, 4, 1, 5], [400] * 5) == [[0, 3], [1, 2, 4]]
     # ... but a prefill chunk does not pad them to its length.
     assert partition_rows([5, 512, 5, 1, 3], [405, 512, 405, 401, 403]) == [[3], [1], [0, 2, 4]]
+
+
+def _kernel_fields(meta: AttentionMetadata) -> dict:
+    """What the fused kernel and the layers read of kernel-only metadata: each query's
+    position, slot, row, key count and its row's context slots up to that count."""
+    k = meta.kernel
+    ctx = [k.context_slots[r, :n].tolist() for r, n in zip(k.rows.tolist(), k.lens.tolist())]
+    return {"positions": meta.positions.tolist(), "slots": meta.slot_mapping.tolist(), "rows": k.rows.tolist(),
+            "lens": k.lens.tolist(), "context": ctx, "tokens": k.tokens, "groups": meta.groups,
+            "num_rows": meta.num_rows, "out_rows": meta.out_rows, "max_position": meta.max_position}
+
+
+def test_kernel_only_metadata_equals_the_general_build():
+    """The runner's decode path (`kernel_only`, from block tables) and `build` (from each
+    row's slot lists) describe the same pass: rows decoding and verifying drafts, contexts
+    across block boundaries, blocks out of order; a lens off by one is caught."""
+    gen = torch.Generator().manual_seed(0)
+    bs = 16
+    for trial in range(20):
+        num_rows = 1 + trial % 5
+        starts = [int(torch.randint(0, 200, (1,), generator=gen)) for _ in range(num_rows)]
+        q_lens = [int(torch.randint(1, 9, (1,), generator=gen)) for _ in range(num_rows)]
+        tables = [torch.randperm(64, generator=gen)[: -(-(s + q) // bs) + 2].tolist()
+                  for s, q in zip(starts, q_lens)]  # a few spare blocks, as for drafts
+        ctx = [[t[p // bs] * bs + p % bs for p in range(s + q)] for t, s, q in zip(tables, starts, q_lens)]
+        general = AttentionMetadata.build(q_lens, [s + q for s, q in zip(starts, q_lens)],
+                                          [list(range(s, s + q)) for s, q in zip(starts, q_lens)],
+                                          [c[s:] for c, s in zip(ctx, starts)], ctx, "cpu",
+                                          attention.KERNEL_QUERY_LIMIT)
+        fast = AttentionMetadata.kernel_only(starts, q_lens, tables, bs)
+        assert _kernel_fields(fast) == _kernel_fields(general)
+    fast.kernel.lens[0] += 1  # an injected off-by-one
+    assert _kernel_fields(fast) != _kernel_fields(general)

@@ -73,8 +73,8 @@ def with_estimator(cls):
 class AssumedCostController(AdaptiveController):
     """Bug: a constant assumed cost model (flat verify, draft token = 0.1 verify)."""
 
-    def estimated_cost(self, kind, batch_size, size):
-        return 1.0 if kind == "verify" else 0.1 * size
+    def estimated_range(self, kind, batch_size, size):
+        return (1.0 if kind == "verify" else 0.1 * size), None
 
 
 class IgnoresBatchController(AdaptiveController):
@@ -83,8 +83,8 @@ class IgnoresBatchController(AdaptiveController):
     def observe_cost(self, kind, batch_size, size, seconds):
         super().observe_cost(kind, 1, size, seconds)
 
-    def estimated_cost(self, kind, batch_size, size):
-        return super().estimated_cost(kind, 1, size)
+    def estimated_range(self, kind, batch_size, size):
+        return super().estimated_range(kind, 1, size)
 
 
 class IgnoresAvailabilityController(AdaptiveController):
@@ -234,7 +234,8 @@ def test_a_spent_budget_still_drafts_where_measured_passes_bound_the_price(upper
     3 rows is priced safely at most that and still beats plain: the controller drafts.
     Without upper bounds it played plain for 58 rounds in a row (code, 4 in flight)."""
     if not upper:
-        monkeypatch.setattr(CostTable, "upper", lambda self, bucket, size: None)
+        estimates = CostTable.estimates
+        monkeypatch.setattr(CostTable, "estimates", lambda self, bucket, size: (estimates(self, bucket, size)[0], None))
     ctl = AdaptiveController(ControllerConfig(explore=0.0, explore_budget=0.0))
     _measured(ctl, 4, lambda n: 0.010 + 0.0005 * n, (0, 4))
     _measured(ctl, 3, lambda n: 0.009, (0,))
@@ -454,7 +455,7 @@ def test_a_pass_past_the_measured_sizes_is_priced_on_the_measured_slope(secant, 
     The flat bound alone prices a 4-row pass of 28 drafts at the 12-draft one's cost and
     sends the controller to probe it (measured on this CPU: 26 ms bound, 50 ms real)."""
     if not secant:
-        monkeypatch.setattr(CostTable, "_secant", lambda self, bucket, size: None)
+        monkeypatch.setattr(CostTable, "_secant", lambda self, bucket, size, below: None)
     cost = lambda n: 0.010 + 0.0013 * n  # noqa: E731 (seconds: 4 rows, n drafts in all)
     ctl = AdaptiveController(ControllerConfig(explore=0.0))
     _measured(ctl, 4, cost, (0, 1, 4, 12))

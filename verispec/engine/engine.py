@@ -13,6 +13,7 @@ the same rejection sampler, so greedy speculative output equals plain greedy out
 """
 from __future__ import annotations
 
+import itertools
 import logging
 import time
 from dataclasses import dataclass, replace
@@ -32,7 +33,7 @@ from verispec.sampling import SamplingParams, SamplingTensors, make_generator, s
 from verispec.spec.draft_model import DraftModelProposer
 from verispec.spec.controller import AdaptiveController, ControllerConfig
 from verispec.spec.ngram import NgramProposer
-from verispec.spec.rejection import RejectionResult, greedy_verify, rejection_sample
+from verispec.spec.rejection import RejectionResult, greedy_accept, rejection_sample
 
 log = logging.getLogger("verispec")
 
@@ -300,22 +301,23 @@ class LLMEngine:
         if not rows:
             return []
         counts = [lg.shape[0] for lg in logits]  # k_i + 1 per row
-        k_max = max(counts) - 1
         proposed = [drafts.get(r.request_id, ([], None))[0] for r in rows]
-        draft_tokens = torch.tensor([t + [0] * (k_max - len(t)) for t in proposed],
-                                    dtype=torch.long).view(len(rows), k_max)  # (B, K)
         flat = logits[0] if len(logits) == 1 else torch.cat(logits)  # (sum(k_i + 1), V)
         if all(r.params.greedy for r in rows):  # the same result from argmaxes, no V-wide work
-            result = greedy_verify(_pad_rows(flat.argmax(dim=-1), counts), draft_tokens, [c - 1 for c in counts])
+            argmax, starts = flat.argmax(dim=-1).tolist(), itertools.accumulate([0] + counts)
+            accepted_lens, emitted = greedy_accept([argmax[s: s + c] for s, c in zip(starts, counts)], proposed)
         else:
+            k_max = max(counts) - 1
+            draft_tokens = torch.tensor([t + [0] * (k_max - len(t)) for t in proposed],
+                                        dtype=torch.long).view(len(rows), k_max)  # (B, K)
             result = self._rejection_sample(rows, flat, counts, draft_tokens, drafts)
+            accepted_lens, num_output = result.accepted_len.tolist(), result.num_output.tolist()
+            emitted = [e[:n] for e, n in zip(result.output_tokens.tolist(), num_output)]
         outputs = []
-        accepted_lens, emitted = result.accepted_len.tolist(), result.output_tokens.tolist()
-        num_output = result.num_output.tolist()
         for i, r in enumerate(rows):
             k = counts[i] - 1
             accepted = accepted_lens[i]
-            new = emitted[i][: num_output[i]]
+            new = emitted[i]
             base = r.num_computed
             if k:  # commits the pending token (its KV was just written) and the accepted drafts
                 self.kv.commit_provisional(r.request_id, accepted)

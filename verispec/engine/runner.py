@@ -44,23 +44,25 @@ class ModelRunner:
 
     def forward(self, rows: list[RowInput]) -> list[torch.Tensor]:
         """Run all rows in one pass; returns per-row logits (n_i, V) float32."""
-        ids, positions, slots, ctx_slots, q_lens, ctx_lens, logits_index = [], [], [], [], [], [], []
-        offset = 0
+        ids, logits_index, offset = [], [], 0
         for r in rows:
             n = len(r.token_ids)
             ids.extend(r.token_ids)
-            positions.append(list(range(r.start, r.end)))
-            row_ctx = self.slots(r.block_table, 0, r.end)
-            ctx_slots.append(row_ctx)
-            slots.append(row_ctx[r.start:])
-            q_lens.append(n)
-            ctx_lens.append(r.end)
             logits_index.extend(range(offset + r.logits_from, offset + n))
             offset += n
-        meta = AttentionMetadata.build(q_lens, ctx_lens, positions, slots, ctx_slots, self.device,
-                                       KERNEL_QUERY_LIMIT if self.model.kernels is not None else 0)
+        q_lens = [len(r.token_ids) for r in rows]
+        if self.model.kernels is not None and max(q_lens) <= KERNEL_QUERY_LIMIT:  # decoding, verifying
+            meta = AttentionMetadata.kernel_only([r.start for r in rows], q_lens, [r.block_table for r in rows],
+                                                 self.block_size, self.device)
+        else:
+            positions = [list(range(r.start, r.end)) for r in rows]
+            ctx_slots = [self.slots(r.block_table, 0, r.end) for r in rows]
+            meta = AttentionMetadata.build(q_lens, [r.end for r in rows], positions,
+                                           [c[r.start:] for c, r in zip(ctx_slots, rows)], ctx_slots, self.device,
+                                           KERNEL_QUERY_LIMIT if self.model.kernels is not None else 0)
+        every = len(logits_index) == offset  # every position's logits (decoding): no gather
         logits = self.model(torch.tensor(ids, device=self.device), meta, self.kv,
-                            torch.tensor(logits_index, dtype=torch.long, device=self.device))  # (N, V)
+                            None if every else torch.tensor(logits_index, dtype=torch.long, device=self.device))
         if self.vocab_limit is not None:
             logits = logits[:, : self.vocab_limit]
         return list(logits.split([len(r.token_ids) - r.logits_from for r in rows]))

@@ -282,6 +282,47 @@ class AttentionMetadata:
             max_position=max(flat_pos), context_start=context_start, kernel=kernel)
 
 
+    @classmethod
+    def kernel_only(cls, starts: list[int], query_lens: list[int], block_tables: list[list[int]],
+                    block_size: int, device: torch.device | str = "cpu") -> "AttentionMetadata":
+        """`build` for rows that all go to the fused kernel (each at most `kernel_queries`
+        tokens: decoding, verifying a few drafts), from their block tables: the same
+        positions, slots, rows and lengths, and each row's context slots computed from its
+        blocks by arithmetic on one tensor instead of a Python list per row (its width is
+        the rows' blocks, padded with block 0: the kernel reads only a query's `lens`).
+        Row b has query_lens[b] tokens at positions starts[b].. and its context is every
+        position up to its last token. One tensor is made from the host's integers: after a
+        decode pass has streamed the weights through the caches, every small tensor
+        operation runs cold (20-120 us each on the 2-core machine), so the step's
+        bookkeeping is counted in operations, not in Python lines."""
+        bs, num_rows = block_size, len(query_lens)
+        ends = [s + q for s, q in zip(starts, query_lens)]
+        blocks = [-(-e // bs) for e in ends]
+        width = max(blocks)
+        positions = [p for s, e in zip(starts, ends) for p in range(s, e)]
+        slots = [bt[p // bs] * bs + p % bs for bt, s, e in zip(block_tables, starts, ends) for p in range(s, e)]
+        rows = [b for b, q in enumerate(query_lens) for _ in range(q)]
+        tables = [x for bt, n in zip(block_tables, blocks) for x in bt[:n] + [0] * (width - n)]
+        t = len(positions)
+        data = torch.tensor(positions + slots + rows + [p + 1 for p in positions] + tables, dtype=torch.long).to(device)
+        context = (data[4 * t:].view(num_rows, width, 1) * bs + _offsets(bs, data.device)).view(num_rows, width * bs)
+        return cls(positions=data[:t], slot_mapping=data[t: 2 * t], groups=[], gather_index=None,
+                   num_rows=num_rows, out_rows=t, max_position=max(positions), context_start=None,
+                   kernel=KernelQueries(tokens=None, context_slots=context, rows=data[2 * t: 3 * t],
+                                        lens=data[3 * t: 4 * t]))
+
+
+_OFFSETS: dict[tuple[int, str], torch.Tensor] = {}
+
+
+def _offsets(block_size: int, device: torch.device) -> torch.Tensor:
+    """arange(block_size), made once per size and device."""
+    key = (block_size, str(device))
+    if key not in _OFFSETS:
+        _OFFSETS[key] = torch.arange(block_size, dtype=torch.long, device=device)
+    return _OFFSETS[key]
+
+
 def _gather(pool: torch.Tensor, g: AttentionGroup) -> torch.Tensor:
     """The group's context rows of one layer's pool (S, Hkv, D) -> (Bg, Hkv, Cg, D).
 

@@ -63,15 +63,24 @@ class Rotary(nn.Module):
             freqs = torch.outer(torch.arange(n, dtype=torch.float32, device=device), self.inv_freq.to(device))
             self._cos = torch.cat([freqs, freqs], dim=-1).cos()             # (n, D)
             self._sin = torch.cat([-freqs, freqs], dim=-1).sin()            # (n, D) signed
+            self._rounded = {}
         return self._cos, self._sin
+
+    def _table_in(self, n: int, device, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """The tables rounded to `dtype` (the activations'), kept: a step then indexes them
+        without converting its rows (two fewer operations a step)."""
+        cos, sin = self._table(n, device)
+        if dtype not in self._rounded:
+            self._rounded[dtype] = (cos.to(dtype), sin.to(dtype))
+        return self._rounded[dtype]
 
     def cos_sin(self, positions: torch.Tensor, max_position: int | None = None,
                 dtype: torch.dtype = torch.float32):
         """positions (T,) -> cos, signed sin, each (T, 1, D) in `dtype` (the activations')."""
         if max_position is None:
             max_position = int(positions.max())
-        cos_t, sin_t = self._table(max_position + 1, positions.device)
-        return cos_t[positions].unsqueeze(1).to(dtype), sin_t[positions].unsqueeze(1).to(dtype)
+        cos_t, sin_t = self._table_in(max_position + 1, positions.device, dtype)
+        return cos_t[positions].unsqueeze(1), sin_t[positions].unsqueeze(1)
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

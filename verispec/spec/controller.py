@@ -432,21 +432,36 @@ class CostTable:
         `bounds` allows, that distrust takes any cell's bound: it only makes the estimate
         more optimistic.
         """
+        return self.estimates(bucket, size)[0]
+
+    def estimates(self, bucket: int, size: int) -> tuple[float | None, float | None]:
+        """(`estimate`, `upper`) in one pass over the cells (the controller prices every
+        plan of every round: this is its inner loop)."""
         size = size_bucket(size)
         key = (bucket, size)
         cell = self._cells.get(key)
-        f = self._speed.factor
-        if cell is not None and cell.count >= self._min_samples:
-            return cell.seconds * f
-        best, best_any, work = self._secant(bucket, size), None, self._tokens(bucket, size)
+        f, least = self._speed.factor, self._min_samples
+        best = best_any = upper = None
+        work, below = self._tokens(bucket, size), []
         for other, c in self._cells.items():
+            b, n = other
+            trusted = c.count >= least
+            if trusted and b >= bucket and n >= size:
+                upper = c.seconds if upper is None else min(upper, c.seconds)
             if other == key:
                 continue
-            b, n = other
             bound = c.seconds * min(1.0, bucket / b) * min(1.0, work / max(self._tokens(b, n), 1))
             best_any = bound if best_any is None else max(best_any, bound)
             if self._bounds(size, n):
                 best = bound if best is None else max(best, bound)
+                if trusted and b == bucket and 1 <= n < size:
+                    below.append((n, c))
+        upper = None if upper is None else upper * f
+        if cell is not None and cell.count >= least:
+            return cell.seconds * f, upper
+        secant = self._secant(bucket, size, below)
+        if secant is not None:
+            best = secant if best is None else max(best, secant)
         if cell is None:
             estimate = None if best is None else best * f
         else:
@@ -457,11 +472,11 @@ class CostTable:
         # never above what trusted cells show it cannot exceed: a young cell's stall (100 ms
         # for a 4-row pass) bounds its neighbours from below at a price their trusted upper
         # bound rules out
-        upper = self.upper(bucket, size)
-        return estimate if upper is None or estimate is None else min(estimate, upper)
+        return (estimate if upper is None or estimate is None else min(estimate, upper)), upper
 
-    def _secant(self, bucket: int, size: int) -> float | None:
-        """The convexity bound past the measured sizes of this batch bucket (speed-free).
+    def _secant(self, bucket: int, size: int, below: list) -> float | None:
+        """The convexity bound past the measured sizes of this batch bucket (speed-free),
+        from `below`: its trusted drafting cells (n, cell) of fewer than `size` drafts.
 
         A pass's cost is a fixed part while it is memory-bound, then grows with its tokens
         once it is compute-bound: convex in its tokens. So past the widest trusted cell (n1)
@@ -473,11 +488,9 @@ class CostTable:
         slow first sample would make the slope, and the bound, too steep, and a plain round
         does less per token than any verifying one.
         """
-        cells = sorted((n, c) for (b, n), c in self._cells.items()
-                       if b == bucket and 1 <= n < size and c.count >= self._min_samples and self._bounds(size, n))
-        if len(cells) < 2:
+        if len(below) < 2:
             return None
-        (n0, c0), (n1, c1) = cells[0], cells[-1]
+        (n0, c0), (n1, c1) = min(below, key=lambda t: t[0]), max(below, key=lambda t: t[0])
         w0, w1 = self._tokens(bucket, n0), self._tokens(bucket, n1)
         # the slope's lower end: each mean moved two standard errors toward the other (timing
         # noise between close sizes would otherwise read as a steep slope and price wide
@@ -490,10 +503,7 @@ class CostTable:
         no fewer rows and no fewer draft tokens (cost never falls as either grows), or None.
         A plain round is bounded by verifying ones too (they do more per token); a verifying
         round by verifying ones only (n >= size > 0)."""
-        size = size_bucket(size)
-        least = min((c.seconds for (b, n), c in self._cells.items()
-                     if b >= bucket and n >= size and c.count >= self._min_samples), default=None)
-        return None if least is None else least * self._speed.factor
+        return self.estimates(bucket, size)[1]
 
     def rescale(self, factor: float, cell: "_Cell | None" = None, last: int | None = None) -> None:
         """Multiply stored (speed-free) timings by `factor`: every cell's, or `cell`'s `last` ones."""
@@ -708,12 +718,17 @@ class AdaptiveController:
 
     def estimated_cost(self, kind: str, batch_size: int, size: int) -> float | None:
         """Seconds of one pass: measured, else an optimistic bound; None if none measured."""
+        return self.estimated_range(kind, batch_size, size)[0]
+
+    def estimated_range(self, kind: str, batch_size: int, size: int) -> tuple[float | None, float | None]:
+        """(`estimated_cost`, the most the pass can cost: an upper bound from trusted cells,
+        None if there is none). Catch-ups have no upper bound."""
         if kind not in COST_KINDS:
             raise ValueError(f"kind must be one of {COST_KINDS}, got {kind!r}")
         if kind == "catch_up":
             s, n = self._catch_up
-            return s / n * size if n > 0 else None
-        return self._costs[kind].estimate(batch_bucket(batch_size), size)
+            return (s / n * size if n > 0 else None), None
+        return self._costs[kind].estimates(batch_bucket(batch_size), size)
 
     # ---- decisions ---------------------------------------------------------------------
 
@@ -823,14 +838,15 @@ class AdaptiveController:
                 taken = n
                 b = size_bucket(n)
                 if b not in verify_s:  # no estimate at all: unmeasured, so optimistic (free)
-                    verify_s[b] = (self.estimated_cost("verify", batch_size, n) or 0.0, verify.upper(bucket, n))
+                    v, v_hi = self.estimated_range("verify", batch_size, n)
+                    verify_s[b] = (v or 0.0, v_hi)
                 key = (batch_bucket(len(rows)), depth) if rows else None
                 passes_trusted = verify.trusted(bucket, n) and (not rows or draft.trusted(key[0], depth))
                 if len(rows & starters) > 1 and not passes_trusted:
                     continue  # several catch-ups bought on optimistic prices
                 if key not in draft_cost:
-                    draft_cost[key] = ((self.estimated_cost("draft", len(rows), depth) or 0.0, draft.upper(*key))
-                                       if rows else (0.0, 0.0))
+                    d, d_hi = self.estimated_range("draft", len(rows), depth) if rows else (0.0, 0.0)
+                    draft_cost[key] = (d or 0.0, d_hi)
                 (v, v_hi), (d, d_hi) = verify_s[b], draft_cost[key]
                 rate = _rate(total, v + one_off + d)
                 trusted = n == 0 or (passes_trusted and (catch_up_known or not rows & needy))

@@ -112,18 +112,29 @@ def greedy_verify(
     """
     batch, k_max = draft_tokens.shape
     counts = num_draft_tokens.tolist() if isinstance(num_draft_tokens, torch.Tensor) else list(num_draft_tokens)
-    argmax, drafts = target_argmax.tolist(), draft_tokens.tolist()
-    output, accepted = [], []
-    for t, d, n in zip(argmax, drafts, counts):
-        a = 0
-        while a < n and d[a] == t[a]:
-            a += 1
-        output.append(d[:a] + [t[a]] + [-1] * (k_max - a))
-        accepted.append(a)
+    drafts = [d[:n] for d, n in zip(draft_tokens.tolist(), counts)]
+    accepted, emitted = greedy_accept(target_argmax.tolist(), drafts)
+    output = [e + [-1] * (k_max + 1 - len(e)) for e in emitted]
     device = draft_tokens.device
     accepted_len = torch.tensor(accepted, dtype=torch.int64, device=device)
     return RejectionResult(torch.tensor(output, dtype=torch.int64, device=device).view(batch, k_max + 1),
                            accepted_len + 1, accepted_len)
+
+
+def greedy_accept(target_argmax: Sequence[Sequence[int]],
+                  drafts: Sequence[Sequence[int]]) -> tuple[list[int], list[list[int]]]:
+    """`greedy_verify` on host lists: row r's argmaxes (at least len(drafts[r]) + 1 of them)
+    and its drafts -> (accepted prefix length, emitted tokens: the accepted drafts, then the
+    next argmax) per row. The engine's all-greedy path: no tensor is built a round (after a
+    decode pass streams the weights, each small tensor operation runs with cold caches)."""
+    accepted, emitted = [], []
+    for t, d in zip(target_argmax, drafts):
+        a, n = 0, len(d)
+        while a < n and d[a] == t[a]:
+            a += 1
+        accepted.append(a)
+        emitted.append(list(d[:a]) + [t[a]])
+    return accepted, emitted
 
 
 def _accept_mask(
