@@ -1,0 +1,130 @@
+"""The adaptive controller against an earlier version of itself, alternating, same prompts.
+
+A change to the controller moves a cell of bench/adaptive.py by a few percent, while on a
+noisy 2-core VM the same contender's runs move by 10-25% within minutes: two grids run at
+different times cannot tell the versions apart. This runs, per task and concurrency, the
+adaptive contender `--repeats` times with the checked-out controller ("new") and as many
+with `verispec/spec/controller.py` as of `--baseline` ("old", loaded from git into its own
+module and swapped into an otherwise identical engine), alternating the order every
+repeat, and reports each cell's medians and their ratio. Same prompts, warm-up and
+settings as bench/adaptive.py.
+
+    .venv/bin/python bench/controller_ab.py --baseline 56908b1^ --concurrency 1,4 \\
+        --repeats 3 --threads 2 --max-load 1.5
+"""
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import replace
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import adaptive  # noqa: E402
+import common  # noqa: E402
+from verispec.config import SpecConfig  # noqa: E402
+from verispec.sampling import SamplingParams  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--baseline", required=True, help="git revision whose controller.py is 'old'")
+    p.add_argument("--model", default="smollm2-135m-instruct")
+    p.add_argument("--tasks", default=",".join(adaptive.TASKS), help=f"comma-separated, from {list(adaptive.TASKS)}")
+    p.add_argument("--num-prompts", type=int, default=4)
+    p.add_argument("--prompts-per-slot", type=int, default=2)
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--num-warmup", type=int, default=4)
+    p.add_argument("--warmup-tokens", type=int, default=16)
+    p.add_argument("--k-max", type=int, default=8)
+    p.add_argument("--repeats", type=int, default=3, help="runs per version per cell (order alternates)")
+    common.add_common_args(p, "1,4")
+    args = p.parse_args(argv)
+    args.tasks = args.tasks.split(",")
+    bad = [t for t in args.tasks if t not in adaptive.TASKS]
+    if bad:
+        p.error(f"--tasks: unknown {bad}; choose from {list(adaptive.TASKS)}")
+    if args.repeats < 1:
+        p.error(f"--repeats must be at least 1, got {args.repeats}")
+    return args
+
+
+def load_baseline(rev: str):
+    """verispec/spec/controller.py at `rev` as a module of its own; (module, full commit)."""
+    def git(*a: str) -> str:
+        out = subprocess.run(["git", *a], cwd=REPO, capture_output=True, text=True)
+        if out.returncode:
+            raise SystemExit(f"--baseline {rev!r}: git {' '.join(a)} failed: {out.stderr.strip()}")
+        return out.stdout
+    commit = git("rev-parse", "--verify", f"{rev}^{{commit}}").strip()
+    path = Path(tempfile.mkdtemp()) / "baseline_controller.py"
+    path.write_text(git("show", f"{commit}:verispec/spec/controller.py"))
+    spec = importlib.util.spec_from_file_location("baseline_controller", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["baseline_controller"] = module  # dataclasses need the module registered
+    spec.loader.exec_module(module)
+    return module, commit
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    t0 = time.perf_counter()
+    baseline, commit = load_baseline(args.baseline)
+    header = common.start_run(args)
+    models = common.load_models(replace(common.base_config(args), spec=SpecConfig(method="ngram")))
+    config = replace(common.base_config(args), spec=SpecConfig(method="ngram", num_spec_tokens=args.k_max,
+                                                               adaptive=True))
+    params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens)
+    cells, rows = [], []
+    for task in args.tasks:
+        for c in args.concurrency:
+            n = max(args.num_prompts, args.prompts_per_slot * c)
+            measured, warm, sources = common.pick_prompts(adaptive.TASKS[task], n, args.num_warmup, seed=args.seed)
+            items = common.encode(models.tokenizer, measured, task)
+            warm_items = common.encode(models.tokenizer, warm, task)
+            runs = {"new": [], "old": []}
+            for r in range(args.repeats):
+                for version in ("new", "old") if r % 2 == 0 else ("old", "new"):
+                    engine = common.make_engine(models, config)
+                    if version == "old":
+                        engine.controller = baseline.AdaptiveController(
+                            baseline.ControllerConfig(**engine.controller.config.to_dict()))
+                    common.warm_up(engine, warm_items, min(c, len(warm_items)), args.warmup_tokens, f"{version}-{task}")
+                    run = common.run_closed_loop(engine, items, c, params, f"{version}-{task}-c{c}")
+                    del engine
+                    runs[version].append(run.tokens_per_s)
+                    print(f"[controller_ab] {task:13s} C={c:2d} {version} {run.tokens_per_s:7.2f} tok/s "
+                          f"load={common.load_average():.2f}", file=sys.stderr, flush=True)
+            new, old = statistics.median(runs["new"]), statistics.median(runs["old"])
+            cells.append({"task": task, "concurrency": c, "prompt_ids": [p.prompt_id for p in measured],
+                          "datasets": sources, "tokens_per_s_runs": runs, "new_tokens_per_s": new,
+                          "old_tokens_per_s": old, "new_vs_old": new / old})
+            rows.append([task, c, new, old, new / old])
+    ratios = [cell["new_vs_old"] for cell in cells]
+    text = common.markdown_table(["task", "C", "new tok/s (median)", "old tok/s (median)", "new / old"], rows)
+    print(text)
+    print(f"geometric mean new / old over {len(ratios)} cells: {statistics.geometric_mean(ratios):.3f}")
+    header = common.finish_run(header, t0)
+    payload = {"benchmark": "controller-ab", "schema": "verispec.bench.controller-ab/v1", **header,
+               "settings": {"model": args.model, "baseline": args.baseline, "baseline_commit": commit,
+                            "tasks": {t: adaptive.TASKS[t] for t in args.tasks}, "concurrency": args.concurrency,
+                            "num_prompts": args.num_prompts, "prompts_per_slot": args.prompts_per_slot,
+                            "max_tokens": args.max_tokens, "num_warmup": args.num_warmup,
+                            "warmup_tokens": args.warmup_tokens, "k_max": args.k_max, "repeats": args.repeats,
+                            "temperature": 0.0},
+               "engine_config": common.resolved(models, config).to_dict(),
+               "cells": cells, "geometric_mean_new_vs_old": statistics.geometric_mean(ratios),
+               "table_markdown": text}
+    common.write_json(args.out or common.RESULTS_DIR / f"controller_ab_{args.model}.json", payload)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
