@@ -281,7 +281,6 @@ class AttentionMetadata:
             groups=groups, gather_index=gather_index, num_rows=num_rows, out_rows=spare,
             max_position=max(flat_pos), context_start=context_start, kernel=kernel)
 
-
     @classmethod
     def kernel_only(cls, starts: list[int], query_lens: list[int], block_tables: list[list[int]],
                     block_size: int, device: torch.device | str = "cpu") -> "AttentionMetadata":
