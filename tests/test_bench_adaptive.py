@@ -1,19 +1,12 @@
 """bench/adaptive.py's cell scoring with repeated runs (--repeats): medians, pooled sums."""
 from __future__ import annotations
 
-import importlib.util
-
 import pytest
-import sys
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "bench"))
-_spec = importlib.util.spec_from_file_location("adaptive_bench", ROOT / "bench" / "adaptive.py")
-adaptive = importlib.util.module_from_spec(_spec)
-sys.modules["adaptive_bench"] = adaptive
-_spec.loader.exec_module(adaptive)
-from common import RequestResult, RunResult  # noqa: E402
+from bench_scripts import load
+
+adaptive = load("adaptive", "adaptive_bench")
+from common import RequestResult, RunResult  # noqa: E402 (bench/common.py, on the path now)
 
 
 def _run(seconds: float, tokens: int = 100, drafted: int = 0, accepted: int = 0, k=(), others=0.0) -> RunResult:

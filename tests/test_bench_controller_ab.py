@@ -1,20 +1,12 @@
 """bench/controller_ab.py: the baseline controller comes from git, whole and on its own."""
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "bench"))
-_spec = importlib.util.spec_from_file_location("controller_ab_bench", ROOT / "bench" / "controller_ab.py")
-controller_ab = importlib.util.module_from_spec(_spec)
-sys.modules["controller_ab_bench"] = controller_ab
-_spec.loader.exec_module(controller_ab)
+from bench_scripts import load
+from verispec.spec import controller
 
-from verispec.spec import controller  # noqa: E402
+controller_ab = load("controller_ab", "controller_ab_bench")
 
 
 def test_the_baseline_is_the_revisions_controller_in_a_module_of_its_own():

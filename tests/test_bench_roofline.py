@@ -1,22 +1,15 @@
 """bench/roofline.py's byte count: what one decode step streams, per weight format."""
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 
+from bench_scripts import load
 from test_model import tiny_hf_model
 from verispec.model.config import ModelConfig
 from verispec.model.llama import LlamaModel
 
-ROOT = Path(__file__).resolve().parents[1]
-_spec = importlib.util.spec_from_file_location("roofline", ROOT / "bench" / "roofline.py")
-roofline = importlib.util.module_from_spec(_spec)
-sys.modules["roofline"] = roofline
-_spec.loader.exec_module(roofline)
+roofline = load("roofline", "roofline")
 
 
 @pytest.mark.parametrize("fmt", ["dense", "int8", "int4"])

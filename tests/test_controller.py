@@ -9,7 +9,6 @@ simulator's docstring), so the margins are not sampling noise.
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 import json
 import math
 import statistics
@@ -21,15 +20,13 @@ from pathlib import Path
 
 import pytest
 
+from bench_scripts import load
 from verispec.spec.controller import (
     AcceptanceEstimator, AdaptiveController, ControllerConfig, CostTable, _Speed, batch_bucket, expected_tokens,
     size_bucket)
 
 ROOT = Path(__file__).resolve().parents[1]
-_spec = importlib.util.spec_from_file_location("controller_sim", ROOT / "bench" / "controller_sim.py")
-sim = importlib.util.module_from_spec(_spec)
-sys.modules["controller_sim"] = sim  # dataclasses need the module registered
-_spec.loader.exec_module(sim)
+sim = load("controller_sim", "controller_sim")
 
 TEST_ALPHAS = (0.45, 0.7, 0.9)
 
