@@ -55,7 +55,18 @@ class Tracer:
     def __init__(self, engine):
         self.engine, self.ctl, self.log, self.cur = engine, engine.controller, [], {}
         self._choose, self._observe, self._step = self.ctl.choose_k, self.ctl.observe_cost, engine.step
+        self._engine_choose = engine._choose_k  # noqa: SLF001 (a diagnostic)
         self.ctl.choose_k, self.ctl.observe_cost, engine.step = self.choose_k, self.observe_cost, self.step
+        engine._choose_k = self.engine_choose_k
+
+    def engine_choose_k(self, rows, lookups):
+        """Every round's batch, k and n-gram availability per row, fixed k included (it
+        never asks the controller)."""
+        ks = self._engine_choose(rows, lookups)
+        ids = [r.request_id for r in rows]
+        self.cur.update(batch=len(rows), ks=[ks[r] for r in ids],
+                        available=[len(lookups[r]) if r in lookups else None for r in ids])
+        return ks
 
     def choose_k(self, ids, batch_size, available=None, catch_up=None, remaining=None):
         ks = self._choose(ids, batch_size, available, catch_up, remaining)
@@ -65,7 +76,7 @@ class Tracer:
         behind = sum(c for c, x in zip(catch_up or [0] * len(ids), k) if x)
         per_token = ctl.estimated_cost("catch_up", 1, 1)
         self.cur.update(
-            batch=batch_size, ks=k, available=list(available) if available is not None else None, alphas=[round(a, 3) for a in alphas],
+            alphas=[round(a, 3) for a in alphas],
             est_tokens=sum(expected_tokens(a, x) for a, x in zip(alphas, k)) + batch_size - len(ids),
             est_verify_s=ctl.estimated_cost("verify", batch_size, drafts),
             est_plain_s=ctl.estimated_cost("verify", batch_size, 0),

@@ -44,13 +44,13 @@ class ModelRunner:
 
     def forward(self, rows: list[RowInput]) -> list[torch.Tensor]:
         """Run all rows in one pass; returns per-row logits (n_i, V) float32."""
-        ids, logits_index, offset = [], [], 0
+        ids, q_lens, logits_index, offset = [], [], [], 0
         for r in rows:
             n = len(r.token_ids)
             ids.extend(r.token_ids)
+            q_lens.append(n)
             logits_index.extend(range(offset + r.logits_from, offset + n))
             offset += n
-        q_lens = [len(r.token_ids) for r in rows]
         if self.model.kernels is not None and max(q_lens) <= KERNEL_QUERY_LIMIT:  # decoding, verifying
             meta = AttentionMetadata.kernel_only([r.start for r in rows], q_lens, [r.block_table for r in rows],
                                                  self.block_size, self.device)

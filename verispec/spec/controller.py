@@ -446,8 +446,11 @@ class CostTable:
         return self.estimates(bucket, size)[0]
 
     def estimates(self, bucket: int, size: int) -> tuple[float | None, float | None]:
-        """(`estimate`, `upper`) in one pass over the cells (the controller prices every
-        plan of every round: this is its inner loop)."""
+        """(`estimate`, upper) in one pass over the cells (the controller prices every plan
+        of every round: this is its inner loop). upper: a price this pass cannot exceed, the
+        cheapest trusted cell of no fewer rows and no fewer draft tokens (cost never falls as
+        either grows), or None; so a plain round is bounded by verifying ones too (they do
+        more per token), a verifying round by verifying ones only (n >= size > 0)."""
         size = size_bucket(size)
         key = (bucket, size)
         cell = self._cells.get(key)
@@ -509,13 +512,6 @@ class CostTable:
         # passes out: 16 rows, a fixed 60% for any drafting, 5% noise lost 0.8% of throughput)
         low, high = c1.seconds - c1.error, c0.seconds + c0.error
         return low + (self._tokens(bucket, size) - w1) * max(0.0, low - high) / (w1 - w0)
-
-    def upper(self, bucket: int, size: int) -> float | None:
-        """A price this pass cannot exceed, from trusted cells: the cheapest trusted cell of
-        no fewer rows and no fewer draft tokens (cost never falls as either grows), or None.
-        A plain round is bounded by verifying ones too (they do more per token); a verifying
-        round by verifying ones only (n >= size > 0)."""
-        return self.estimates(bucket, size)[1]
 
     def rescale(self, factor: float, cell: "_Cell | None" = None, last: int | None = None) -> None:
         """Multiply stored (speed-free) timings by `factor`: every cell's, or `cell`'s `last` ones."""
