@@ -23,7 +23,6 @@ import os
 import statistics
 import sys
 import time
-from dataclasses import replace
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -38,6 +37,7 @@ from verispec.bench.provenance import git_info, machine_info, software_versions 
 from verispec.config import CacheConfig, EngineConfig, SpecConfig  # noqa: E402
 from verispec.engine.engine import LLMEngine, SpecOverride  # noqa: E402
 from verispec.model.llama import LlamaModel  # noqa: E402
+from verispec.model.memory import huge_page_buffer, huge_page_bytes  # noqa: E402
 from verispec.model.quant import Bf16Linear, Int4Linear, Int8Linear, Q8Linear, RefinedHead  # noqa: E402
 from verispec.sampling import SamplingParams  # noqa: E402
 
@@ -46,11 +46,16 @@ RESULTS = REPO / "bench" / "results"
 
 # --- the machine ---------------------------------------------------------------------------------
 
-def memory_bandwidth(threads: int, mib: int = 512, reps: int = 7) -> dict:
-    """Streaming read (sum) and copy bandwidth in GB/s, median (and best) of `reps`."""
+def memory_bandwidth(threads: int, mib: int = 512, reps: int = 7, huge_pages: bool = False) -> dict:
+    """Streaming read (sum) and copy bandwidth in GB/s, median (and best) of `reps`; the
+    buffers in huge pages if asked (as the engine's weights are)."""
     torch.set_num_threads(threads)
     n = mib * 2 ** 20 // 4
-    a, b = torch.ones(n), torch.empty(n)
+    if huge_pages:
+        a, b = (huge_page_buffer(4 * n).view(torch.float32) for _ in range(2))
+        a.fill_(1.0)
+    else:
+        a, b = torch.ones(n), torch.empty(n)
     out = {}
     for name, fn, nbytes in (("read", lambda: a.sum(), 4 * n), ("copy", lambda: b.copy_(a), 8 * n)):
         fn()
@@ -200,9 +205,18 @@ def main(argv: list[str] | None = None) -> int:
     # Two buffer sizes: 512 MiB streams from DRAM; a buffer the size of one step's weights may
     # stay in a large L3 (this machine's is 260 MiB), which is what decoding re-reads each step.
     step_mib = max(16, int(bytes_per_step(model, 256)["total_bytes"] / 2 ** 20))
-    bandwidth = {"dram": memory_bandwidth(args.threads), "step_sized": memory_bandwidth(args.threads, step_mib)}
+    # When the weights are in huge pages, the probes read such buffers too (faster there);
+    # the roofline takes the highest reading of all.
+    def probe() -> dict:
+        out = {"dram": memory_bandwidth(args.threads), "step_sized": memory_bandwidth(args.threads, step_mib)}
+        if engine.config.huge_pages:
+            out.update(dram_huge_pages=memory_bandwidth(args.threads, huge_pages=True),
+                       step_sized_huge_pages=memory_bandwidth(args.threads, step_mib, huge_pages=True))
+        return out
+
+    bandwidth = probe()
     records = measure(engine, prompts, warm, args.max_tokens)
-    bandwidth_after = {"dram": memory_bandwidth(args.threads), "step_sized": memory_bandwidth(args.threads, step_mib)}
+    bandwidth_after = probe()
     load_after = load_average()
 
     summary = {m: summarize(r) for m, r in records.items()}
@@ -216,7 +230,8 @@ def main(argv: list[str] | None = None) -> int:
     spec = summary["ngram-adaptive"]["pooled_decode_tokens_per_s"]
     result = {
         "script": "bench/roofline.py", "argv": sys.argv[1:], "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
-        "config": replace(config).to_dict(), "resolved_weight_format": model.weight_format,
+        "config": engine.config.to_dict(), "resolved_weight_format": model.weight_format,
+        "weights_huge_page_backed_bytes": huge_page_bytes(model.embed_tokens.weight),
         "threads": args.threads, "machine": machine_info(), "software": software_versions(), "git": git_info(),
         "load_average": {"before": load_before, "after": load_after, "waited_s": waited},
         "bandwidth": {"before": bandwidth, "after": bandwidth_after, "step_sized_mib": step_mib,
@@ -233,11 +248,13 @@ def main(argv: list[str] | None = None) -> int:
     out.write_text(json.dumps(result, indent=1))
     print(f"model {args.model}  weight format {model.weight_format}  threads {args.threads}  "
           f"load {load_before:.2f} -> {load_after:.2f}")
-    print(f"bandwidth (streaming read, {args.threads} threads): DRAM {per_kind['dram'] / 1e9:.1f} GB/s, "
-          f"{step_mib} MiB buffer {per_kind['step_sized'] / 1e9:.1f} GB/s -> roofline uses {bw / 1e9:.1f} GB/s")
+    print(f"bandwidth (streaming read, {args.threads} threads): " +
+          ", ".join(f"{kind.replace('step_sized', f'{step_mib} MiB buffer').replace('dram', 'DRAM').replace('_', ' ')}"
+                    f" {v / 1e9:.1f} GB/s" for kind, v in per_kind.items()) + f" -> roofline uses {bw / 1e9:.1f} GB/s")
     print(f"bytes per decode step: {step['total_bytes'] / 1e6:.1f} MB  (linear layers {step['linear_bytes'] / 1e6:.1f}, "
           f"of which LM head {step['head_bytes_included'] / 1e6:.1f}; KV at {ctx} tokens {step['kv_bytes'] / 1e6:.1f})")
-    print(f"roofline: {roof:.1f} tokens/s")
+    print(f"roofline: {roof:.1f} tokens/s  (weights in huge pages: {'on' if engine.config.huge_pages else 'off'}, "
+          f"{(result['weights_huge_page_backed_bytes'] or 0) / 2 ** 20:.0f} MiB of their mapping backed by them)")
     print(f"plain:        {plain:7.1f} tokens/s  = {plain / roof:.0%} of the roofline")
     print(f"speculative:  {spec:7.1f} tokens/s  ({summary['ngram-adaptive']['tokens_per_step']:.2f} tokens/step; "
           f"ceiling {result['speculative_ceiling_tokens_per_s']:.1f})")

@@ -28,3 +28,10 @@ def test_bytes_per_step_counts_every_packed_layer_and_the_head(fmt):
     assert want_head > 0 and got["head_bytes_included"] == want_head
     assert got["linear_bytes"] == want_linear
     assert got["kv_bytes"] == 2 * cfg.num_layers * 10 * cfg.num_kv_heads * cfg.head_dim * 2
+
+
+@pytest.mark.parametrize("huge_pages", [False, True])
+def test_memory_bandwidth_reads_its_buffers_in_either_kind_of_page(huge_pages):
+    got = roofline.memory_bandwidth(1, mib=4, reps=1, huge_pages=huge_pages)
+    assert set(got) == {"read_gbps", "read_best_gbps", "copy_gbps", "copy_best_gbps"}
+    assert all(v > 0 for v in got.values())

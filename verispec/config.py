@@ -75,6 +75,7 @@ class EngineConfig:
     draft_weight_format: str = "auto"  # the draft model's; "auto" = int4 for a Q4 GGUF, else int8 (bf16)
     threads: int | None = None       # torch intra-op threads; None = torch's default (one per core)
     kernels: str = "auto"            # fused C++ CPU kernels (model/kernels.py): "auto" (if they build) | "on" | "off"
+    huge_pages: bool = True          # CPU weights in huge pages where the OS offers them (model/memory.py)
     seed: int = 0
     spec: SpecConfig = field(default_factory=SpecConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
@@ -143,6 +144,9 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--kernels", choices=KERNELS,
                    help="fused C++ CPU kernels for the decode step: auto (default: used when they "
                         "compile), on (an error if they do not), off (PyTorch ops only)")
+    g.add_argument("--huge-pages", action=argparse.BooleanOptionalAction, default=None,
+                   help="copy the CPU weights into memory backed by 2 MiB pages where Linux offers "
+                        "transparent huge pages (default on: fewer TLB misses while a step streams them)")
     g.add_argument("--spec", choices=SPEC_METHODS, help="speculation method (default ngram)")
     g.add_argument("--num-spec-tokens", type=int, help="k (k_max when adaptive)")
     g.add_argument("--spec-adaptive", action=argparse.BooleanOptionalAction, default=None,
@@ -170,6 +174,7 @@ def config_from_args(args: argparse.Namespace) -> EngineConfig:
     _set(top, "seed", args.seed)
     _set(top, "threads", getattr(args, "threads", None))
     _set(top, "kernels", getattr(args, "kernels", None))
+    _set(top, "huge_pages", getattr(args, "huge_pages", None))
     _set(spec, "method", args.spec)
     if args.spec is None and args.draft_model and not getattr(args, "config", None):
         spec["method"] = "draft"   # naming a draft model means you want to use it

@@ -24,7 +24,7 @@ from verispec.cache.manager import KVCacheManager, OutOfBlocks
 from verispec.config import EngineConfig
 from verispec.engine.runner import ModelRunner, RowInput
 from verispec.engine.scheduler import ScheduledBatch, Scheduler
-from verispec.model import kernels
+from verispec.model import kernels, memory
 from verispec.model.llama import LlamaModel
 from verispec.model.tokenizer import IncrementalDetokenizer, Tokenizer
 from verispec.outputs import RequestOutput
@@ -65,6 +65,11 @@ class LLMEngine:
         ops = None
         if config.kernels != "off" and target.embed_tokens.weight.device.type == "cpu":
             ops = kernels.load(required=config.kernels == "on")
+        huge_pages = False
+        if config.huge_pages and memory.huge_pages_available():
+            for model in (target, draft):
+                if model is not None:  # before the kernels: the decoder stack is built from these
+                    huge_pages = memory.move_to_huge_pages(model) > 0 or huge_pages
         for model in (target, draft):
             if model is not None:
                 if ops is None and model.weight_format == "int4a8":
@@ -75,6 +80,7 @@ class LLMEngine:
         # The config as run: "auto" weight formats and kernels replaced by what resolved.
         self.config = config = replace(
             config, weight_format=target.weight_format, kernels="on" if ops is not None else "off",
+            huge_pages=huge_pages,
             draft_weight_format=draft.weight_format if draft is not None else config.draft_weight_format)
         self.tokenizer = tokenizer
         self.model_name = config.model
