@@ -178,13 +178,13 @@ def test_int4_linear_computes_the_stored_weights(bias, broken):
 
 @pytest.mark.parametrize("broken", [False, True], ids=["ok", "nibbles swapped"])
 def test_int4_linear_on_the_8_bit_grid_computes_the_stored_weights(broken):
-    """act_bits 8 (weight format int4a8, the lane layout): x @ W.T + b against float64 within
+    """act_bits 8 (weight format int4a8): x @ W.T + b against float64 within
     the 8-bit grid's bound (per group of 32, |x - m p| <= p / 2 = max|x| / 254), float32
     accumulation and the output's bf16 rounding; a layout bug (the lane's two nibbles
     swapped) is caught, and the 16-bit grid's bound fails: the activations really are on
     the coarser grid."""
     layer = _int4_layer(act_bits=8)
-    w = unpack_int4(layer.q4, layer.scale, layer.min, 40, act_bits=8).dequantize().double()
+    w = unpack_int4(layer.q4, layer.scale, layer.min, 40).dequantize().double()
     q4 = (layer.q4 >> 4) | (layer.q4 << 4) if broken else layer.q4
     x = torch.randn(13, 96)
     x[:, 0] *= 300

@@ -423,7 +423,7 @@ class LLMEngine:
 # in verispec's kernel layout with fp16 scale and min; v5: dense bf16 linears packed too,
 # and a bf16 target's head refined from a bf16 copy; v6: a Q8_0 head's blocks as one
 # Q8Linear, float32 in and out, instead of two int4 parts).
-_RUNTIME_LAYOUT = "v6"
+_RUNTIME_LAYOUT = "v7"  # v7: int4 codes in the lane layout for both activation grids
 
 
 def load_model(spec: str, config: EngineConfig, draft: bool = False):

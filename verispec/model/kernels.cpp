@@ -309,9 +309,11 @@ void decode_attention_impl(const T* q, int64_t q_row, int64_t q_head, const T* k
 //
 // Weights in groups of 32 along K: w[n, k] = q[n, k] * scale[n, g] + min[n, g], q in [0, 15],
 // scale and min fp16 (a GGUF Q4_0 / Q4_1 block exactly). Outputs come in blocks of 16 (n0 ..
-// n0 + 15, the last one zero-padded):
-//   q4    (N/16, K/2, 16) uint8: byte [b, c, j] = q[16 b + j, 2 c] | q[16 b + j, 2 c + 1] << 4
+// n0 + 15, the last one zero-padded), in the lane layout: per 8 k (k0 .. k0 + 7) of a block,
+// 64 bytes, output j's four at 4 j, byte i = q[j, k0 + i] | q[j, k0 + 4 + i] << 4:
+//   q4    (N/16, K/2, 16) uint8, as (N/16, K/8, 16, 4)
 //   scale, min (N/16, K/32, 16) fp16
+// so each 32-bit lane of a vector load is one output's 8 codes and no shuffle is needed.
 //
 // The products are integers. Each token's activations are rounded, per group of 32, to
 // 16-bit integers on a power-of-two grid: with e the exponent of the group's largest |x|
@@ -339,11 +341,10 @@ struct Int4Args {
   const c10::Half* min;
   const c10::BFloat16* bias;  // (N,), or nullptr
   // The rounded activations, per token: m (K) int16, in pair order: for each 8 k (k0 .. k0+7)
-  // the int16s m[k0], m[k0+4], m[k0+1], m[k0+5], m[k0+2], m[k0+6], m[k0+3], m[k0+7] (the
-  // order the vector path's transposed codes pair them; the portable loop reads it too).
+  // the int16s m[k0], m[k0+2], m[k0+4], m[k0+6], m[k0+1], m[k0+3], m[k0+5], m[k0+7] (the
+  // order the vector paths pair the lane layout's nibbles; the portable loop reads it too).
   const int16_t* xq;
-  // Or, on the 8-bit grid (below; nullptr: the 16-bit one), m (K) int8 in k order; q4 is then
-  // in the lane layout (below).
+  // Or, on the 8-bit grid (below; nullptr: the 16-bit one), m (K) int8 in k order.
   const int8_t* xq8;
   const float* step;   // (T, K / 32): p per group
   const float* msum;   // (T, K / 32): float(sum m) * p per group
@@ -352,7 +353,7 @@ struct Int4Args {
 };
 
 // The int4 kernel's order of k within each 8: pair position -> k (see Int4Args::xq).
-constexpr int kPairOrder[8] = {0, 4, 1, 5, 2, 6, 3, 7};
+constexpr int kPairOrder[8] = {0, 2, 4, 6, 1, 3, 5, 7};
 
 #if defined(__AVX512F__)
 inline __m512 load16(const c10::BFloat16* p) { return load_bf16(p); }
@@ -405,7 +406,8 @@ inline void pow2_factors(int shift, float& up, float& up2) {
 }
 
 // Rounds x (T, K) (bf16 or float32) onto the grid above: xq (T, K), step and msum (T, K / 32).
-// `pair_order`: within each 8 k the int4 kernel's pairing (k0, k4, k1, k5, ...); else k order.
+// `pair_order`: within each 8 k the int4 kernel's pairing (kPairOrder: k0, k2, k4, k6, k1, ...);
+// else k order.
 // (With AVX-512 or AVX2 the same products and the same round-to-nearest-even, 16 or 8 at a time.)
 template <typename X>
 void round_activations(const X* x, int64_t tokens, int64_t K, bool pair_order, int16_t* xq, float* step,
@@ -436,8 +438,8 @@ void round_activations(const X* x, int64_t tokens, int64_t K, bool pair_order, i
       // round to nearest even (MXCSR's default, as nearbyint), narrow, then the pair order
       const __m512i mlo = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_mul_ps(lo, _mm512_set1_ps(up)), _mm512_set1_ps(up2)));
       const __m512i mhi = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_mul_ps(hi, _mm512_set1_ps(up)), _mm512_set1_ps(up2)));
-      alignas(64) static const int16_t kOrder[32] = {0,  4,  1,  5,  2,  6,  3,  7,  8,  12, 9,  13, 10, 14, 11, 15,
-                                                     16, 20, 17, 21, 18, 22, 19, 23, 24, 28, 25, 29, 26, 30, 27, 31};
+      alignas(64) static const int16_t kOrder[32] = {0,  2,  4,  6,  1,  3,  5,  7,  8,  10, 12, 14, 9,  11, 13, 15,
+                                                     16, 18, 20, 22, 17, 19, 21, 23, 24, 26, 28, 30, 25, 27, 29, 31};
       const __m512i m16 = _mm512_inserti64x4(_mm512_castsi256_si512(_mm512_cvtepi32_epi16(mlo)),
                                              _mm512_cvtepi32_epi16(mhi), 1);
       _mm512_storeu_si512(q, pair_order ? _mm512_permutexvar_epi16(_mm512_load_si512(kOrder), m16) : m16);
@@ -450,8 +452,8 @@ void round_activations(const X* x, int64_t tokens, int64_t K, bool pair_order, i
                                                            _mm256_set1_ps(up2)));
         total = _mm256_add_epi32(total, m);
         const __m128i m16 = _mm_packs_epi32(_mm256_castsi256_si128(m), _mm256_extracti128_si256(m, 1));  // k order
-        _mm_storeu_si128(reinterpret_cast<__m128i*>(q + 8 * j),
-                         pair_order ? _mm_unpacklo_epi16(m16, _mm_srli_si128(m16, 8)) : m16);
+        const __m128i evens_odds = _mm_setr_epi8(0, 1, 4, 5, 8, 9, 12, 13, 2, 3, 6, 7, 10, 11, 14, 15);
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(q + 8 * j), pair_order ? _mm_shuffle_epi8(m16, evens_odds) : m16);
       }
       alignas(32) int32_t sums[8];
       _mm256_store_si256(reinterpret_cast<__m256i*>(sums), total);
@@ -560,16 +562,11 @@ void int4_block_portable(const Int4Args& a, int64_t blk, int64_t tokens) {
       float total = a.bias ? static_cast<float>(a.bias[n0 + j]) : 0.f;
       for (int64_t g = 0; g < a.groups; ++g) {
         int32_t dot = 0;
-        for (int64_t i = 0; i < kInt4Group; ++i) {
-          if (a.xq8) {  // the lane layout, k order
-            const int64_t k = g * kInt4Group + i;
-            const uint8_t byte = qb[(k / 8) * 4 * kInt4Block + 4 * j + k % 4];
-            dot += static_cast<int32_t>(k % 8 < 4 ? byte & 15 : byte >> 4) * a.xq8[t * a.K + k];
-          } else {      // the pair layout, pair order
-            const int64_t k = g * kInt4Group + (i / 8) * 8 + kPairOrder[i % 8];
-            const uint8_t byte = qb[(k / 2) * kInt4Block + j];
-            dot += static_cast<int32_t>(k % 2 ? byte >> 4 : byte & 15) * a.xq[t * a.K + g * kInt4Group + i];
-          }
+        for (int64_t i = 0; i < kInt4Group; ++i) {  // 8-bit grid: k order; 16-bit: pair order
+          const int64_t k = g * kInt4Group + (a.xq8 ? i : (i / 8) * 8 + kPairOrder[i % 8]);
+          const uint8_t byte = qb[(k / 8) * 4 * kInt4Block + 4 * j + k % 4];  // the lane layout
+          const int32_t code = k % 8 < 4 ? byte & 15 : byte >> 4;
+          dot += code * (a.xq8 ? a.xq8[t * a.K + k] : a.xq[t * a.K + g * kInt4Group + i]);
         }
         const int64_t s = (blk * a.groups + g) * kInt4Block + j;
         const float p = a.step[t * a.groups + g];
@@ -863,7 +860,7 @@ struct Int4Totals512 {
 };
 #endif
 
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VBMI__)
+#if defined(__AVX512F__) && defined(__AVX512BW__)
 // acc + the dot products of the int16 pairs in each 32-bit lane (exact: integers).
 inline __m512i dot_pairs(__m512i acc, __m512i w, __m512i x) {
 #if defined(__AVX512VNNI__)
@@ -874,18 +871,14 @@ inline __m512i dot_pairs(__m512i acc, __m512i w, __m512i x) {
 }
 
 // TT tokens of one block of 16 outputs (the codes unpacked once for all of them). 64 bytes
-// of codes hold 8 k of the 16 outputs; a byte permute moves output j's four bytes into lane
-// j, whose low 16 bits then hold k0..k3 and high 16 bits k4..k7 a nibble each: shifting
-// both halves by 4 i and masking leaves the pair (q[k0 + i], q[k0 + 4 + i]).
+// of codes hold 8 k of the 16 outputs, lane j output j's: its low 16 bits hold the nibbles
+// of k0, k4, k1, k5 and its high 16 bits those of k2, k6, k3, k7, so shifting both halves
+// by 4 i and masking leaves the pairs (k0, k2), (k4, k6), (k1, k3), (k5, k7) for i = 0..3:
+// the activations' pair order (kPairOrder).
 template <int TT>
 void int4_tile_avx512(const Int4Args& a, int64_t blk, int64_t t0) {
   Int4Totals512<TT> out(a, blk, t0);
   const uint8_t* qb = a.q4 + blk * (a.K / 2) * kInt4Block;
-  alignas(64) static const uint8_t kTranspose[64] = {
-      0, 16, 32, 48, 1, 17, 33, 49, 2, 18, 34, 50, 3, 19, 35, 51, 4, 20, 36, 52, 5, 21, 37, 53,
-      6, 22, 38, 54, 7, 23, 39, 55, 8, 24, 40, 56, 9, 25, 41, 57, 10, 26, 42, 58, 11, 27, 43, 59,
-      12, 28, 44, 60, 13, 29, 45, 61, 14, 30, 46, 62, 15, 31, 47, 63};
-  const __m512i transpose = _mm512_load_si512(kTranspose);
   const __m512i nibble = _mm512_set1_epi32(0x000F000F);
   for (int64_t g = 0; g < a.groups; ++g) {
     // NA independent sums per token (a dot product's latency is ~5 cycles; one chain would
@@ -899,7 +892,7 @@ void int4_tile_avx512(const Int4Args& a, int64_t blk, int64_t t0) {
     for (int line = 0; line < kInt4Group / 2 * kInt4Block; line += 64)  // the codes ahead
       _mm_prefetch(reinterpret_cast<const char*>(qg + kInt4Prefetch + line), _MM_HINT_T0);
     for (int chunk = 0; chunk < 4; ++chunk) {
-      const __m512i w = _mm512_permutexvar_epi8(transpose, _mm512_loadu_si512(qg + chunk * 64));
+      const __m512i w = _mm512_loadu_si512(qg + chunk * 64);
       for (int i = 0; i < 4; ++i) {
         // With a sum per i (TT <= 2), nibbles 1 and 2 stay in place (16 q and 256 q, still
         // positive int16, and their sums fit int32: 8 products a group of at most
@@ -1127,11 +1120,8 @@ constexpr bool kBf16Avx512 = false;
 // the portable loops) and the bf16 kernel's fused multiply-adds in the portable loop's
 // order (bit-identical too). Only the packed layouts' in-lane shuffles differ.
 #if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
-// The int4 tile, TT tokens of one block of 16 outputs. 64 bytes of codes are 4 rows (8 k)
-// of the 16 outputs; byte then 16-bit interleaves within 128 bits (cross-lane 256-bit
-// shuffles are slow on some AVX2 CPUs: 8 micro-ops each on Zen 1) make each 32-bit lane one
-// output's 4 bytes, k0..k3 in its low 16 bits and k4..k7 in its high: the AVX-512 path's
-// layout, so the activations' pair order is the same. w[0]: outputs 0-7, w[1]: 8-15.
+// The int4 tile, TT tokens of one block of 16 outputs: the AVX-512 tile's arithmetic on 32
+// bytes of the lane layout at a time, w[0] outputs 0-7 and w[1] outputs 8-15 (no shuffle).
 template <int TT>
 void int4_tile_avx2(const Int4Args& a, int64_t blk, int64_t t0) {
   const int64_t n0 = blk * kInt4Block, valid = std::min<int64_t>(kInt4Block, a.N - n0);
@@ -1153,13 +1143,8 @@ void int4_tile_avx2(const Int4Args& a, int64_t blk, int64_t t0) {
     for (int line = 0; line < kInt4Group / 2 * kInt4Block; line += 64)  // the codes ahead
       _mm_prefetch(reinterpret_cast<const char*>(qg + kInt4Prefetch + line), _MM_HINT_T0);
     for (int chunk = 0; chunk < 4; ++chunk) {
-      const __m128i* r = reinterpret_cast<const __m128i*>(qg + chunk * 64);
-      const __m128i r0 = _mm_loadu_si128(r), r1 = _mm_loadu_si128(r + 1), r2 = _mm_loadu_si128(r + 2),
-                    r3 = _mm_loadu_si128(r + 3);
-      const __m128i a0 = _mm_unpacklo_epi8(r0, r1), a1 = _mm_unpackhi_epi8(r0, r1);  // (k0-3) outputs 0-7, 8-15
-      const __m128i b0 = _mm_unpacklo_epi8(r2, r3), b1 = _mm_unpackhi_epi8(r2, r3);  // (k4-7)
-      const __m256i w[2] = {_mm256_set_m128i(_mm_unpackhi_epi16(a0, b0), _mm_unpacklo_epi16(a0, b0)),
-                            _mm256_set_m128i(_mm_unpackhi_epi16(a1, b1), _mm_unpacklo_epi16(a1, b1))};
+      const __m256i* r = reinterpret_cast<const __m256i*>(qg + chunk * 64);
+      const __m256i w[2] = {_mm256_loadu_si256(r), _mm256_loadu_si256(r + 1)};
       for (int i = 0; i < 4; ++i) {
         for (int h = 0; h < 2; ++h) {
           const __m256i wi = i == 3 ? _mm256_srli_epi16(w[h], 12)
@@ -1292,11 +1277,8 @@ constexpr bool kInt4Avx2 = false, kQ8Avx2 = false, kBf16Avx2 = false;
 
 // --- the int4 kernel on the 8-bit activation grid (AVX2, AVX-512) ---------------------------
 //
-// Its own weight layout, the lane layout (quant.pack_int4 with act_bits 8): per 8 k of a
-// block's 16 outputs, 64 bytes, output j's 4 at 4 j, byte i = q[j, k0 + i] | q[j, k0 + 4 + i] << 4:
-//   q4 (N/16, K/2, 16) uint8 as (N/16, K/8, 16, 4)
-// so each 32-bit lane of a 32-byte load is one output's 8 codes, no shuffle needed: the low
-// nibbles are q[k0..k3], the high ones q[k4..k7], and one _mm256_maddubs_epi16 (unsigned
+// The same lane layout (above): each 32-bit lane of a 32-byte load is one output's 8 codes,
+// the low nibbles q[k0..k3], the high ones q[k4..k7], and one _mm256_maddubs_epi16 (unsigned
 // codes times signed activations, in k order) sums them in pairs: 32 products an
 // instruction, where the 16-bit grid's _mm256_madd_epi16 makes 16. The pairs (|sum| <= 2 *
 // 15 * 127) add up in 16 bits over a group's 8 (|total| <= 30480: no saturation, exact),

@@ -18,10 +18,8 @@ accumulation, one rounding to the activation dtype at the same points):
                                    K/V read in place from the pool
     int4_linear(x, q4, scale, min, out_features, bias=None, portable=False, act_bits=16)
                                    x @ W.T + bias, W int4 in groups of 32 with fp16 scale
-                                   and min (quant.Int4Linear's layout); act_bits 8: the
-                                   activations on an 8-bit grid, q4 in the lane layout
-                                   (weight format int4a8; its vector path is AVX2's, which
-                                   AVX-512 CPUs run too; else the portable loop)
+                                   and min (quant.Int4Linear's lane layout); act_bits 8:
+                                   the activations on an 8-bit grid (weight format int4a8)
     bf16_linear(x, w16, out_features, bias=None, portable=False)
                                    x @ W.T + bias, W bf16 in blocks of 16 rows, k in pairs
                                    (quant.Bf16Linear's layout)

@@ -242,17 +242,16 @@ class Int4Groups:
         return Int4Groups(*(torch.cat([getattr(p, f) for p in parts]) for f in ("q", "scale", "min")))
 
 
-def pack_int4(groups: Int4Groups, act_bits: int = 16) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Int4 groups -> (q4, scale, min) in the kernel's layout (kernels.cpp), rows padded to 16:
+def pack_int4(groups: Int4Groups) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Int4 groups -> (q4, scale, min) in the kernel's lane layout (kernels.cpp), rows padded
+    to 16 (one layout for both activation grids):
 
-        q4[b, c, j] = q[16 b + j, 2 c] | q[16 b + j, 2 c + 1] << 4     (N_pad / 16, K / 2, 16) uint8
+        q4 (N_pad / 16, K / 2, 16) uint8, as (N_pad / 16, K / 8, 16, 4):
+            q4[b, c, j, i] = q[16 b + j, 8 c + i] | q[16 b + j, 8 c + 4 + i] << 4
         scale[b, g, j], min[b, g, j] of row 16 b + j, group g          (N_pad / 16, K / 32, 16) fp16
 
-    or, for the 8-bit activation grid (`act_bits` 8), q4 in the lane layout: the same shape
-    viewed as (N_pad / 16, K / 8, 16, 4), q4[b, c, j, i] = q[16 b + j, 8 c + i] |
-    q[16 b + j, 8 c + 4 + i] << 4. Scales and mins are rounded to fp16 (exact for GGUF
-    blocks, whose values are fp16)."""
-    _check_act_bits(act_bits)
+    so a 32-bit lane is one row's 8 codes. Scales and mins are rounded to fp16 (exact for
+    GGUF blocks, whose values are fp16)."""
     n, k = groups.q.shape
     if k % INT4_GROUP:
         raise ValueError(f"int4 needs in_features divisible by {INT4_GROUP}, got {k}")
@@ -265,12 +264,8 @@ def pack_int4(groups: Int4Groups, act_bits: int = 16) -> tuple[torch.Tensor, tor
         q = torch.cat([q, q.new_zeros(pad, k)])
         scale, mn = (torch.cat([t, t.new_zeros(pad, t.shape[1])]) for t in (scale, mn))
     nb = (n + pad) // 16
-    if act_bits == 8:
-        lanes = q.view(nb, 16, k // 8, 2, 4)                                # (nb, 16, K/8, lo|hi, 4)
-        q4 = (lanes[:, :, :, 0] | (lanes[:, :, :, 1] << 4)).permute(0, 2, 1, 3).reshape(nb, k // 2, 16)
-    else:
-        pairs = q.view(nb, 16, k // 2, 2).permute(0, 2, 3, 1)               # (nb, K/2, 2, 16)
-        q4 = (pairs[:, :, 0] | (pairs[:, :, 1] << 4)).contiguous()          # (nb, K/2, 16)
+    lanes = q.view(nb, 16, k // 8, 2, 4)                                    # (nb, 16, K/8, lo|hi, 4)
+    q4 = (lanes[:, :, :, 0] | (lanes[:, :, :, 1] << 4)).permute(0, 2, 1, 3).reshape(nb, k // 2, 16)
     scale, mn = (t.view(nb, 16, -1).permute(0, 2, 1).half().contiguous() for t in (scale, mn))
     return q4, scale, mn
 
@@ -280,18 +275,12 @@ def _check_act_bits(act_bits: int) -> None:
         raise ValueError(f"int4 act_bits must be 8 or 16, got {act_bits!r}")
 
 
-def unpack_int4(q4: torch.Tensor, scale: torch.Tensor, mn: torch.Tensor, out_features: int,
-                act_bits: int = 16) -> Int4Groups:
+def unpack_int4(q4: torch.Tensor, scale: torch.Tensor, mn: torch.Tensor, out_features: int) -> Int4Groups:
     """The inverse of `pack_int4` (padding rows dropped)."""
-    _check_act_bits(act_bits)
     nb, half_k, _ = q4.shape
-    if act_bits == 8:
-        lanes = q4.view(nb, half_k // 4, 16, 4)
-        q = torch.stack([lanes & 15, lanes >> 4], dim=3)                    # (nb, K/8, 16, 2, 4)
-        q = q.permute(0, 2, 1, 3, 4).reshape(nb * 16, 2 * half_k)[:out_features]
-    else:
-        q = torch.stack([q4 & 15, q4 >> 4], dim=2)                          # (nb, K/2, 2, 16)
-        q = q.permute(0, 3, 1, 2).reshape(nb * 16, 2 * half_k)[:out_features]
+    lanes = q4.view(nb, half_k // 4, 16, 4)
+    q = torch.stack([lanes & 15, lanes >> 4], dim=3)                        # (nb, K/8, 16, 2, 4)
+    q = q.permute(0, 2, 1, 3, 4).reshape(nb * 16, 2 * half_k)[:out_features]
     scale, mn = (t.permute(0, 2, 1).reshape(nb * 16, -1)[:out_features].float() for t in (scale, mn))
     return Int4Groups(q.contiguous(), scale.contiguous(), mn.contiguous())
 
@@ -344,7 +333,7 @@ def make_int8_linear(weight: torch.Tensor, bias: torch.Tensor | None, dtype: tor
 
 def make_int4_linear(groups: Int4Groups, bias: torch.Tensor | None, dtype: torch.dtype,
                      act_bits: int = 16) -> Int4Linear:
-    return Int4Linear(*pack_int4(groups, act_bits), groups.q.shape[0], None if bias is None else bias.to(dtype),
+    return Int4Linear(*pack_int4(groups), groups.q.shape[0], None if bias is None else bias.to(dtype),
                       act_bits)
 
 
