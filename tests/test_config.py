@@ -41,6 +41,7 @@ def test_config_is_frozen():
     ("spec:\n  num_spec_tokens: 0\n", "num_spec_tokens must be in [1, 16]"),
     ("scheduler:\n  max_model_len: 0\n", "max_model_len must be >= 2"),
     ("threads: 0\n", "threads must be >= 1"),
+    ("huge_pages: maybe\n", "huge_pages must be true or false"),
 ])
 def test_bad_configuration_is_rejected_with_a_message_naming_it(tmp_path, yaml_text, message):
     path = tmp_path / "bad.yaml"
@@ -52,3 +53,12 @@ def test_bad_configuration_is_rejected_with_a_message_naming_it(tmp_path, yaml_t
 def test_naming_a_draft_model_selects_draft_speculation():
     cfg = config_from_args(parse(["--draft-model", "some-draft"]))
     assert cfg.spec.method == "draft" and cfg.draft_model == "some-draft"
+
+
+def test_huge_pages_are_on_by_default_and_a_flag_turns_them_off_over_the_yaml(tmp_path):
+    assert config_from_args(parse([])).huge_pages is True
+    assert config_from_args(parse(["--no-huge-pages"])).huge_pages is False
+    path = tmp_path / "run.yaml"
+    path.write_text("huge_pages: false\n")
+    assert config_from_args(parse(["--config", str(path)])).huge_pages is False
+    assert config_from_args(parse(["--config", str(path), "--huge-pages"])).huge_pages is True

@@ -81,3 +81,15 @@ def test_engine_outputs_are_identical_with_and_without_huge_pages():
     assert outputs[True] == outputs[False]
     assert resolved == {False: False, True: memory.huge_pages_available()}
     assert EngineConfig().huge_pages is True  # on by default
+
+
+def test_a_moved_model_still_saves_and_loads_its_runtime_weights(tmp_path):
+    """The views share one storage without overlapping: safetensors writes each on its own."""
+    from safetensors.torch import load_file, save_file
+
+    target, _ = tiny_pair(vocab=16)
+    memory.move_to_huge_pages(target)
+    tensors, meta = target.runtime_state()
+    save_file(tensors, str(tmp_path / "w.safetensors"), metadata=meta)
+    loaded = load_file(str(tmp_path / "w.safetensors"))
+    assert loaded.keys() == tensors.keys() and all(torch.equal(loaded[k], t) for k, t in tensors.items())

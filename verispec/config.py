@@ -88,6 +88,8 @@ class EngineConfig:
             raise ValueError(f"threads must be >= 1, got {self.threads}")
         if self.kernels not in KERNELS:
             raise ValueError(f"kernels must be one of {KERNELS}, got {self.kernels!r}")
+        if not isinstance(self.huge_pages, bool):
+            raise ValueError(f"huge_pages must be true or false, got {self.huge_pages!r}")
         for name in ("weight_format", "draft_weight_format"):
             value = getattr(self, name)
             if value not in WEIGHT_FORMATS:

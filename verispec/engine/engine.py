@@ -422,8 +422,9 @@ class LLMEngine:
 # The layout of saved runtime weights; bumped whenever a module's buffers change (v3: int4
 # in verispec's kernel layout with fp16 scale and min; v5: dense bf16 linears packed too,
 # and a bf16 target's head refined from a bf16 copy; v6: a Q8_0 head's blocks as one
-# Q8Linear, float32 in and out, instead of two int4 parts).
-_RUNTIME_LAYOUT = "v7"  # v7: int4 codes in the lane layout for both activation grids
+# Q8Linear, float32 in and out, instead of two int4 parts; v7: int4 codes in the lane
+# layout for both activation grids).
+_RUNTIME_LAYOUT = "v7"
 
 
 def load_model(spec: str, config: EngineConfig, draft: bool = False):
