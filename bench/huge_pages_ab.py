@@ -24,7 +24,7 @@ sys.path.insert(0, str(REPO / "bench"))
 
 import torch  # noqa: E402
 
-from kernels_ab import MODES, batch_decode_tps  # noqa: E402
+from kernels_ab import MODES, batch_decode_tps, pooled_tps, print_ab  # noqa: E402
 from roofline import chat_prompts, load_average, run_request, wait_for_quiet  # noqa: E402
 from verispec.bench.provenance import git_info, machine_info, software_versions  # noqa: E402
 from verispec.config import CacheConfig, EngineConfig, SpecConfig  # noqa: E402
@@ -79,8 +79,7 @@ def main(argv: list[str] | None = None) -> int:
             for name in (CONTENDERS if r % 2 == 0 else CONTENDERS[::-1]):
                 batch[name].append(batch_decode_tps(engines[name], prompts[: args.batch], 96))
 
-    summary = {key: sum(r["num_output_tokens"] - 1 for r in rs) / sum(r["decode_s"] for r in rs)
-               for key, rs in single.items()}
+    summary = pooled_tps(single)
     result = {"script": "bench/huge_pages_ab.py", "argv": sys.argv[1:], "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
               "config": {name: e.config.to_dict() for name, e in engines.items()},
               "weights_huge_page_backed_bytes": backed, "threads": args.threads, "machine": machine_info(),
@@ -93,13 +92,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"weights' mapping backed by huge pages: " +
           ", ".join(f"{name} {(b or 0) / 2**20:.0f} MiB" for name, b in backed.items()))
     print(f"batch 1 ({args.prompts} prompts, {args.max_tokens} tokens), decode tokens/s (greedy outputs identical):")
-    for mode in MODES:
-        on, off = summary[f"{mode}/huge"], summary[f"{mode}/4k"]
-        print(f"  {mode:15s} huge pages {on:6.1f}   4 KiB pages {off:6.1f}   ({on / off:.2f}x)")
-    if args.batch:
-        print(f"batch {args.batch}, plain, decode tokens/s per round:")
-        for name, v in batch.items():
-            print(f"  {name:5s} " + "  ".join(f"{x:6.1f}" for x in v))
+    print_ab(summary, CONTENDERS, ("huge pages", "4 KiB pages"), batch, args.batch)
     print(f"load {load_before:.2f} -> {result['load_average']['after']:.2f}; wrote {args.out}")
     return 0
 

@@ -52,6 +52,25 @@ def batch_decode_tps(engine: LLMEngine, prompts: list[dict], max_tokens: int) ->
     return n / (time.perf_counter() - t0)
 
 
+def pooled_tps(single: dict[str, list]) -> dict[str, float]:
+    """Decode tokens/s per contender key, pooled over its requests (tokens after the first)."""
+    return {key: sum(r["num_output_tokens"] - 1 for r in rs) / sum(r["decode_s"] for r in rs)
+            for key, rs in single.items()}
+
+
+def print_ab(summary: dict[str, float], names: tuple[str, str], labels: tuple[str, str],
+             batch: dict[str, list[float]], batch_size: int) -> None:
+    """Batch 1: each mode's two contenders and their ratio; then the batch rounds."""
+    for mode in MODES:
+        on, off = summary[f"{mode}/{names[0]}"], summary[f"{mode}/{names[1]}"]
+        print(f"  {mode:15s} {labels[0]} {on:6.1f}   {labels[1]} {off:6.1f}   ({on / off:.2f}x)")
+    if batch_size:
+        print(f"batch {batch_size}, plain, decode tokens/s per round:")
+        width = max(len(name) for name in batch)
+        for name, v in batch.items():
+            print(f"  {name:{width}s} " + "  ".join(f"{x:6.1f}" for x in v))
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--threads", type=int, default=2)
@@ -91,8 +110,7 @@ def main(argv: list[str] | None = None) -> int:
             batch[name].append(batch_decode_tps(engine, prompts[: args.batch], 96))
     set_kernels(engine, ops)
 
-    summary = {key: sum(r["num_output_tokens"] - 1 for r in rs) / sum(r["decode_s"] for r in rs)
-               for key, rs in single.items()}
+    summary = pooled_tps(single)
     result = {"script": "bench/kernels_ab.py", "argv": sys.argv[1:], "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
               "config": engine.config.to_dict(), "threads": args.threads, "machine": machine_info(),
               "software": software_versions(), "git": git_info(),
@@ -102,12 +120,7 @@ def main(argv: list[str] | None = None) -> int:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=1))
     print(f"batch 1 ({args.prompts} prompts, {args.max_tokens} tokens), decode tokens/s:")
-    for mode in MODES:
-        on, off = summary[f"{mode}/kernels"], summary[f"{mode}/torch"]
-        print(f"  {mode:15s} kernels {on:6.1f}   torch ops {off:6.1f}   ({on / off:.2f}x)")
-    print(f"batch {args.batch}, plain, decode tokens/s per round:")
-    for name, v in batch.items():
-        print(f"  {name:22s} " + "  ".join(f"{x:6.1f}" for x in v))
+    print_ab(summary, ("kernels", "torch"), ("kernels", "torch ops"), batch, args.batch)
     print(f"load {load_before:.2f} -> {result['load_average']['after']:.2f}; wrote {args.out}")
     return 0
 
