@@ -3,7 +3,7 @@
 A decode step streams every weight once (~100 MB for the default model, GBs for larger
 ones). In ordinary 4 KiB pages that is one TLB miss and a page walk every 4 KiB, and the
 hardware prefetchers restart at every page boundary: on the Zen 4 machine the default
-model decodes plain at batch 1 1.20x faster with its weights in huge pages
+model decodes plain at batch 1 1.15-1.20x faster with its weights in huge pages
 (`bench/huge_pages_ab.py`, docs/benchmarks.md "Huge pages"). Linux gives anonymous memory huge pages where asked
 (`madvise(MADV_HUGEPAGE)`, transparent huge pages in "madvise" or "always" mode), so the
 weights are copied once, at engine start, into one such mapping; each tensor becomes a
