@@ -3,7 +3,8 @@
 `logits_to_probs` is applied identically to the target's and the draft's logits, so the
 rejection sampler compares like with like. Temperature 0 yields a one-hot distribution
 (argmax) that goes through the same rejection sampler; the engine computes the same result
-from argmaxes alone when a whole batch is greedy (`spec.rejection.greedy_verify`).
+from argmaxes alone when a whole batch is greedy (`spec.rejection.greedy_accept`; its tensor
+form `greedy_verify` is what the tests hold against the sampler).
 """
 from __future__ import annotations
 
