@@ -53,6 +53,56 @@ def test_add_rms_norm(dtype, broken):
 
 
 @pytest.mark.parametrize("broken", [False, True])
+def test_rms_norm(dtype, broken):
+    """rms_norm(x [+ delta]) * w in w's dtype: float32 out for a float32 w (the final norm
+    before the float32 head), x's dtype for its own; the add rounded to x's dtype first,
+    x itself never written. Broken: the delta left out."""
+    g = torch.Generator().manual_seed(2)
+    x, delta = (torch.randn(5, 576, generator=g).to(dtype) for _ in range(2))
+    w = 1 + 0.1 * torch.randn(576, generator=g)
+    x0 = x.clone()
+    for weight in (w, w.to(dtype)):
+        got = OPS.rms_norm(x, weight, 1e-5, None if broken else delta)
+        ref = F.rms_norm((x + delta).to(weight.dtype), (576,), weight, 1e-5)
+        assert got.dtype == weight.dtype
+        assert close(got, ref) != broken
+        assert close(OPS.rms_norm(x, weight, 1e-5), F.rms_norm(x.to(weight.dtype), (576,), weight, 1e-5))
+    assert torch.equal(x, x0)
+    if dtype is torch.bfloat16:  # the stack's layer norms: the same numbers as add_rms_norm
+        assert torch.equal(OPS.rms_norm(x, w.to(dtype), 1e-5, delta), OPS.add_rms_norm(x, delta, w.to(dtype), 1e-5)[1])
+    with pytest.raises(RuntimeError, match="weight must be x's dtype or float32"):
+        OPS.rms_norm(x, w.half() if dtype is not torch.float16 else w.double(), 1e-5)
+
+
+def _last_argmax(logits: torch.Tensor) -> torch.Tensor:
+    """A broken argmax: the last of equal largest values."""
+    flipped = logits.flip(-1).argmax(-1)
+    return logits.shape[-1] - 1 - flipped
+
+
+@pytest.mark.parametrize("broken", [False, True])
+def test_argmax_rows_is_torch_argmax(broken):
+    """Each row's first largest value (ties to the lowest index), a NaN's where a row has
+    one, over any length (the vector path's tail) and row stride; the engine takes greedy
+    tokens from it. Broken: an argmax that breaks ties to the highest index."""
+    argmax = _last_argmax if broken else OPS.argmax_rows
+    g = torch.Generator().manual_seed(3)
+    same = True
+    for vocab in (1, 7, 16, 17, 40, 49152, 49159):
+        x = torch.randn(5, vocab + 3, generator=g)[:, :vocab]  # rows strided
+        x[1, vocab // 3] = x[1, (2 * vocab) // 3] = x[1].max() + 1  # a tie (one index when vocab is small)
+        x[2, :] = 0.25  # all equal
+        x[3, vocab - 1] = float("nan")
+        if vocab > 5:
+            x[3, 5] = float("nan")
+            x[4, 2] = float("inf")
+        same &= torch.equal(argmax(x), x.argmax(-1))
+    assert same != broken
+    with pytest.raises(RuntimeError, match="float32"):
+        OPS.argmax_rows(torch.zeros(2, 5, dtype=torch.float64))
+
+
+@pytest.mark.parametrize("broken", [False, True])
 def test_rotary(dtype, broken):
     g = torch.Generator().manual_seed(1)
     qkv = torch.randn(7, 6, 64, generator=g).to(dtype)  # (T, heads, D): rotate the first 4 heads
@@ -569,7 +619,7 @@ def test_decoder_stack_equals_the_per_layer_path(fmt, threads):
     ids = torch.tensor([i for t, _ in rows for i in t])
     model.kernels = OPS
 
-    def run(stack: bool):
+    def run(stack: bool, logits_index=None):
         meta = AttentionMetadata.build(
             [len(t) for t, _ in rows], [s + len(t) for t, s in rows],
             [list(range(s, s + len(t))) for t, s in rows], slots,
@@ -583,13 +633,17 @@ def test_decoder_stack_equals_the_per_layer_path(fmt, threads):
         model.fused_stack = stack
         torch.set_num_threads(threads)
         try:
-            return model(ids, meta, kv), kv
+            return model(ids, meta, kv, logits_index), kv
         finally:
             torch.set_num_threads(1)
 
     (want, kv_want), (got, kv_got) = run(False), run(True)
     assert model._stack and model._stack.num_layers == 3  # the stack ran
     assert torch.equal(got, want) and torch.equal(kv_got.k, kv_want.k) and torch.equal(kv_got.v, kv_want.v)
+    some = torch.tensor([0, 3, 6])  # the logits of some positions only (a short prefill's last token)
+    got_some = run(True, some)[0]
+    assert torch.equal(got_some, run(False, some)[0])
+    assert torch.allclose(got_some, want[some], atol=1e-5)  # (the float32 head's matmul over 3 rows, not 7)
     model.layers = torch.nn.ModuleList(reversed(list(model.layers)))  # a stack wired wrong
     wrong = _build_stack(model, OPS)
     model.layers = torch.nn.ModuleList(reversed(list(model.layers)))

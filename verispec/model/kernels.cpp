@@ -97,6 +97,9 @@ inline __m256 load_bf16_avx2(const c10::BFloat16* p) {
       _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))), 16));
 }
 
+inline __m256 load8(const c10::BFloat16* p) { return load_bf16_avx2(p); }
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+
 // 16 outputs' bf16 results (lo: outputs 0-7, hi: 8-15) to y, the first `valid` of them.
 inline void store_bf16x16(c10::BFloat16* y, __m256 lo, __m256 hi, int64_t valid) {
   alignas(32) uint16_t tmp[16];
@@ -135,23 +138,28 @@ inline __m256 exp_ps_avx2(__m256 x) {
 #endif
 
 // x <- x + delta (rounded to T, as `x + delta` is), h <- rms_norm(x) * w (accumulated in
-// float32, rounded once, as F.rms_norm is). x, delta, h: (rows, n) contiguous.
-template <typename T>
-void add_rms_norm_impl(T* x, const T* delta, const T* w, T* h, int64_t rows, int64_t n, float eps) {
+// float32, rounded once to H, as F.rms_norm is). x, delta, h: (rows, n) contiguous. Without
+// delta (nullptr) x is only read. w and h may be float32 where x is bf16 (the final norm,
+// whose result feeds the float32 head).
+template <typename T, typename W = T, typename H = W>
+void add_rms_norm_impl(T* x, const T* delta, const W* w, H* h, int64_t rows, int64_t n, float eps) {
   for_range(0, rows, 16, [&](int64_t r0, int64_t r1) {
     std::vector<float> xs(n);
     for (int64_t r = r0; r < r1; ++r) {
       T* xr = x + r * n;
-      const T* dr = delta + r * n;
-      T* hr = h + r * n;
+      const T* dr = delta ? delta + r * n : nullptr;
+      H* hr = h + r * n;
       float ss = 0.f;
       int64_t i = 0;
 #if defined(__AVX2__) && defined(__FMA__)
       if constexpr (std::is_same_v<T, c10::BFloat16>) {  // the same roundings, 8 at a time
         __m256 acc = _mm256_setzero_ps();
         for (; i + 8 <= n; i += 8) {
-          const __m256 sum = as_bf16_avx2(_mm256_add_ps(load_bf16_avx2(xr + i), load_bf16_avx2(dr + i)));
-          store_bf16_avx2(xr + i, sum);
+          __m256 sum = load_bf16_avx2(xr + i);
+          if (dr) {
+            sum = as_bf16_avx2(_mm256_add_ps(sum, load_bf16_avx2(dr + i)));
+            store_bf16_avx2(xr + i, sum);
+          }
           _mm256_storeu_ps(xs.data() + i, sum);
           acc = _mm256_fmadd_ps(sum, sum, acc);
         }
@@ -159,20 +167,22 @@ void add_rms_norm_impl(T* x, const T* delta, const T* w, T* h, int64_t rows, int
       }
 #endif
       for (; i < n; ++i) {
-        T sum = static_cast<T>(f32(xr[i]) + f32(dr[i]));
-        xr[i] = sum;
-        xs[i] = f32(sum);
+        if (dr) xr[i] = static_cast<T>(f32(xr[i]) + f32(dr[i]));
+        xs[i] = f32(xr[i]);
         ss += xs[i] * xs[i];
       }
       float rstd = 1.f / std::sqrt(ss / static_cast<float>(n) + eps);
       i = 0;
 #if defined(__AVX2__) && defined(__FMA__)
       if constexpr (std::is_same_v<T, c10::BFloat16>)
-        for (; i + 8 <= n; i += 8)
-          store_bf16_avx2(hr + i, _mm256_mul_ps(_mm256_mul_ps(_mm256_loadu_ps(xs.data() + i), _mm256_set1_ps(rstd)),
-                                                load_bf16_avx2(w + i)));
+        for (; i + 8 <= n; i += 8) {
+          const __m256 y = _mm256_mul_ps(_mm256_mul_ps(_mm256_loadu_ps(xs.data() + i), _mm256_set1_ps(rstd)),
+                                         load8(w + i));
+          if constexpr (std::is_same_v<H, float>) _mm256_storeu_ps(hr + i, y);
+          else store_bf16_avx2(hr + i, y);
+        }
 #endif
-      for (; i < n; ++i) hr[i] = static_cast<T>(xs[i] * rstd * f32(w[i]));
+      for (; i < n; ++i) hr[i] = static_cast<H>(xs[i] * rstd * f32(w[i]));
     }
   });
 }
@@ -358,10 +368,6 @@ constexpr int kPairOrder[8] = {0, 2, 4, 6, 1, 3, 5, 7};
 #if defined(__AVX512F__)
 inline __m512 load16(const c10::BFloat16* p) { return load_bf16(p); }
 inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
-#endif
-#if defined(__AVX2__) && defined(__FMA__)
-inline __m256 load8(const c10::BFloat16* p) { return load_bf16_avx2(p); }
-inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
 #endif
 
 // A group of 32 activations' largest |x| and whether all are finite (the activation grids'
@@ -1548,6 +1554,81 @@ std::vector<at::Tensor> add_rms_norm(at::Tensor x, const at::Tensor& delta, cons
   return {sum, h};
 }
 
+// rms_norm(x [+ delta]) * weight, in the result's dtype: weight's, x's or float32 (then
+// rounded only to float32: the final norm before a float32 head).
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps, const c10::optional<at::Tensor>& delta) {
+  check(x.dim() == 2 && x.is_contiguous() && weight.is_contiguous() && weight.dim() == 1 && weight.numel() == x.size(1),
+        "x must be contiguous (rows, n) and weight (n,)");
+  check(weight.scalar_type() == x.scalar_type() || weight.scalar_type() == at::kFloat,
+        "weight must be x's dtype or float32");
+  if (delta) check(delta->sizes() == x.sizes() && delta->scalar_type() == x.scalar_type() && delta->is_contiguous(),
+                   "delta must match x");
+  at::Tensor sum = delta ? x.clone() : x;  // x + delta (rounded to x's dtype), or x only read
+  at::Tensor h = at::empty(x.sizes(), x.options().dtype(weight.scalar_type()));
+  const int64_t rows = x.size(0), n = x.size(1);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "rms_norm", [&] {
+    scalar_t* d = delta ? delta->data_ptr<scalar_t>() : nullptr;
+    if (weight.scalar_type() == x.scalar_type())
+      add_rms_norm_impl<scalar_t>(sum.data_ptr<scalar_t>(), d, weight.data_ptr<scalar_t>(), h.data_ptr<scalar_t>(),
+                                  rows, n, static_cast<float>(eps));
+    else
+      add_rms_norm_impl<scalar_t, float>(sum.data_ptr<scalar_t>(), d, weight.data_ptr<float>(), h.data_ptr<float>(),
+                                         rows, n, static_cast<float>(eps));
+  });
+  return h;
+}
+
+// Each row's index of its largest value, the first of equal ones; a row holding a NaN gives
+// its first NaN's (torch.argmax's answer, both). logits (N, V) float32, rows contiguous.
+at::Tensor argmax_rows(const at::Tensor& logits) {
+  check(logits.dim() == 2 && logits.scalar_type() == at::kFloat && logits.stride(1) == 1 && logits.size(1) > 0,
+        "logits must be float32 (N, V), V > 0, each row contiguous");
+  const int64_t rows = logits.size(0), V = logits.size(1), stride = logits.stride(0);
+  at::Tensor out = at::empty({rows}, logits.options().dtype(at::kLong));
+  const float* base = logits.data_ptr<float>();
+  int64_t* o = out.data_ptr<int64_t>();
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* row = base + r * stride;
+    int64_t i = 0, best = 0;
+    float top = row[0];
+    bool nan = false;
+#if defined(__AVX512F__)
+    if (V >= 16 && V <= INT32_MAX) {  // per lane: its largest and where (strictly greater replaces)
+      __m512 lane_top = _mm512_loadu_ps(row);
+      __m512i lane_at = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15), at = lane_at;
+      __mmask16 unordered = _mm512_cmp_ps_mask(lane_top, lane_top, _CMP_UNORD_Q);
+      const __m512i sixteen = _mm512_set1_epi32(16);
+      for (i = 16; i + 16 <= V; i += 16) {
+        at = _mm512_add_epi32(at, sixteen);
+        const __m512 v = _mm512_loadu_ps(row + i);
+        unordered |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+        const __mmask16 gt = _mm512_cmp_ps_mask(v, lane_top, _CMP_GT_OQ);
+        lane_top = _mm512_mask_mov_ps(lane_top, gt, v);
+        lane_at = _mm512_mask_mov_epi32(lane_at, gt, at);
+      }
+      nan = unordered != 0;
+      alignas(64) float tops[16];
+      alignas(64) int32_t ats[16];
+      _mm512_store_ps(tops, lane_top);
+      _mm512_store_si512(ats, lane_at);
+      top = tops[0], best = ats[0];
+      for (int l = 1; l < 16; ++l)
+        if (tops[l] > top || (tops[l] == top && ats[l] < best)) top = tops[l], best = ats[l];
+    }
+#endif
+    if (i == 0) i = 1;
+    for (; i < V && !nan; ++i)
+      if (row[i] > top) top = row[i], best = i;
+      else if (row[i] != row[i]) nan = true;
+    if (nan || top != top) {  // the first NaN
+      best = 0;
+      while (row[best] == row[best]) ++best;
+    }
+    o[r] = best;
+  }
+  return out;
+}
+
 at::Tensor silu_mul(const at::Tensor& gate_up) {
   check(gate_up.dim() == 2 && gate_up.is_contiguous() && gate_up.size(1) % 2 == 0,
         "gate_up must be contiguous (T, 2I)");
@@ -1796,11 +1877,13 @@ class DecoderStack {
 
   int64_t num_layers() const { return static_cast<int64_t>(layers_.size()); }
 
-  // x (T, hidden) -> the last layer's output (the residual stream, before the final norm).
+  // x (T, hidden) -> the last layer's output (the residual stream), or with final_norm
+  // (hidden,) float32 that stream's rms_norm(...) * final_norm in float32 (the model's
+  // final norm, as the `rms_norm` kernel computes it).
   at::Tensor forward(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin,
                      const std::vector<at::Tensor>& k_pools, const std::vector<at::Tensor>& v_pools,
                      const at::Tensor& slot_mapping, const at::Tensor& context_slots, const at::Tensor& rows,
-                     const at::Tensor& lens, double scale) const {
+                     const at::Tensor& lens, double scale, const c10::optional<at::Tensor>& final_norm) const {
     using BF16 = c10::BFloat16;
     check(!layers_.empty(), "the stack has no layers");
     check(k_pools.size() == layers_.size() && v_pools.size() == layers_.size(), "one K and one V pool per layer");
@@ -1824,14 +1907,18 @@ class DecoderStack {
     const int64_t *ctx_p = context_slots.data_ptr<int64_t>(), *rows_p = rows.data_ptr<int64_t>(),
                   *lens_p = lens.data_ptr<int64_t>();
 
-    // Layer 0's input norm as the per-layer path computes it; the residual stream x is then
-    // updated in place (add_rms_norm_impl), every kernel's output in a buffer of the pass.
-    const at::Tensor h = at::rms_norm(x, {hidden_}, layers_[0].input_norm, eps_).contiguous();
+    if (final_norm)
+      check(final_norm->is_contiguous() && final_norm->scalar_type() == at::kFloat && final_norm->numel() == hidden_,
+            "final_norm must be contiguous float32 (hidden,)");
+    const float* final_p = final_norm ? final_norm->data_ptr<float>() : nullptr;
+    // The residual stream x is updated in place (add_rms_norm_impl), every kernel's output
+    // in a buffer of the pass.
     const at::Tensor res = x.clone(at::MemoryFormat::Contiguous);
     const auto buffer = [&](int64_t n) { return at::empty({T, n}, x.options()); };
     const int64_t qkv_row = (H + 2 * Hkv) * D;
-    const at::Tensor qkv = buffer(qkv_row), attn = buffer(H * D), o = buffer(hidden_),
+    const at::Tensor h = buffer(hidden_), qkv = buffer(qkv_row), attn = buffer(H * D), o = buffer(hidden_),
                      gate_up = buffer(2 * intermediate_), act = buffer(intermediate_), down = buffer(hidden_);
+    const at::Tensor out = final_p ? at::empty({T, hidden_}, x.options().dtype(at::kFloat)) : at::Tensor();
     BF16 *res_p = res.data_ptr<BF16>(), *h_p = h.data_ptr<BF16>(), *qkv_p = qkv.data_ptr<BF16>(),
          *attn_p = attn.data_ptr<BF16>(), *o_p = o.data_ptr<BF16>(), *gu_p = gate_up.data_ptr<BF16>(),
          *act_p = act.data_ptr<BF16>(), *down_p = down.data_ptr<BF16>();
@@ -1845,10 +1932,8 @@ class DecoderStack {
         const StackLayer& L = layers_[l];
         BF16* kp = k_pools[l].data_ptr<BF16>();
         BF16* vp = v_pools[l].data_ptr<BF16>();
-        if (l > 0) {
-          add_rms_norm_impl(res_p, down_p, L.input_norm.data_ptr<BF16>(), h_p, T, hidden_, eps);
+        add_rms_norm_impl(res_p, l > 0 ? down_p : nullptr, L.input_norm.data_ptr<BF16>(), h_p, T, hidden_, eps);
 #pragma omp barrier
-        }
         L.qkv.run(h_p, T, qkv_p);
 #pragma omp barrier
         rotary_impl(qkv_p, T, H + Hkv, D, qkv_row, D, cos_p, sin_p);  // q and k
@@ -1870,8 +1955,9 @@ class DecoderStack {
         L.down.run(act_p, T, down_p);
 #pragma omp barrier
       }
+      if (final_p) add_rms_norm_impl(res_p, down_p, final_p, out.data_ptr<float>(), T, hidden_, eps);
     }
-    return res + down;
+    return final_p ? out : res + down;
   }
 
  private:
@@ -1883,6 +1969,9 @@ class DecoderStack {
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("add_rms_norm", &add_rms_norm, "x + delta and rms_norm(x + delta) * weight, in one pass");
+  m.def("rms_norm", &rms_norm, "rms_norm(x [+ delta]) * weight, in weight's dtype", py::arg("x"),
+        py::arg("weight"), py::arg("eps"), py::arg("delta") = py::none());
+  m.def("argmax_rows", &argmax_rows, "each row's first largest value's index (a NaN's, if any)");
   m.def("rotary_", &rotary_, "rotary embedding in place (half-rotation layout, signed sin)");
   m.def("decode_attention", &decode_attention, "per-query attention over paged K/V");
   m.def("silu_mul", &silu_mul, "silu(gate) * up from the fused gate/up output");
@@ -1908,5 +1997,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_property_readonly("num_layers", &DecoderStack::num_layers)
       .def("forward", &DecoderStack::forward, py::arg("x"), py::arg("cos"), py::arg("sin"), py::arg("k_pools"),
            py::arg("v_pools"), py::arg("slot_mapping"), py::arg("context_slots"), py::arg("rows"), py::arg("lens"),
-           py::arg("scale"));
+           py::arg("scale"), py::arg("final_norm") = py::none());
 }

@@ -168,7 +168,7 @@ class Block(nn.Module):
         (`delta`, None for the first layer) and of this attention each fused with the norm
         after it. Returns (x, this MLP's output), the caller adding the last one."""
         if delta is None:
-            h = self.input_layernorm.forward(x)
+            h = ops.rms_norm(x, self.input_layernorm.weight, self.input_layernorm.eps)
         else:
             x, h = ops.add_rms_norm(x, delta, self.input_layernorm.weight, self.input_layernorm.eps)
         a = self.self_attn.forward(h, cos, sin, meta, kv, context, ops)
@@ -226,21 +226,26 @@ class LlamaModel(nn.Module):
         x = self.embed_tokens(token_ids)  # (T, hidden)
         cos, sin = self.rotary.cos_sin(meta.positions, meta.max_position, x.dtype)  # (T, 1, D), all layers
         kq = meta.kernel
+        final_norm = self.norm.weight.float()  # the final norm runs in float32 (the head's input)
         if self.kernels is not None and self.fused_stack and kq is not None and kq.tokens is None \
                 and not meta.groups and self._decoder_stack():
-            # every query in the attention kernel: the layers in one call (bit-identical)
-            x = self._stack.forward(x, cos, sin, kv.k_layers, kv.v_layers, meta.slot_mapping,
-                                    kq.context_slots, kq.rows, kq.lens, self.cfg.head_dim ** -0.5)
-        elif self.kernels is not None:
+            # every query in the attention kernel: the layers and the final norm in one call,
+            # bit-identical to the per-layer kernels below
+            h = self._stack.forward(x, cos, sin, kv.k_layers, kv.v_layers, meta.slot_mapping, kq.context_slots,
+                                    kq.rows, kq.lens, self.cfg.head_dim ** -0.5, final_norm=final_norm)
+            return self.lm_head(h if logits_index is None else h[logits_index])  # (N, V) float32
+        if self.kernels is not None:
             context = kv.context_views(meta)  # every layer's K/V context as views, or None (gather)
             delta = None
             for block in self.layers:
                 x, delta = block.forward_fused(x, delta, cos, sin, meta, kv, context, self.kernels)
-            x = x + delta
-        else:
-            context = kv.context_views(meta)
-            for block in self.layers:
-                x = block.forward(x, cos, sin, meta, kv, context)
+            if logits_index is not None:  # only the positions we sample from
+                x, delta = x[logits_index], delta[logits_index]
+            # the last residual add and the final norm in one kernel (float32 out)
+            return self.lm_head(self.kernels.rms_norm(x, final_norm, self.norm.eps, delta))  # (N, V) float32
+        context = kv.context_views(meta)
+        for block in self.layers:
+            x = block.forward(x, cos, sin, meta, kv, context)
         if logits_index is not None:
             x = x[logits_index]           # (N, hidden): only the positions we sample from
         return self.lm_head(self.norm(x.float()))  # (N, V) float32
