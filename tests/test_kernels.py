@@ -100,6 +100,10 @@ def test_argmax_rows_is_torch_argmax(broken):
     assert same != broken
     with pytest.raises(RuntimeError, match="float32"):
         OPS.argmax_rows(torch.zeros(2, 5, dtype=torch.float64))
+    # the engine's and the draft's helper: the kernel where it applies, torch.argmax otherwise
+    for logits in (x, x.double(), x.bfloat16(), x.t()):
+        for ops in (OPS, None):
+            assert kernels.greedy_tokens(logits, ops) == logits.argmax(-1).tolist()
 
 
 @pytest.mark.parametrize("broken", [False, True])

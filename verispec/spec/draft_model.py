@@ -19,6 +19,7 @@ from __future__ import annotations
 import torch
 
 from verispec.engine.runner import ModelRunner, RowInput
+from verispec.model import kernels
 from verispec.request import Request
 from verispec.sampling import SamplingTensors, sample
 
@@ -91,7 +92,7 @@ class DraftModelProposer:
                     rows.append(RowInput(drafted[-1:], req.num_tokens - 1 + len(drafted), table, 0))
             logits = torch.cat(self.runner.forward(rows))  # (B, V): one scored position per row
             if probs_out is None:
-                drawn = logits.argmax(dim=-1).tolist()
+                drawn = kernels.greedy_tokens(logits, self.runner.model.kernels)
             else:
                 st = SamplingTensors.from_params([reqs[i].params for i in active], logits.device)
                 probs = self.to_probs(st, logits)           # (B, V)
