@@ -174,6 +174,49 @@ def test_decode_attention_reads_exactly_each_rows_context(dtype, broken, d):
         assert close(got[b], ref) != (broken and b > 0)
 
 
+@pytest.mark.parametrize("broken", [False, True])
+@pytest.mark.parametrize("d,threads", [(64, 1), (64, 2), (128, 3)])
+def test_decode_attention_verify_rows_equal_their_queries_alone(broken, d, threads):
+    """Verify rows: runs of consecutive queries over one context, each seeing its own prefix
+    (lens = position + 1). The kernel takes a run's queries together (one pass over its K/V);
+    each query's result must equal the query attended alone, bit for bit, and the float64
+    reference. A run longer than the kernel's cap (32) and a row in two runs included.
+    Broken: every query of a run sees the run's longest context (a causal mask lost)."""
+    g = torch.Generator().manual_seed(9)
+    heads, kv_heads, slots = 6, 2, 2048
+    k_pool, v_pool = (torch.randn(slots, kv_heads, d, generator=g).bfloat16() for _ in range(2))
+    starts = {0: 300, 1: 17, 2: 0, 3: 150}           # row -> its first query's position
+    runs = [(0, 5), (1, 1), (2, 3), (3, 40), (0, 2)]  # (row, queries); row 0 again, after its first 5
+    ctx = torch.stack([torch.randperm(slots, generator=g)[:400] for _ in range(4)])
+    row_of, lens, seen = [], [], {}
+    for r, n in runs:
+        for _ in range(n):
+            row_of.append(r)
+            lens.append(starts[r] + seen.get(r, 0) + 1)
+            seen[r] = seen.get(r, 0) + 1
+    run_lens, at = list(lens), 0
+    for _, n in runs:  # the broken kernel's view: each query sees its run's last position
+        run_lens[at: at + n] = [lens[at + n - 1]] * n
+        at += n
+    q = torch.randn(len(row_of), heads, d, generator=g).bfloat16()
+    torch.set_num_threads(threads)
+    try:
+        got = OPS.decode_attention(q, k_pool, v_pool, ctx, torch.tensor(row_of),
+                                   torch.tensor(run_lens if broken else lens), d ** -0.5)
+    finally:
+        torch.set_num_threads(1)
+    same = True
+    for i, (r, n) in enumerate(zip(row_of, lens)):
+        alone = OPS.decode_attention(q[i:i + 1], k_pool, v_pool, ctx[r:r + 1], torch.tensor([0]), torch.tensor([n]),
+                                     d ** -0.5)[0]
+        same &= torch.equal(got[i], alone)
+        keys, values = (pool[ctx[r, :n]].transpose(0, 1).unsqueeze(0).double() for pool in (k_pool, v_pool))
+        ref = F.scaled_dot_product_attention(q[i:i + 1, :, None].double(), keys, values,
+                                             enable_gqa=True)[0, :, 0].bfloat16()
+        assert close(alone, ref)
+    assert same != broken
+
+
 def test_decode_attention_refuses_bad_input():
     q, pool = torch.zeros(1, 2, 8), torch.zeros(4, 1, 8)
     row = torch.tensor([0])

@@ -701,26 +701,34 @@ void decode_attention_bf16_avx512(const c10::BFloat16* q, int64_t q_row, int64_t
       total = _mm512_add_ps(total, p);
     }
     const __m512 inv = _mm512_set1_ps(1.f / _mm512_reduce_add_ps(total));
-    __m512 acc[DV], odd[DV];  // even and odd keys: two chains of dependent FMAs, not one
-    for (int j = 0; j < DV; ++j) acc[j] = odd[j] = _mm512_setzero_ps();
+    // The weighted sum of values, per dimension a chain of FMAs over the keys (even and odd
+    // keys: two chains, not one). A 64-byte load holds 32 dimensions as 16 lanes of two bf16:
+    // the lane shifted left is the even dimension in float32, the lane masked the odd one
+    // (two instructions for 32 values, where widening 16 at a time takes four), so the sums
+    // are kept by dimension parity, [jj][0] even and [jj][1] odd, and put back in order once.
+    __m512 acc[DV / 2][2], odd[DV / 2][2];
+    for (int jj = 0; jj < DV / 2; ++jj)
+      for (int e = 0; e < 2; ++e) acc[jj][e] = odd[jj][e] = _mm512_setzero_ps();
+    const __m512i high = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
+    const auto add_value = [&](__m512 (&sum)[DV / 2][2], __m512 p, const c10::BFloat16* v) {
+      for (int jj = 0; jj < DV / 2; ++jj) {
+        const __m512i w = _mm512_loadu_si512(v + 32 * jj);
+        sum[jj][0] = _mm512_fmadd_ps(p, _mm512_castsi512_ps(_mm512_slli_epi32(w, 16)), sum[jj][0]);
+        sum[jj][1] = _mm512_fmadd_ps(p, _mm512_castsi512_ps(_mm512_and_si512(w, high)), sum[jj][1]);
+      }
+    };
     int64_t c = 0;
     for (; c + 1 < n; c += 2) {
-      const c10::BFloat16* v0 = vp + sl[c] * slot_stride + kh * d;
-      const c10::BFloat16* v1 = vp + sl[c + 1] * slot_stride + kh * d;
-      const __m512 p0 = _mm512_set1_ps(sg[c]), p1 = _mm512_set1_ps(sg[c + 1]);
-      for (int j = 0; j < DV; ++j) {
-        acc[j] = _mm512_fmadd_ps(p0, load_bf16(v0 + 16 * j), acc[j]);
-        odd[j] = _mm512_fmadd_ps(p1, load_bf16(v1 + 16 * j), odd[j]);
-      }
+      add_value(acc, _mm512_set1_ps(sg[c]), vp + sl[c] * slot_stride + kh * d);
+      add_value(odd, _mm512_set1_ps(sg[c + 1]), vp + sl[c + 1] * slot_stride + kh * d);
     }
-    if (c < n) {
-      const c10::BFloat16* v0 = vp + sl[c] * slot_stride + kh * d;
-      for (int j = 0; j < DV; ++j) acc[j] = _mm512_fmadd_ps(_mm512_set1_ps(sg[c]), load_bf16(v0 + 16 * j), acc[j]);
-    }
-    for (int j = 0; j < DV; ++j) acc[j] = _mm512_add_ps(acc[j], odd[j]);
+    if (c < n) add_value(acc, _mm512_set1_ps(sg[c]), vp + sl[c] * slot_stride + kh * d);
     c10::BFloat16* o = out + (b * heads + h) * d;
-    for (int j = 0; j < DV; ++j)
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(o + 16 * j), round_bf16(_mm512_mul_ps(acc[j], inv)));
+    for (int jj = 0; jj < DV / 2; ++jj) {
+      const __m512i even_bits = _mm512_cvtepu16_epi32(round_bf16(_mm512_mul_ps(_mm512_add_ps(acc[jj][0], odd[jj][0]), inv)));
+      const __m512i odd_bits = _mm512_cvtepu16_epi32(round_bf16(_mm512_mul_ps(_mm512_add_ps(acc[jj][1], odd[jj][1]), inv)));
+      _mm512_storeu_si512(o + 32 * jj, _mm512_or_si512(even_bits, _mm512_slli_epi32(odd_bits, 16)));
+    }
   });
 }
 #endif
