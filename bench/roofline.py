@@ -69,6 +69,27 @@ def memory_bandwidth(threads: int, mib: int = 512, reps: int = 7, huge_pages: bo
     return out
 
 
+class ReadProbe:
+    """One streaming-read buffer kept for the run: `gbps()` reads it `reps` times (median),
+    cheap enough (~10-30 ms) to run next to every measured prompt."""
+
+    def __init__(self, threads: int, mib: int, huge_pages: bool):
+        self.threads, self.nbytes = threads, mib * 2 ** 20
+        self.buf = (huge_page_buffer(self.nbytes).view(torch.float32) if huge_pages
+                    else torch.empty(self.nbytes // 4))
+        self.buf.fill_(1.0)
+
+    def gbps(self, reps: int = 3) -> float:
+        torch.set_num_threads(self.threads)
+        self.buf.sum()
+        times = []
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            self.buf.sum()
+            times.append(time.perf_counter() - t0)
+        return self.nbytes / statistics.median(times) / 1e9
+
+
 def load_average() -> float:
     return os.getloadavg()[0]
 
@@ -155,18 +176,28 @@ MODES = {"plain": SpecOverride(method="none"),
          "ngram-adaptive": SpecOverride(method="ngram", adaptive=True)}
 
 
-def measure(engine: LLMEngine, prompts: list[dict], warmup: list[dict], max_tokens: int) -> dict:
-    """Plain and speculative per prompt, alternating (the order flips every prompt)."""
+def measure(engine: LLMEngine, prompts: list[dict], warmup: list[dict], max_tokens: int,
+            probe: ReadProbe | None = None) -> dict:
+    """Plain and speculative per prompt, alternating (the order flips every prompt); with a
+    probe, the bandwidth read just before each prompt is stored in both its records."""
     for w in warmup:
         for spec in MODES.values():
             run_request(engine, w["token_ids"], 32, spec)
     records = {m: [] for m in MODES}
     for i, p in enumerate(prompts):
+        bandwidth = probe.gbps() if probe is not None else None
         order = list(MODES) if i % 2 == 0 else list(reversed(MODES))
         for mode in order:
             r = run_request(engine, p["token_ids"], max_tokens, MODES[mode])
-            records[mode].append({"dataset": p["dataset"], "prompt_id": p["prompt_id"], **r})
+            records[mode].append({"dataset": p["dataset"], "prompt_id": p["prompt_id"],
+                                  "probe_read_gbps": bandwidth, **r})
     return records
+
+
+def paired_fractions(records: list[dict], step_bytes: int) -> list[float]:
+    """Each prompt's decode tokens/s over the roofline of the bandwidth read just before it."""
+    return [r["decode_tokens_per_s"] * step_bytes / (r["probe_read_gbps"] * 1e9) for r in records
+            if r["decode_tokens_per_s"] and r.get("probe_read_gbps")]
 
 
 def summarize(records: list[dict]) -> dict:
@@ -215,7 +246,14 @@ def main(argv: list[str] | None = None) -> int:
         return out
 
     bandwidth = probe()
-    records = measure(engine, prompts, warm, args.max_tokens)
+    # The fastest kind read before the run, probed again next to every prompt: the machine's
+    # bandwidth moves by tens of percent over minutes here, so each prompt is also compared
+    # with the bandwidth of its own moment (paired), not only with the run's best reading.
+    paired_kind = max(bandwidth, key=lambda kind: bandwidth[kind]["read_gbps"])
+    paired_probe = ReadProbe(args.threads, step_mib if paired_kind.startswith("step_sized") else 512,
+                             paired_kind.endswith("huge_pages"))
+    records = measure(engine, prompts, warm, args.max_tokens, paired_probe)
+    del paired_probe
     bandwidth_after = probe()
     load_after = load_average()
 
@@ -228,6 +266,7 @@ def main(argv: list[str] | None = None) -> int:
     roof = bw / step["total_bytes"]
     plain = summary["plain"]["pooled_decode_tokens_per_s"]
     spec = summary["ngram-adaptive"]["pooled_decode_tokens_per_s"]
+    paired = paired_fractions(records["plain"], step["total_bytes"])
     result = {
         "script": "bench/roofline.py", "argv": sys.argv[1:], "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
         "config": engine.config.to_dict(), "resolved_weight_format": model.weight_format,
@@ -240,6 +279,8 @@ def main(argv: list[str] | None = None) -> int:
         "roofline_tokens_per_s": roof,
         "plain": summary["plain"], "speculative": summary["ngram-adaptive"],
         "plain_fraction_of_roofline": plain / roof,
+        "paired": {"kind": paired_kind, "plain_fractions": paired,
+                   "median_plain_fraction": statistics.median(paired) if paired else None},
         "speculative_ceiling_tokens_per_s": roof * summary["ngram-adaptive"]["tokens_per_step"],
         "records": records,
     }
@@ -256,6 +297,9 @@ def main(argv: list[str] | None = None) -> int:
     print(f"roofline: {roof:.1f} tokens/s  (weights in huge pages: {'on' if engine.config.huge_pages else 'off'}, "
           f"{(result['weights_huge_page_backed_bytes'] or 0) / 2 ** 20:.0f} MiB of their mapping backed by them)")
     print(f"plain:        {plain:7.1f} tokens/s  = {plain / roof:.0%} of the roofline")
+    if paired:
+        print(f"paired:       each prompt's plain decoding against the {paired_kind.replace('_', ' ')} read just "
+              f"before it: median {statistics.median(paired):.0%} (range {min(paired):.0%}-{max(paired):.0%})")
     print(f"speculative:  {spec:7.1f} tokens/s  ({summary['ngram-adaptive']['tokens_per_step']:.2f} tokens/step; "
           f"ceiling {result['speculative_ceiling_tokens_per_s']:.1f})")
     print(f"wrote {out}")

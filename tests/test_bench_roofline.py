@@ -35,3 +35,14 @@ def test_memory_bandwidth_reads_its_buffers_in_either_kind_of_page(huge_pages):
     got = roofline.memory_bandwidth(1, mib=4, reps=1, huge_pages=huge_pages)
     assert set(got) == {"read_gbps", "read_best_gbps", "copy_gbps", "copy_best_gbps"}
     assert all(v > 0 for v in got.values())
+
+
+def test_read_probe_and_paired_fractions():
+    """The per-prompt probe reads its buffer; a prompt's fraction is its decode tokens/s over
+    the roofline of the bandwidth read just before it (records without a reading skipped)."""
+    assert roofline.ReadProbe(1, mib=4, huge_pages=False).gbps(reps=1) > 0
+    records = [{"decode_tokens_per_s": 100.0, "probe_read_gbps": 10.0},
+               {"decode_tokens_per_s": 100.0, "probe_read_gbps": 20.0},
+               {"decode_tokens_per_s": None, "probe_read_gbps": 20.0},
+               {"decode_tokens_per_s": 100.0, "probe_read_gbps": None}]
+    assert roofline.paired_fractions(records, step_bytes=50_000_000) == [0.5, 0.25]
