@@ -58,15 +58,21 @@ def memory_bandwidth(threads: int, mib: int = 512, reps: int = 7, huge_pages: bo
         a, b = torch.ones(n), torch.empty(n)
     out = {}
     for name, fn, nbytes in (("read", lambda: a.sum(), 4 * n), ("copy", lambda: b.copy_(a), 8 * n)):
-        fn()
-        times = []
-        for _ in range(reps):
-            t0 = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - t0)
+        times = _seconds(fn, reps)
         out[f"{name}_gbps"] = nbytes / statistics.median(times) / 1e9
         out[f"{name}_best_gbps"] = nbytes / min(times) / 1e9
     return out
+
+
+def _seconds(fn, reps: int) -> list[float]:
+    """fn's wall time over `reps` calls, after one untimed call."""
+    fn()
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return times
 
 
 class ReadProbe:
@@ -81,13 +87,7 @@ class ReadProbe:
 
     def gbps(self, reps: int = 3) -> float:
         torch.set_num_threads(self.threads)
-        self.buf.sum()
-        times = []
-        for _ in range(reps):
-            t0 = time.perf_counter()
-            self.buf.sum()
-            times.append(time.perf_counter() - t0)
-        return self.nbytes / statistics.median(times) / 1e9
+        return self.nbytes / statistics.median(_seconds(self.buf.sum, reps)) / 1e9
 
 
 def load_average() -> float:

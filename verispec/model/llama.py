@@ -226,13 +226,12 @@ class LlamaModel(nn.Module):
         x = self.embed_tokens(token_ids)  # (T, hidden)
         cos, sin = self.rotary.cos_sin(meta.positions, meta.max_position, x.dtype)  # (T, 1, D), all layers
         kq = meta.kernel
-        final_norm = self.norm.weight.float()  # the final norm runs in float32 (the head's input)
         if self.kernels is not None and self.fused_stack and kq is not None and kq.tokens is None \
                 and not meta.groups and self._decoder_stack():
             # every query in the attention kernel: the layers and the final norm in one call,
             # bit-identical to the per-layer kernels below
             h = self._stack.forward(x, cos, sin, kv.k_layers, kv.v_layers, meta.slot_mapping, kq.context_slots,
-                                    kq.rows, kq.lens, self.cfg.head_dim ** -0.5, final_norm=final_norm)
+                                    kq.rows, kq.lens, self.cfg.head_dim ** -0.5, final_norm=self.norm.weight.float())
             return self.lm_head(h if logits_index is None else h[logits_index])  # (N, V) float32
         if self.kernels is not None:
             context = kv.context_views(meta)  # every layer's K/V context as views, or None (gather)
@@ -241,8 +240,9 @@ class LlamaModel(nn.Module):
                 x, delta = block.forward_fused(x, delta, cos, sin, meta, kv, context, self.kernels)
             if logits_index is not None:  # only the positions we sample from
                 x, delta = x[logits_index], delta[logits_index]
-            # the last residual add and the final norm in one kernel (float32 out)
-            return self.lm_head(self.kernels.rms_norm(x, final_norm, self.norm.eps, delta))  # (N, V) float32
+            # the last residual add and the final norm in one kernel (float32 out: the head's input)
+            h = self.kernels.rms_norm(x, self.norm.weight.float(), self.norm.eps, delta)
+            return self.lm_head(h)  # (N, V) float32
         context = kv.context_views(meta)
         for block in self.layers:
             x = block.forward(x, cos, sin, meta, kv, context)
