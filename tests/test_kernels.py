@@ -178,10 +178,10 @@ def test_decode_attention_reads_exactly_each_rows_context(dtype, broken, d):
 @pytest.mark.parametrize("d,threads", [(64, 1), (64, 2), (128, 3)])
 def test_decode_attention_verify_rows_equal_their_queries_alone(broken, d, threads):
     """Verify rows: runs of consecutive queries over one context, each seeing its own prefix
-    (lens = position + 1). The kernel takes a run's queries together (one pass over its K/V);
-    each query's result must equal the query attended alone, bit for bit, and the float64
-    reference. A run longer than the kernel's cap (32) and a row in two runs included.
-    Broken: every query of a run sees the run's longest context (a causal mask lost)."""
+    (lens = position + 1), as a verify pass sends them (a 40-query run and a row in two runs
+    included). Each query's result must equal the query attended alone, bit for bit (a
+    verify pass computes what plain steps would), and the float64 reference, at 1-3
+    threads. Broken: every query of a run sees the run's longest context (a causal mask lost)."""
     g = torch.Generator().manual_seed(9)
     heads, kv_heads, slots = 6, 2, 2048
     k_pool, v_pool = (torch.randn(slots, kv_heads, d, generator=g).bfloat16() for _ in range(2))
