@@ -204,8 +204,8 @@ def test_plain_decoding_when_drafting_costs_more_than_it_saves(scenario):
 SHORT_COLD = sim.Scenario("draft a=0.6 b=16 64 tokens", (0.6,), sim.CPU_BATCH, batch_size=16, tokens=64)
 
 
-@pytest.mark.parametrize("budget,loses", [(0.03, False), (math.inf, True)],
-                         ids=["budget 3%", "broken: no exploration budget"])
+@pytest.mark.parametrize("budget,loses", [(ControllerConfig().explore_budget, False), (0.03, False), (math.inf, True)],
+                         ids=["default budget", "budget 3%", "broken: no exploration budget"])
 def test_exploration_budget_bounds_the_cold_start_loss(budget, loses):
     """Exploring rounds may cost at most `explore_budget` of the measured time beyond what
     the best trusted plan would have taken: a cold controller then stays within a few
@@ -684,13 +684,20 @@ def test_a_catch_up_is_spread_over_the_tokens_the_plan_yields(broken, monkeypatc
     assert (all(ks[r] == 1 for r in ids)) != broken, ks
 
 
-@pytest.mark.parametrize("min_samples,recovers", [(3, True), (1, False)],
-                         ids=["untrusted until 3 samples", "broken: first sample trusted"])
-def test_one_slow_first_sample_does_not_price_drafting_out_for_good(min_samples, recovers):
+@pytest.mark.parametrize("min_samples,capped,recovers", [(3, True, True), (1, True, False), (3, False, False)],
+                         ids=["untrusted until 3 samples", "broken: first sample trusted",
+                              "broken: the stall charged whole to the exploration budget"])
+def test_one_slow_first_sample_does_not_price_drafting_out_for_good(min_samples, capped, recovers, monkeypatch):
     """The first pass at a new size is timed at 5x its true cost (a page fault, a kernel's
     first call at that shape). Trusted at once, its cell looks far behind, is never probed,
     and the request never drafts again; untrusted, the bound from the other cells brings
-    it back until it has enough samples."""
+    it back until it has enough samples. And the exploring round is charged at most
+    cost_outlier x its price: charged whole, its debt (~3.5 plain rounds) keeps the default
+    1.5% budget spent past the end of the run and the request at plain decoding."""
+    if not capped:
+        close = AdaptiveController._close_round
+        monkeypatch.setattr(AdaptiveController, "_close_round",
+                            lambda self: (setattr(self._round, "priced", math.inf), close(self))[1])
     ctl = AdaptiveController(ControllerConfig(cost_min_samples=min_samples))
     true_cost = {0: 1.0, 1: 1.1, 2: 1.2, 3: 1.3, 4: 1.4}
     ctl.start("r", "ngram")

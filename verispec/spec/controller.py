@@ -185,7 +185,12 @@ rate. A catch-up enters as the share of it the plan priced (see below: spread ov
 tokens it enables), not at once: it is an investment in the rest of the answer, and
 entered whole it cost a cold controller on Qwen2.5-Coder code at 1 in flight (where
 drafting is worth 1.6x) ~5% of an answer in one round, which shut drafting out for good.
-An exploring round that beat the trusted plan pays its debt back. The controller
+An exploring round that beat the trusted plan pays its debt back. A round is charged at
+most `cost_outlier` times what its plan was priced at: a timing above that is a stall (the
+cost tables leave it out for the same reason), and a stall is not what exploring cost. (A
+first pass at a new size timed at 5x its cost, a page fault or a kernel's first call at a
+new shape, otherwise ran up a debt of ~4 plain rounds that kept a 1.5% budget spent for
+the next 250, and drafting where it paid 1.4x off for all of them.) The controller
 explores only while the debt is at most `explore_budget` of all the rounds' seconds, and
 otherwise plays the best safe plan: the best rate at prices a plan cannot exceed, its
 trusted cells' or, for an unmeasured pass, the upper bound from trusted ones (above).
@@ -195,7 +200,7 @@ batch lost a row, though the 4-row pass with 4 drafts, measured, showed that dra
 paid: code, 4 in flight.) Exploration that pays (drafting at batch 1) funds
 itself; exploration that loses waits until the run has earned it. (Simulated: 16 rows of
 64 tokens where drafting never pays, a cold controller 0.94x plain without the budget,
-0.97x with 3%.)
+0.970x with 3%, 0.974x with 1.5%.)
 
 Catch-ups (a draft model's one-off cost)
 ----------------------------------------
@@ -302,7 +307,7 @@ class ControllerConfig:
     cost_min_samples: int = 3              # a cell's samples before it is trusted above the bounds
     explore: float = 0.03                  # fraction of rounds that re-measure a neighbour size
     explore_within: float = 0.15           # ... if its estimated rate is within this of the best
-    explore_budget: float = 0.03           # exploring rounds' cost beyond the trusted best, as a
+    explore_budget: float = 0.015          # exploring rounds' cost beyond the trusted best, as a
                                            # fraction of all measured round time (docstring)
 
     def __post_init__(self):
@@ -623,6 +628,7 @@ class _Round:
     safe_rate: float          # the best plan on trusted cells only, tokens per second
     seconds: float            # its share of the catch-ups it starts, as priced; then its
                               # draft and verify passes as reported
+    priced: float = math.inf  # the seconds its plan was priced at (catch-up share included)
 
 
 class AdaptiveController:
@@ -746,8 +752,9 @@ class AdaptiveController:
         """Enter the round just timed in the exploration ledger (see the docstring)."""
         r, self._round = self._round, None
         self._elapsed += r.seconds
-        if r.explores:
-            self._explore_debt += r.seconds - r.tokens / max(r.safe_rate, _MIN_SECONDS)
+        if r.explores:  # charged at most cost_outlier x its price: beyond that, a stall
+            seconds = min(r.seconds, self.config.cost_outlier * r.priced)
+            self._explore_debt += seconds - r.tokens / max(r.safe_rate, _MIN_SECONDS)
 
     # ---- estimates ---------------------------------------------------------------------
 
@@ -865,8 +872,8 @@ class AdaptiveController:
         needy = {i for i, c in enumerate(catch_up) if c}
         catch_up_known = self._catch_up[1] > 0
 
-        def plan(pool: list, depth: int) -> list[tuple[float, int, bool, float, float | None]]:
-            """(rate, D, trusted, catch-up share, safe rate) for D = 0 and the largest D of
+        def plan(pool: list, depth: int) -> list[tuple[float, int, bool, float, float | None, float]]:
+            """(rate, D, trusted, catch-up share, safe rate, priced seconds) for D = 0 and the largest D of
             every size bucket within the limit; the draft pass (`depth` steps) priced at the
             rows that draft in the first D. Trusted: priced by trusted cells only (plain
             always is). Safe rate: the rate at prices it cannot exceed (its trusted cells',
@@ -881,23 +888,26 @@ class AdaptiveController:
                 b = size_bucket(n)
                 if b not in verify_s:  # no estimate at all: unmeasured, so optimistic (free)
                     v, v_hi = self.estimated_range("verify", batch_size, n)
-                    verify_s[b] = (v or 0.0, v_hi)
+                    verify_s[b] = (v, v_hi)
                 key = (batch_bucket(len(rows)), depth) if rows else None
                 passes_trusted = verify.trusted(bucket, n) and (not rows or draft.trusted(key[0], depth))
                 if len(rows & starters) > 1 and not passes_trusted:
                     continue  # several catch-ups bought on optimistic prices
                 if key not in draft_cost:
                     d, d_hi = self.estimated_range("draft", len(rows), depth) if rows else (0.0, 0.0)
-                    draft_cost[key] = (d or 0.0, d_hi)
+                    draft_cost[key] = (d, d_hi)
                 (v, v_hi), (d, d_hi) = verify_s[b], draft_cost[key]
-                rate = _rate(total, v + one_off + d)
+                # a pass with no estimate at all is unmeasured, so optimistic (free); a plan
+                # with such a pass has no price to cap its round's charge (see "Exploration budget")
+                priced = math.inf if v is None or d is None else v + one_off + d
+                rate = _rate(total, (v or 0.0) + one_off + (d or 0.0))
                 trusted = n == 0 or (passes_trusted and (catch_up_known or not rows & needy))
                 safe = None
                 if trusted:
                     safe = rate
                 elif v_hi is not None and d_hi is not None and (catch_up_known or not rows & needy):
                     safe = _rate(total, v_hi + one_off + d_hi)  # (estimates are never above these)
-                out.append((rate, n, trusted, one_off, safe))
+                out.append((rate, n, trusted, one_off, safe, priced))
             return out
 
         if drafters:  # the draft model runs as many steps as the deepest row: try each depth
@@ -936,7 +946,7 @@ class AdaptiveController:
             probe = self._probe(options, i, bucket)
             i = probe if may_explore or options[probe][2] else i
         self._round = _Round(float(batch_size), explores=not options[i][2], safe_rate=safe[1][safe[2]][4],
-                             seconds=options[i][3])
+                             seconds=options[i][3], priced=options[i][5])
         ks = [0] * len(reqs)
         for _, row, _ in pool[: options[i][1]]:
             ks[row] += 1
