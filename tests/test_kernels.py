@@ -174,6 +174,34 @@ def test_decode_attention_reads_exactly_each_rows_context(dtype, broken, d):
         assert close(got[b], ref) != (broken and b > 0)
 
 
+@pytest.mark.parametrize("broken", [False, True], ids=["grouped", "broken: two heads of a group swapped"])
+@pytest.mark.parametrize("d,heads,kv_heads", [(64, 6, 2), (64, 14, 2), (128, 12, 2), (64, 4, 4)])
+def test_decode_attention_grouped_heads_equal_each_head_alone(broken, d, heads, kv_heads):
+    """With enough work items (8 queries at 2 threads) the vector kernel runs the heads that
+    share a KV head as one item (shared key and value loads); one query at 2 threads runs
+    each head alone. Every head's result must be the same bit for bit (a token's attention
+    may not depend on the batch it is in), for groups of 3, of 7 (values in 3 + 3 + 1 heads),
+    of 6 at 128 dimensions, and no grouping (as many KV heads as heads). Broken: two heads'
+    queries swapped in the batched call only (a group's heads mixed up)."""
+    g = torch.Generator().manual_seed(11)
+    rows, slots, n = 8, 4096, 300
+    k_pool, v_pool = (torch.randn(slots, kv_heads, d, generator=g).bfloat16() for _ in range(2))
+    ctx = torch.stack([torch.randperm(slots, generator=g)[:n] for _ in range(rows)])
+    lens = torch.tensor([n - 7 * r for r in range(rows)])
+    q = torch.randn(rows, heads, d, generator=g).bfloat16()
+    batched = q.clone()
+    if broken:
+        batched[:, [0, 1]] = batched[:, [1, 0]]
+    torch.set_num_threads(2)
+    try:
+        got = OPS.decode_attention(batched, k_pool, v_pool, ctx, torch.arange(rows), lens, d ** -0.5)
+        alone = [OPS.decode_attention(q[r:r + 1], k_pool, v_pool, ctx[r:r + 1], torch.tensor([0]), lens[r:r + 1],
+                                      d ** -0.5)[0] for r in range(rows)]
+    finally:
+        torch.set_num_threads(1)
+    assert torch.equal(got, torch.stack(alone)) != broken
+
+
 @pytest.mark.parametrize("broken", [False, True])
 @pytest.mark.parametrize("d,threads", [(64, 1), (64, 2), (128, 3)])
 def test_decode_attention_verify_rows_equal_their_queries_alone(broken, d, threads):

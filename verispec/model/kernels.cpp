@@ -266,17 +266,24 @@ void store_impl(const T* x, int64_t s_tok, int64_t s_head, T* pool, const int64_
   });
 }
 
-// Runs item(b, h, scores) for every query row b and head h, in parallel over all of them
-// unless the whole attention is small (then on one thread); `scores` is the thread's scratch.
+// Runs item(b, g, scores) for every query row b and item g < groups (a head, or a group of
+// heads sharing a KV head), in parallel over all of them unless the whole attention is small
+// (then on one thread); `scores` is the thread's scratch.
 template <typename Item>
-void for_each_query_head(int64_t rows, int64_t heads, int64_t d, const int64_t* lens, const Item& item) {
+void for_each_query_group(int64_t rows, int64_t groups, int64_t heads, int64_t d, const int64_t* lens,
+                          const Item& item) {
   int64_t work = 0;
   for (int64_t b = 0; b < rows; ++b) work += lens[b];
-  const int64_t grain = work * heads * d < 65536 ? rows * heads : 1;  // small: one thread
-  for_range(0, rows * heads, grain, [&](int64_t i0, int64_t i1) {
+  const int64_t grain = work * heads * d < 65536 ? rows * groups : 1;  // small: one thread
+  for_range(0, rows * groups, grain, [&](int64_t i0, int64_t i1) {
     std::vector<float> scores;
-    for (int64_t i = i0; i < i1; ++i) item(i / heads, i % heads, scores);
+    for (int64_t i = i0; i < i1; ++i) item(i / groups, i % groups, scores);
   });
+}
+
+template <typename Item>
+void for_each_query_head(int64_t rows, int64_t heads, int64_t d, const int64_t* lens, const Item& item) {
+  for_each_query_group(rows, heads, heads, d, lens, item);
 }
 
 // Each query i on its own: out[i, h] = softmax(q[i, h] . K[ctx] * scale) @ V[ctx] over the
@@ -639,96 +646,150 @@ inline __m512 exp_ps(__m512 x) {
   return _mm512_maskz_mov_ps(live, _mm512_scalef_ps(p, n));
 }
 
+inline void prefetch_row_l2(const c10::BFloat16* p, int64_t d) {
+  for (int64_t i = 0; i < d; i += 32) _mm_prefetch(reinterpret_cast<const char*>(p + i), _MM_HINT_T1);
+}
 // The cache lines of d bf16 at p, fetched ahead.
 inline void prefetch_row(const c10::BFloat16* p, int64_t d) {
   for (int64_t i = 0; i < d; i += 32) _mm_prefetch(reinterpret_cast<const char*>(p + i), _MM_HINT_T0);
 }
 
-// decode_attention_impl for bf16 with D = 16 DV (64 or 128): one work item is one query's head;
-// dot products 16 keys at a time, exponentials and the weighted sum of values 16 lanes at a time.
-// Per query: scores s_c = (q . k_c) * scale, m = max s, p_c = exp(s_c - m),
+// The weighted sum of values for P heads of one KV head at once (see the kernel below): per
+// head and dimension a chain of FMAs over the even keys and one over the odd keys, put in
+// order once. A 64-byte load holds 32 dimensions as 16 lanes of two bf16: the lane shifted
+// left is the even dimension in float32, the lane masked the odd one (two instructions for
+// 32 values, where widening 16 at a time takes four), so the sums are kept by dimension
+// parity, [jj][0] even and [jj][1] odd. Each head's sums are the same operations in the same
+// order whatever P is: P only shares the value loads and their widening between heads.
+template <int DV, int P>
+void weighted_values_avx512(const float* const* p, int64_t n, const c10::BFloat16* const* vrow, float inv[P],
+                            c10::BFloat16* const* o) {
+  __m512 acc[P][DV / 2][2], odd[P][DV / 2][2];
+  for (int g = 0; g < P; ++g)
+    for (int jj = 0; jj < DV / 2; ++jj)
+      for (int e = 0; e < 2; ++e) acc[g][jj][e] = odd[g][jj][e] = _mm512_setzero_ps();
+  const __m512i high = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
+  const auto add_value = [&](__m512 (&sum)[P][DV / 2][2], int64_t c) {
+    const c10::BFloat16* v = vrow[c];
+    __m512 pc[P];
+    for (int g = 0; g < P; ++g) pc[g] = _mm512_set1_ps(p[g][c]);
+    for (int jj = 0; jj < DV / 2; ++jj) {
+      const __m512i w = _mm512_loadu_si512(v + 32 * jj);
+      const __m512 lo = _mm512_castsi512_ps(_mm512_slli_epi32(w, 16)), hi = _mm512_castsi512_ps(_mm512_and_si512(w, high));
+      for (int g = 0; g < P; ++g) {
+        sum[g][jj][0] = _mm512_fmadd_ps(pc[g], lo, sum[g][jj][0]);
+        sum[g][jj][1] = _mm512_fmadd_ps(pc[g], hi, sum[g][jj][1]);
+      }
+    }
+  };
+  int64_t c = 0;
+  for (; c + 1 < n; c += 2) {
+    add_value(acc, c);
+    add_value(odd, c + 1);
+  }
+  if (c < n) add_value(acc, c);
+  for (int g = 0; g < P; ++g) {
+    const __m512 scale = _mm512_set1_ps(inv[g]);
+    for (int jj = 0; jj < DV / 2; ++jj) {
+      const __m512i even_bits = _mm512_cvtepu16_epi32(round_bf16(_mm512_mul_ps(_mm512_add_ps(acc[g][jj][0], odd[g][jj][0]), scale)));
+      const __m512i odd_bits = _mm512_cvtepu16_epi32(round_bf16(_mm512_mul_ps(_mm512_add_ps(acc[g][jj][1], odd[g][jj][1]), scale)));
+      _mm512_storeu_si512(o[g] + 32 * jj, _mm512_or_si512(even_bits, _mm512_slli_epi32(odd_bits, 16)));
+    }
+  }
+}
+
+// decode_attention_impl for bf16 with D = 16 DV (64 or 128): dot products 16 keys at a time,
+// exponentials and the weighted sum of values 16 lanes at a time.
+// Per query and head: scores s_c = (q . k_c) * scale, m = max s, p_c = exp(s_c - m),
 // out = (sum_c p_c v_c) / (sum_c p_c), rounded once to bf16 (the same for any batch).
+// One work item is one query's head, or, when there are enough items to keep every thread
+// busy, the `group` heads of one query that share a KV head (grouped-query attention): each
+// key's and value's address, prefetch and load (and a value's widening) then serve all of
+// them. A head's arithmetic is the same either way, so the result does not depend on it.
 template <int DV>
 void decode_attention_bf16_avx512(const c10::BFloat16* q, int64_t q_row, int64_t q_head,
                                   const c10::BFloat16* kp, const c10::BFloat16* vp, const int64_t* slots,
                                   const int64_t* row_of, const int64_t* lens, c10::BFloat16* out, int64_t rows,
                                   int64_t heads, int64_t kv_heads, int64_t ctx_stride, float scale) {
   constexpr int64_t d = 16 * DV;
+  constexpr int kMaxGroup = 16;  // heads an item may hold (more per KV head: one head an item)
   const int64_t per_kv = heads / kv_heads, slot_stride = kv_heads * d;
-  for_each_query_head(rows, heads, d, lens, [&](int64_t b, int64_t h, std::vector<float>& scores) {
-    const int64_t kh = h / per_kv, n = lens[b];
+  const int64_t threads = t_team.size ? t_team.size : at::get_num_threads();
+  // Grouped only with at least two items a thread: with fewer (one query, 3 KV heads, 2
+  // threads) one thread would get twice the other's work.
+  const int64_t group = per_kv <= kMaxGroup && rows * kv_heads >= 2 * threads ? per_kv : 1;
+  for_each_query_group(rows, heads / group, heads, d, lens, [&](int64_t b, int64_t item, std::vector<float>& scores) {
+    const int64_t h0 = item * group, kh = h0 / per_kv, n = lens[b];
     const int64_t* sl = slots + row_of[b] * ctx_stride;
     const int64_t n16 = (n + 15) / 16 * 16;
-    scores.assign(n16, -INFINITY);
-    float* sg = scores.data();
-    const c10::BFloat16* qr = q + b * q_row + h * q_head;
-#if defined(__AVX512BF16__)
-    __m512bh qv[DV / 2];  // q . k as bf16 pairs: the products are exact in float32
-    for (int j = 0; j < DV / 2; ++j) qv[j] = (__m512bh)_mm512_loadu_si512(qr + 32 * j);
-#else
-    __m512 qv[DV];
-    for (int j = 0; j < DV; ++j) qv[j] = load_bf16(qr + 16 * j);
-#endif
+    scores.assign(group * n16, -INFINITY);  // every head's of the item
+    thread_local std::vector<const c10::BFloat16*> rows_at;  // each key's and value's address
+    rows_at.resize(2 * n16);
+    const c10::BFloat16** krow = rows_at.data();
+    const c10::BFloat16** vrow = krow + n16;
+    for (int64_t c = 0; c < n; ++c) {
+      const int64_t at = sl[c] * slot_stride + kh * d;
+      krow[c] = kp + at;
+      vrow[c] = vp + at;
+      if (c < 32) prefetch_row(krow[c], d);  // the first keys: the loop below fetches 32 ahead
+    }
     for (int64_t c0 = 0; c0 < n; c0 += 16) {  // 16 keys at a time: 16 dot products -> one vector
       const int64_t m = std::min<int64_t>(16, n - c0);
-      __m512 s[16];
-      for (int64_t c = 0; c < 16; ++c) {
-        __m512 acc = _mm512_setzero_ps();
-        if (c < m) {
-          // The pools come from memory (a step's weights stream through the caches in
-          // between): the keys two chunks ahead, and this key's value for the loop below.
-          if (c0 + 32 + c < n) prefetch_row(kp + sl[c0 + 32 + c] * slot_stride + kh * d, d);
-          prefetch_row(vp + sl[c0 + c] * slot_stride + kh * d, d);
-          const c10::BFloat16* kr = kp + sl[c0 + c] * slot_stride + kh * d;
+      for (int64_t c = 0; c < m; ++c) {
+        // The pools come from memory (a step's weights stream through the caches in
+        // between): the keys two chunks ahead, and these keys' values for the loop below.
+        if (c0 + 32 + c < n) prefetch_row_l2(krow[c0 + 32 + c], d);
+        prefetch_row_l2(vrow[c0 + c], d);
+      }
+      for (int64_t g = 0; g < group; ++g) {
+        const c10::BFloat16* qr = q + b * q_row + (h0 + g) * q_head;
 #if defined(__AVX512BF16__)
-          for (int j = 0; j < DV / 2; ++j) acc = _mm512_dpbf16_ps(acc, qv[j], (__m512bh)_mm512_loadu_si512(kr + 32 * j));
+        __m512bh qv[DV / 2];  // q . k as bf16 pairs: the products are exact in float32
+        for (int j = 0; j < DV / 2; ++j) qv[j] = (__m512bh)_mm512_loadu_si512(qr + 32 * j);
 #else
-          for (int j = 0; j < DV; ++j) acc = _mm512_fmadd_ps(qv[j], load_bf16(kr + 16 * j), acc);
+        __m512 qv[DV];
+        for (int j = 0; j < DV; ++j) qv[j] = load_bf16(qr + 16 * j);
 #endif
+        __m512 s[16];
+        for (int64_t c = 0; c < 16; ++c) {
+          __m512 acc = _mm512_setzero_ps();
+          if (c < m) {
+            const c10::BFloat16* kr = krow[c0 + c];
+#if defined(__AVX512BF16__)
+            for (int j = 0; j < DV / 2; ++j) acc = _mm512_dpbf16_ps(acc, qv[j], (__m512bh)_mm512_loadu_si512(kr + 32 * j));
+#else
+            for (int j = 0; j < DV; ++j) acc = _mm512_fmadd_ps(qv[j], load_bf16(kr + 16 * j), acc);
+#endif
+          }
+          s[c] = acc;
         }
-        s[c] = acc;
+        _mm512_mask_storeu_ps(scores.data() + g * n16 + c0, static_cast<__mmask16>((1u << m) - 1),
+                              _mm512_mul_ps(sum_lanes16(s), _mm512_set1_ps(scale)));
       }
-      _mm512_mask_storeu_ps(sg + c0, static_cast<__mmask16>((1u << m) - 1),
-                            _mm512_mul_ps(sum_lanes16(s), _mm512_set1_ps(scale)));
     }
-    __m512 mx = _mm512_set1_ps(-INFINITY);
-    for (int64_t c = 0; c < n16; c += 16) mx = _mm512_max_ps(mx, _mm512_loadu_ps(sg + c));
-    const __m512 top = _mm512_set1_ps(_mm512_reduce_max_ps(mx));
-    __m512 total = _mm512_setzero_ps();
-    for (int64_t c = 0; c < n16; c += 16) {  // the padding's -inf gives 0
-      const __m512 p = exp_ps(_mm512_sub_ps(_mm512_loadu_ps(sg + c), top));
-      _mm512_storeu_ps(sg + c, p);
-      total = _mm512_add_ps(total, p);
-    }
-    const __m512 inv = _mm512_set1_ps(1.f / _mm512_reduce_add_ps(total));
-    // The weighted sum of values, per dimension a chain of FMAs over the keys (even and odd
-    // keys: two chains, not one). A 64-byte load holds 32 dimensions as 16 lanes of two bf16:
-    // the lane shifted left is the even dimension in float32, the lane masked the odd one
-    // (two instructions for 32 values, where widening 16 at a time takes four), so the sums
-    // are kept by dimension parity, [jj][0] even and [jj][1] odd, and put back in order once.
-    __m512 acc[DV / 2][2], odd[DV / 2][2];
-    for (int jj = 0; jj < DV / 2; ++jj)
-      for (int e = 0; e < 2; ++e) acc[jj][e] = odd[jj][e] = _mm512_setzero_ps();
-    const __m512i high = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
-    const auto add_value = [&](__m512 (&sum)[DV / 2][2], __m512 p, const c10::BFloat16* v) {
-      for (int jj = 0; jj < DV / 2; ++jj) {
-        const __m512i w = _mm512_loadu_si512(v + 32 * jj);
-        sum[jj][0] = _mm512_fmadd_ps(p, _mm512_castsi512_ps(_mm512_slli_epi32(w, 16)), sum[jj][0]);
-        sum[jj][1] = _mm512_fmadd_ps(p, _mm512_castsi512_ps(_mm512_and_si512(w, high)), sum[jj][1]);
+    float inv[kMaxGroup];
+    const float* p[kMaxGroup];
+    c10::BFloat16* o[kMaxGroup];
+    for (int64_t g = 0; g < group; ++g) {
+      float* sg = scores.data() + g * n16;
+      __m512 mx = _mm512_set1_ps(-INFINITY);
+      for (int64_t c = 0; c < n16; c += 16) mx = _mm512_max_ps(mx, _mm512_loadu_ps(sg + c));
+      const __m512 top = _mm512_set1_ps(_mm512_reduce_max_ps(mx));
+      __m512 total = _mm512_setzero_ps();
+      for (int64_t c = 0; c < n16; c += 16) {  // the padding's -inf gives 0
+        const __m512 e = exp_ps(_mm512_sub_ps(_mm512_loadu_ps(sg + c), top));
+        _mm512_storeu_ps(sg + c, e);
+        total = _mm512_add_ps(total, e);
       }
-    };
-    int64_t c = 0;
-    for (; c + 1 < n; c += 2) {
-      add_value(acc, _mm512_set1_ps(sg[c]), vp + sl[c] * slot_stride + kh * d);
-      add_value(odd, _mm512_set1_ps(sg[c + 1]), vp + sl[c + 1] * slot_stride + kh * d);
+      inv[g] = 1.f / _mm512_reduce_add_ps(total);
+      p[g] = sg;
+      o[g] = out + (b * heads + h0 + g) * d;
     }
-    if (c < n) add_value(acc, _mm512_set1_ps(sg[c]), vp + sl[c] * slot_stride + kh * d);
-    c10::BFloat16* o = out + (b * heads + h) * d;
-    for (int jj = 0; jj < DV / 2; ++jj) {
-      const __m512i even_bits = _mm512_cvtepu16_epi32(round_bf16(_mm512_mul_ps(_mm512_add_ps(acc[jj][0], odd[jj][0]), inv)));
-      const __m512i odd_bits = _mm512_cvtepu16_epi32(round_bf16(_mm512_mul_ps(_mm512_add_ps(acc[jj][1], odd[jj][1]), inv)));
-      _mm512_storeu_si512(o + 32 * jj, _mm512_or_si512(even_bits, _mm512_slli_epi32(odd_bits, 16)));
-    }
+    // values for up to 3 heads at once with 64 dimensions (24 accumulators), one with 128
+    constexpr int kPer = DV == 4 ? 3 : 1;
+    int64_t g = 0;
+    for (; g + kPer <= group; g += kPer) weighted_values_avx512<DV, kPer>(p + g, n, vrow, inv + g, o + g);
+    for (; g < group; ++g) weighted_values_avx512<DV, 1>(p + g, n, vrow, inv + g, o + g);
   });
 }
 #endif
