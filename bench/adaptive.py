@@ -7,7 +7,10 @@ closed-loop (exactly C in flight, refilled as they finish), greedy. Contenders r
 after the other in an order rotated from cell to cell. With --repeats R every contender runs
 R times per cell (fresh engine each time), the order rotated again each round, and a
 contender's rate is the median of its R runs: on a noisy machine one short run per
-contender moves by 10-25% and cannot resolve a 0.97 target.
+contender moves by 10-25% and cannot resolve a 0.97 target. With --lockstep a repeat runs
+every contender at once instead: all engines warmed up, then one step of each in turn (the
+order rotated every round) until all are done, each contender's seconds its own steps', so
+a slow stretch of the machine lands on every contender alike.
 
 Contenders: plain (spec "none"), fixed k = 1, 2, 4, 8, and adaptive with k_max = 8 (the
 same range as the fixed grid; the engine default is k_max = 4). Drafting is n-gram, or
@@ -70,6 +73,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--adaptive-k-max", type=int, default=8)
     p.add_argument("--repeats", type=int, default=1,
                    help="runs per contender per cell, in rotated order; rates are their medians")
+    p.add_argument("--lockstep", action="store_true",
+                   help="run a repeat's contenders at once, one engine step each in turn, each timed "
+                        "on its own steps (paired against the machine's drift; see common.run_lockstep)")
     p.add_argument("--contenders", default=None,
                    help="comma-separated subset of plain,k=1,k=2,k=4,k=8,adaptive (default all; "
                         "ratios need plain, adaptive and at least one fixed k)")
@@ -100,12 +106,24 @@ def run_cell(models, configs: dict[str, EngineConfig], task: str, c: int, cell_i
               for i in range(args.repeats)]
     runs = {name: [] for name in names}
     for order in orders:
+        if args.lockstep:  # every contender's engine at once, stepped in turn (common.run_lockstep)
+            loops = {}
+            for name in order:
+                engine = common.make_engine(models, configs[name])
+                common.warm_up(engine, warm_items, min(c, len(warm_items)), args.warmup_tokens, f"{name}-{task}-c{c}")
+                loops[name] = common.ClosedLoop(engine, items, c, params, f"{name}-{task}-c{c}")
+            results = common.run_lockstep(loops)
+            del loops
+        else:
+            results = {}
+            for name in order:
+                engine = common.make_engine(models, configs[name])
+                common.warm_up(engine, warm_items, min(c, len(warm_items)), args.warmup_tokens, f"{name}-{task}-c{c}")
+                results[name] = common.run_closed_loop(engine, items, c, params, f"{name}-{task}-c{c}")
+                del engine
         for name in order:
-            engine = common.make_engine(models, configs[name])
-            common.warm_up(engine, warm_items, min(c, len(warm_items)), args.warmup_tokens, f"{name}-{task}-c{c}")
-            runs[name].append(common.run_closed_loop(engine, items, c, params, f"{name}-{task}-c{c}"))
-            del engine
-            r = runs[name][-1]
+            r = results[name]
+            runs[name].append(r)
             print(f"[adaptive] {task:13s} C={c:2d} {name:8s} {r.tokens:5d} tok {r.seconds:7.1f} s "
                   f"{r.tokens_per_s:7.2f} tok/s acc={_fmt(r.acceptance)} load={common.load_average():.2f} "
                   f"others={_fmt(r.others_cpu_share)}",
@@ -224,7 +242,8 @@ def main(argv=None) -> int:
                             "concurrency": args.concurrency, "num_prompts": args.num_prompts,
                             "prompts_per_slot": args.prompts_per_slot, "max_tokens": args.max_tokens,
                             "num_warmup": args.num_warmup, "warmup_tokens": args.warmup_tokens,
-                            "adaptive_k_max": args.adaptive_k_max, "repeats": args.repeats, "target": TARGET,
+                            "adaptive_k_max": args.adaptive_k_max, "repeats": args.repeats,
+                            "lockstep": args.lockstep, "target": TARGET,
                             "quick": args.quick,
                             "model_load_s": models.load_seconds},
                "engine_configs": {name: common.resolved(models, cfg).to_dict() for name, cfg in configs.items()},

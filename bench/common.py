@@ -202,53 +202,91 @@ class RunResult:
                 "others_cpu_share": self.others_cpu_share}
 
 
-def run_closed_loop(engine: LLMEngine, items: list[WorkItem], concurrency: int,
-                    params: SamplingParams, tag: str) -> RunResult:
-    """Run `items` keeping exactly `concurrency` requests in flight; refill as they finish.
+class ClosedLoop:
+    """`items` on one engine keeping exactly `concurrency` requests in flight, refilled as
+    they finish, one engine step per `step()`. Its clock counts only its own work (adding
+    requests, the step, reading the outputs), so loops stepped in turn (`run_lockstep`) each
+    measure their own seconds, and latencies are on that clock too.
 
     Failed requests raise: a benchmark never averages over errors.
     """
-    if concurrency < 1:
-        raise ValueError(f"concurrency must be >= 1, got {concurrency}")
-    k_before = list(engine.controller.snapshot()["k_counts"])
-    queue = list(items)
-    added: dict[str, tuple[WorkItem, float]] = {}
-    first_token: dict[str, float] = {}
-    done: list[RequestResult] = []
-    steps, in_flight_time = 0, 0.0
-    cpu_before = cpu_sample()
-    t_start = time.perf_counter()
-    while queue or len(done) < len(items):
-        while queue and len(added) - len(done) < concurrency:
-            item = queue.pop(0)
-            rid = f"{tag}/{item.prompt_id}"
-            engine.add_request(rid, list(item.token_ids), params)
-            added[rid] = (item, time.perf_counter())
-        in_flight = len(added) - len(done)
+
+    def __init__(self, engine: LLMEngine, items: list[WorkItem], concurrency: int, params: SamplingParams,
+                 tag: str):
+        if concurrency < 1:
+            raise ValueError(f"concurrency must be >= 1, got {concurrency}")
+        self.engine, self.items, self.concurrency, self.params, self.tag = engine, items, concurrency, params, tag
+        self._k_before = list(engine.controller.snapshot()["k_counts"])
+        self._queue = list(items)
+        self._added: dict[str, tuple[WorkItem, float]] = {}
+        self._first_token: dict[str, float] = {}
+        self._done: list[RequestResult] = []
+        self.steps, self.clock, self._in_flight_time = 0, 0.0, 0.0
+
+    @property
+    def finished(self) -> bool:
+        return not self._queue and len(self._done) == len(self.items)
+
+    def step(self) -> None:
+        t_start = time.perf_counter()
+        at = lambda: self.clock + (time.perf_counter() - t_start)  # noqa: E731 (this loop's clock now)
+        while self._queue and len(self._added) - len(self._done) < self.concurrency:
+            item = self._queue.pop(0)
+            rid = f"{self.tag}/{item.prompt_id}"
+            self.engine.add_request(rid, list(item.token_ids), self.params)
+            self._added[rid] = (item, at())
+        in_flight = len(self._added) - len(self._done)
         t0 = time.perf_counter()
-        outputs = engine.step()
-        now = time.perf_counter()
-        steps += 1
-        in_flight_time += in_flight * (now - t0)
+        outputs = self.engine.step()
+        now = at()
+        self.steps += 1
+        self._in_flight_time += in_flight * (time.perf_counter() - t0)
         for out in outputs:
-            if out.new_token_ids and out.request_id not in first_token:
-                first_token[out.request_id] = now
+            if out.new_token_ids and out.request_id not in self._first_token:
+                self._first_token[out.request_id] = now
             if out.finished:
                 if out.error or out.finish_reason == "abort":
                     raise RuntimeError(f"request {out.request_id} failed: {out.error}")
-                item, t_add = added[out.request_id]
+                item, t_add = self._added[out.request_id]
                 s = out.spec
-                done.append(RequestResult(item.prompt_id, len(item.token_ids), list(out.token_ids),
-                                          out.finish_reason, first_token[out.request_id] - t_add,
-                                          now - t_add, s.num_draft_tokens, s.num_accepted_tokens,
-                                          s.num_drafts, s.target_forwards))
-    seconds = time.perf_counter() - t_start
-    k_after = engine.controller.snapshot()["k_counts"]
-    order = {it.prompt_id: i for i, it in enumerate(items)}
-    done.sort(key=lambda r: order[r.prompt_id])
-    return RunResult(concurrency, seconds, done, steps, in_flight_time / seconds,
-                     [a - b for a, b in zip(k_after, k_before)], round(load_average(), 2),
-                     others_cpu_share(cpu_before, cpu_sample()))
+                self._done.append(RequestResult(item.prompt_id, len(item.token_ids), list(out.token_ids),
+                                                out.finish_reason, self._first_token[out.request_id] - t_add,
+                                                now - t_add, s.num_draft_tokens, s.num_accepted_tokens,
+                                                s.num_drafts, s.target_forwards))
+        self.clock += time.perf_counter() - t_start
+
+    def result(self, others_cpu: float | None) -> RunResult:
+        k_after = self.engine.controller.snapshot()["k_counts"]
+        order = {it.prompt_id: i for i, it in enumerate(self.items)}
+        done = sorted(self._done, key=lambda r: order[r.prompt_id])
+        return RunResult(self.concurrency, self.clock, done, self.steps, self._in_flight_time / self.clock,
+                         [a - b for a, b in zip(k_after, self._k_before)], round(load_average(), 2), others_cpu)
+
+
+def run_closed_loop(engine: LLMEngine, items: list[WorkItem], concurrency: int,
+                    params: SamplingParams, tag: str) -> RunResult:
+    """Run `items` keeping exactly `concurrency` requests in flight (see `ClosedLoop`)."""
+    loop = ClosedLoop(engine, items, concurrency, params, tag)
+    cpu_before = cpu_sample()
+    while not loop.finished:
+        loop.step()
+    return loop.result(others_cpu_share(cpu_before, cpu_sample()))
+
+
+def run_lockstep(loops: dict[str, ClosedLoop]) -> dict[str, RunResult]:
+    """Step every unfinished loop once per round, in an order rotated every round, until all
+    are done; each loop's seconds are its own steps' (see `ClosedLoop`). Contenders stepped in
+    turn meet the same moments of a machine whose speed drifts by 10-30% within seconds (a
+    shared VM), where runs one after the other do not: their ratios compare like with like."""
+    names, cpu_before, rnd = list(loops), cpu_sample(), 0
+    while not all(loop.finished for loop in loops.values()):
+        shift = rnd % len(names)
+        for name in names[shift:] + names[:shift]:
+            if not loops[name].finished:
+                loops[name].step()
+        rnd += 1
+    others = others_cpu_share(cpu_before, cpu_sample())
+    return {name: loop.result(others) for name, loop in loops.items()}
 
 
 def warm_up(engine: LLMEngine, items: list[WorkItem], concurrency: int, max_tokens: int, tag: str) -> float:

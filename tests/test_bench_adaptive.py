@@ -47,3 +47,67 @@ def test_pooled_rows_sum_tokens_and_seconds_over_every_run():
 def test_repeats_below_one_is_refused():
     with pytest.raises(SystemExit):
         adaptive.parse_args(["--repeats", "0"])
+
+
+class _Clock:
+    """A fake time.perf_counter whose machine halves its speed at t = 20 (a slow stretch)."""
+
+    def __init__(self):
+        self.now = 0.0
+
+    def perf_counter(self):
+        return self.now
+
+    def work(self, units: float):
+        self.now += units * (1.0 if self.now < 20.0 else 2.0)
+
+
+class _Out:
+    def __init__(self, rid, finished):
+        from types import SimpleNamespace
+        self.request_id, self.new_token_ids, self.token_ids = rid, [1], [1] * 10
+        self.finished, self.error, self.finish_reason = finished, None, "length"
+        self.spec = SimpleNamespace(num_draft_tokens=0, num_accepted_tokens=0, num_drafts=0, target_forwards=10)
+
+
+class _Engine:
+    """A request is 10 steps of `cost` units each (the fake clock's), one request at a time."""
+
+    def __init__(self, clock, cost):
+        from types import SimpleNamespace
+        self.clock, self.cost, self.live, self.left = clock, cost, None, 0
+        self.controller = SimpleNamespace(snapshot=lambda: {"k_counts": [0]})
+
+    def add_request(self, rid, ids, params):
+        self.live, self.left = rid, 10
+
+    def step(self):
+        self.clock.work(self.cost)
+        self.left -= 1
+        return [_Out(self.live, self.left == 0)]
+
+
+@pytest.mark.parametrize("lockstep", [True, False], ids=["lockstep", "broken: one after the other"])
+def test_lockstep_pairs_contenders_against_the_machines_drift(lockstep, monkeypatch):
+    """Contender b is truly 2x slower than a. The machine halves its speed part-way through:
+    run one after the other, a runs in the fast stretch and b in the slow one, and b reads
+    ~3x slower; stepped in turn, each on its own clock, both meet the slow stretch alike
+    and the ratio comes out within a few percent of 2."""
+    import common
+    clock = _Clock()
+    monkeypatch.setattr(common, "time", clock)
+    monkeypatch.setattr(common, "cpu_sample", lambda: None)
+    monkeypatch.setattr(common, "others_cpu_share", lambda a, b: None)
+    items = [common.WorkItem(f"p{i}", "chat", (1, 2, 3)) for i in range(2)]
+    loops = {name: common.ClosedLoop(_Engine(clock, cost), items, 1, None, name) for name, cost in (("a", 1.0), ("b", 2.0))}
+    if lockstep:
+        results = common.run_lockstep(loops)
+    else:
+        results = {}
+        for name, loop in loops.items():
+            while not loop.finished:
+                loop.step()
+            results[name] = loop.result(None)
+    ratio = results["a"].tokens_per_s / results["b"].tokens_per_s
+    assert results["a"].tokens == results["b"].tokens == 20
+    assert (abs(ratio - 2.0) < 0.15) == lockstep, ratio
