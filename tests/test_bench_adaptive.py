@@ -99,7 +99,8 @@ def test_lockstep_pairs_contenders_against_the_machines_drift(lockstep, monkeypa
     monkeypatch.setattr(common, "cpu_sample", lambda: None)
     monkeypatch.setattr(common, "others_cpu_share", lambda a, b: None)
     items = [common.WorkItem(f"p{i}", "chat", (1, 2, 3)) for i in range(2)]
-    loops = {name: common.ClosedLoop(_Engine(clock, cost), items, 1, None, name) for name, cost in (("a", 1.0), ("b", 2.0))}
+    loops = {name: common.ClosedLoop(_Engine(clock, cost), items, 1, None, name)
+             for name, cost in (("a", 1.0), ("b", 2.0))}
     if lockstep:
         results = common.run_lockstep(loops)
     else:

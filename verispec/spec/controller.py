@@ -189,8 +189,8 @@ An exploring round that beat the trusted plan pays its debt back. A round is cha
 most `cost_outlier` times what its plan was priced at: a timing above that is a stall (the
 cost tables leave it out for the same reason), and a stall is not what exploring cost. (A
 first pass at a new size timed at 5x its cost, a page fault or a kernel's first call at a
-new shape, otherwise ran up a debt of ~4 plain rounds that kept a 1.5% budget spent for
-the next 250, and drafting where it paid 1.4x off for all of them.) The controller
+new shape, otherwise ran up a debt of ~3.5 plain rounds that kept a 1.5% budget spent for
+the next ~230, and drafting, worth 3.6x there, off for all of them.) The controller
 explores only while the debt is at most `explore_budget` of all the rounds' seconds, and
 otherwise plays the best safe plan: the best rate at prices a plan cannot exceed, its
 trusted cells' or, for an unmeasured pass, the upper bound from trusted ones (above).
@@ -873,8 +873,8 @@ class AdaptiveController:
         catch_up_known = self._catch_up[1] > 0
 
         def plan(pool: list, depth: int) -> list[tuple[float, int, bool, float, float | None, float]]:
-            """(rate, D, trusted, catch-up share, safe rate, priced seconds) for D = 0 and the largest D of
-            every size bucket within the limit; the draft pass (`depth` steps) priced at the
+            """(rate, D, trusted, catch-up share, safe rate, priced seconds) for D = 0 and the
+            largest D of every size bucket within the limit; the draft pass (`depth` steps) priced at the
             rows that draft in the first D. Trusted: priced by trusted cells only (plain
             always is). Safe rate: the rate at prices it cannot exceed (its trusted cells',
             else their upper bounds from trusted cells), None if there are none."""
