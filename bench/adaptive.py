@@ -9,7 +9,7 @@ R times per cell (fresh engine each time), the order rotated again each round, a
 contender's rate is the median of its R runs: on a noisy machine one short run per
 contender moves by 10-25% and cannot resolve a 0.97 target. With --lockstep a repeat runs
 every contender at once instead: all engines warmed up, then one step of each in turn (the
-order rotated every round) until all are done, each contender's seconds its own steps', so
+order shuffled every round) until all are done, each contender's seconds its own steps', so
 a slow stretch of the machine lands on every contender alike.
 
 Contenders: plain (spec "none"), fixed k = 1, 2, 4, 8, and adaptive with k_max = 8 (the
@@ -112,7 +112,7 @@ def run_cell(models, configs: dict[str, EngineConfig], task: str, c: int, cell_i
                 engine = common.make_engine(models, configs[name])
                 common.warm_up(engine, warm_items, min(c, len(warm_items)), args.warmup_tokens, f"{name}-{task}-c{c}")
                 loops[name] = common.ClosedLoop(engine, items, c, params, f"{name}-{task}-c{c}")
-            results = common.run_lockstep(loops)
+            results = common.run_lockstep(loops, seed=args.seed + len(runs[names[0]]))
             del loops
         else:
             results = {}

@@ -273,18 +273,19 @@ def run_closed_loop(engine: LLMEngine, items: list[WorkItem], concurrency: int,
     return loop.result(others_cpu_share(cpu_before, cpu_sample()))
 
 
-def run_lockstep(loops: dict[str, ClosedLoop]) -> dict[str, RunResult]:
-    """Step every unfinished loop once per round, in an order rotated every round, until all
-    are done; each loop's seconds are its own steps' (see `ClosedLoop`). Contenders stepped in
-    turn meet the same moments of a machine whose speed drifts by 10-30% within seconds (a
-    shared VM), where runs one after the other do not: their ratios compare like with like."""
-    names, cpu_before, rnd = list(loops), cpu_sample(), 0
+def run_lockstep(loops: dict[str, ClosedLoop], seed: int = 0) -> dict[str, RunResult]:
+    """Step every unfinished loop once per round, in an order shuffled every round (seeded),
+    until all are done; each loop's seconds are its own steps' (see `ClosedLoop`). Contenders
+    stepped in turn meet the same moments of a machine whose speed drifts by 10-30% within
+    seconds (a shared VM), where runs one after the other do not: their ratios compare like
+    with like. Shuffled, not rotated: rotated, each contender would nearly always follow the
+    same one (whose pass leaves the caches and allocator in its own state)."""
+    names, cpu_before, rng = list(loops), cpu_sample(), random.Random(seed)
     while not all(loop.finished for loop in loops.values()):
-        shift = rnd % len(names)
-        for name in names[shift:] + names[:shift]:
+        rng.shuffle(names)
+        for name in names:
             if not loops[name].finished:
                 loops[name].step()
-        rnd += 1
     others = others_cpu_share(cpu_before, cpu_sample())
     return {name: loop.result(others) for name, loop in loops.items()}
 
