@@ -105,14 +105,14 @@ def run_cell(models, configs: dict[str, EngineConfig], task: str, c: int, cell_i
     orders = [names[(cell_index + i) % len(names):] + names[: (cell_index + i) % len(names)]
               for i in range(args.repeats)]
     runs = {name: [] for name in names}
-    for order in orders:
+    for repeat, order in enumerate(orders):
         if args.lockstep:  # every contender's engine at once, stepped in turn (common.run_lockstep)
             loops = {}
             for name in order:
                 engine = common.make_engine(models, configs[name])
                 common.warm_up(engine, warm_items, min(c, len(warm_items)), args.warmup_tokens, f"{name}-{task}-c{c}")
                 loops[name] = common.ClosedLoop(engine, items, c, params, f"{name}-{task}-c{c}")
-            results = common.run_lockstep(loops, seed=args.seed + len(runs[names[0]]))
+            results = common.run_lockstep(loops, seed=args.seed + repeat)
             del loops
         else:
             results = {}
