@@ -408,6 +408,69 @@ def test_new_requests_start_from_what_the_workload_showed():
     assert ctl.alpha("new") > 0.9 > ControllerConfig().prior_alpha["draft"]
 
 
+def _estimates_cell_by_cell(table: CostTable, bucket: int, size: int):
+    """`CostTable.estimates` as its docstrings define it, one pass over the cells per call
+    (what it did before the cells were arranged per bucket): the reference."""
+    size = size_bucket(size)
+    cell = table._cells.get((bucket, size))
+    f, least = table._speed.factor, table._min_samples
+    best = best_any = upper = None
+    work, below = table._tokens(bucket, size), []
+    for b, n, seconds, count, w, c in table._view():
+        trusted = count >= least
+        if trusted and b >= bucket and n >= size and (upper is None or seconds < upper):
+            upper = seconds
+        if b == bucket and n == size:
+            continue
+        bound = seconds * (bucket / b if bucket < b else 1.0) * (work / w if work < w else 1.0)
+        best_any = bound if best_any is None else max(best_any, bound)
+        if not table._plain_by_plain or size > 0 or n == 0:
+            best = bound if best is None else max(best, bound)
+            if trusted and b == bucket and 1 <= n < size:
+                below.append((n, c))
+    upper = None if upper is None else upper * f
+    if cell is not None and cell.count >= least:
+        return cell.seconds * f, upper
+    if len(below) >= 2:
+        secant = table._secant(bucket, size, min(below, key=lambda t: t[0]), max(below, key=lambda t: t[0]))
+        best = secant if best is None else max(best, secant)
+    if cell is None:
+        estimate = None if best is None else best * f
+    else:
+        bound = best if best is not None else best_any
+        estimate = f * (cell.seconds if bound is None else min(cell.seconds, bound))
+    return (estimate if upper is None or estimate is None else min(estimate, upper)), upper
+
+
+@pytest.mark.parametrize("leave_out", [True, False], ids=["", "broken: a young cell bounds itself"])
+def test_estimates_from_cells_arranged_per_bucket_equal_the_cell_by_cell_definition(leave_out, monkeypatch):
+    """Random tables (young and trusted cells, several batch buckets, a moved speed factor,
+    both tables' bound rules): every estimate and upper bound equals the reference's."""
+    import random
+
+    from verispec.spec import controller as ctl_mod
+    if not leave_out:
+        real = ctl_mod._Bounds.bound
+        monkeypatch.setattr(ctl_mod._Bounds, "bound", lambda self, work, leave_out: real(self, work, None))
+    rng = random.Random(7)
+    mismatches = 0
+    for trial in range(60):
+        ctl = AdaptiveController(ControllerConfig(cost_min_samples=rng.choice([1, 3])))
+        ctl._speed.factor = rng.choice([1.0, 1.3])
+        for _ in range(rng.randint(1, 40)):
+            b, n = rng.choice([1, 2, 3, 4, 8, 12, 16]), rng.choice([0, 0, 1, 2, 3, 4, 6, 8, 12, 16, 24, 48])
+            ctl.observe_cost("verify", b, n, (0.004 + 0.001 * (b + n)) * rng.uniform(0.7, 1.6))
+            if n:
+                ctl.observe_cost("draft", b, min(n, 8), 0.002 * min(n, 8) * rng.uniform(0.7, 3.0))
+        for kind in ("verify", "draft"):
+            table = ctl._costs[kind]
+            for b in (1, 3, 4, 6, 16, 20):
+                for n in range(0 if kind == "verify" else 1, 60, 3):
+                    got, want = table.estimates(b, n), _estimates_cell_by_cell(table, b, n)
+                    mismatches += got != want
+    assert (mismatches == 0) == leave_out, mismatches
+
+
 def test_unmeasured_cost_is_the_tightest_lower_bound_from_neighbours():
     assert AdaptiveController().estimated_cost("verify", 4, 3) is None
     untrusted = AdaptiveController()                   # cells need 3 samples to be trusted
@@ -452,7 +515,7 @@ def test_a_pass_past_the_measured_sizes_is_priced_on_the_measured_slope(secant, 
     The flat bound alone prices a 4-row pass of 28 drafts at the 12-draft one's cost and
     sends the controller to probe it (measured on this CPU: 26 ms bound, 50 ms real)."""
     if not secant:
-        monkeypatch.setattr(CostTable, "_secant", lambda self, bucket, size, below: None)
+        monkeypatch.setattr(CostTable, "_secant", lambda self, bucket, size, narrowest, widest: 0.0)
     cost = lambda n: 0.010 + 0.0013 * n  # noqa: E731 (seconds: 4 rows, n drafts in all)
     ctl = AdaptiveController(ControllerConfig(explore=0.0))
     _measured(ctl, 4, cost, (0, 1, 4, 12))
@@ -780,7 +843,7 @@ def test_plain_is_priced_from_plain_rounds_only(plain_from_plain, slow_first_pla
     if not plain_from_plain:
         real = ctl_mod.CostTable.__init__
         monkeypatch.setattr(ctl_mod.CostTable, "__init__",
-                            lambda self, *a, bounds=None, **kw: real(self, *a, **kw))
+                            lambda self, *a, plain_by_plain=False, **kw: real(self, *a, **kw))
     ctl, ids = four_alike_draft_rows(2, min_samples=3)
 
     def verify(rows, drafts):

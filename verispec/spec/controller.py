@@ -245,8 +245,10 @@ costs the pass nothing. At batch 1 this is exactly argmax_k E(alpha, k) / T(1, k
 from __future__ import annotations
 
 import math
+from bisect import bisect_left, bisect_right
 from collections import deque
 from dataclasses import asdict, dataclass, field
+from operator import itemgetter
 
 # Proposers whose drafting is a CPU lookup: no draft pass, no draft cost.
 FREE_DRAFT_PROPOSERS = frozenset({"ngram"})
@@ -373,6 +375,12 @@ class AcceptanceEstimator:
         self.trials = keep * self.trials + (1.0 - keep) * prior_weight
         self.successes = value * self.trials
 
+    def fade(self, keep: float) -> None:
+        """`relax` toward the estimate itself at no weight: the value stays, the data fades."""
+        trials = keep * self.trials + (1.0 - keep) * _NO_WEIGHT
+        self.successes *= trials / self.trials
+        self.trials = trials
+
     @property
     def value(self) -> float:
         """The estimate: decayed successes over decayed trials."""
@@ -385,18 +393,19 @@ class CostTable:
     A cell keeps its last `window` timings; its estimate is their mean over the timings
     within `outlier` times their median (see the module docstring: robust to a stall).
     `tokens(bucket, size)` is the work measure the bounds scale by: b + n for a verify pass
-    over n draft tokens, n for the draft model's n steps. `bounds(size, other)`: whether a
-    measured cell of size `other` may bound an unmeasured one of size `size` (default all).
+    over n draft tokens, n for the draft model's n steps. `plain_by_plain`: a pass of size 0
+    is bounded by measured cells of size 0 only (a verifying round does more per token).
     """
 
-    def __init__(self, window: int, tokens, min_samples: int = 1, bounds=None, outlier: float = 2.0,
-                 speed: "_Speed | None" = None):
+    def __init__(self, window: int, tokens, min_samples: int = 1, plain_by_plain: bool = False,
+                 outlier: float = 2.0, speed: "_Speed | None" = None):
         self._window = window
         self._outlier = outlier
         self._speed = speed if speed is not None else _Speed(0.0)
         self._tokens = tokens
-        self._bounds = bounds or (lambda size, other: True)
+        self._plain_by_plain = plain_by_plain
         self._cells_view: list[tuple] | None = None
+        self._prepared: dict[int, _Bucket] = {}  # bucket -> its view of the cells (`_bucket`)
         self._min_samples = min_samples
         self._cells: dict[tuple[int, int], _Cell] = {}  # (bucket, size bucket) -> cell
         self._widest: dict[int, int] = {}               # bucket -> largest size measured
@@ -423,6 +432,7 @@ class CostTable:
         once per change of any cell (`_refresh`), read by every estimate of every plan of a
         round (a few hundred microseconds of a 5 ms step before; fixed k pays none of it)."""
         if self._cells_view is None:
+            self._prepared.clear()
             self._cells_view = [(b, n, c.seconds, c.count, max(self._tokens(b, n), 1), c)
                                 for (b, n), c in self._cells.items()]
         return self._cells_view
@@ -474,52 +484,68 @@ class CostTable:
         return self.estimates(bucket, size)[0]
 
     def estimates(self, bucket: int, size: int) -> tuple[float | None, float | None]:
-        """(`estimate`, upper) in one pass over the cells (the controller prices every plan
-        of every round: this is its inner loop). upper: a price this pass cannot exceed, the
-        cheapest trusted cell of no fewer rows and no fewer draft tokens (cost never falls as
-        either grows), or None; so a plain round is bounded by verifying ones too (they do
-        more per token), a verifying round by verifying ones only (n >= size > 0)."""
+        """(`estimate`, upper): upper is a price this pass cannot exceed, the cheapest trusted
+        cell of no fewer rows and no fewer draft tokens (cost never falls as either grows),
+        or None; so a plain round is bounded by verifying ones too (they do more per token),
+        a verifying round by verifying ones only (n >= size > 0).
+
+        The controller prices every plan of every round with this (its inner loop), so the
+        cells are arranged once per bucket and change of any cell (`_bucket`) and each call
+        is a few binary searches."""
         size = size_bucket(size)
-        key = (bucket, size)
-        cell = self._cells.get(key)
-        f, least, comparable = self._speed.factor, self._min_samples, self._bounds
-        best = best_any = upper = None
-        work, below = self._tokens(bucket, size), []
-        for b, n, seconds, count, w, c in self._view():
-            trusted = count >= least
-            if trusted and b >= bucket and n >= size and (upper is None or seconds < upper):
-                upper = seconds
-            if b == bucket and n == size:
-                continue
-            bound = seconds * (bucket / b if bucket < b else 1.0) * (work / w if work < w else 1.0)
-            if best_any is None or bound > best_any:
-                best_any = bound
-            if comparable(size, n):
-                if best is None or bound > best:
-                    best = bound
-                if trusted and b == bucket and 1 <= n < size:
-                    below.append((n, c))
-        upper = None if upper is None else upper * f
-        if cell is not None and cell.count >= least:
+        cell = self._cells.get((bucket, size))
+        f, prep = self._speed.factor, self._bucket(bucket)
+        i = bisect_left(prep.upper_sizes, size)
+        upper = prep.upper_min[i] * f if i < len(prep.upper_sizes) else None
+        if cell is not None and cell.count >= self._min_samples:
             return cell.seconds * f, upper
-        secant = self._secant(bucket, size, below)
-        if secant is not None:
+        work = self._tokens(bucket, size)
+        plain_only = self._plain_by_plain and size == 0
+        if plain_only and prep.plain is None:  # (rarely needed: the plain cell is young)
+            prep.plain = _Bounds([t for t in prep.scaled if t[2] == 0])
+        best = (prep.plain if plain_only else prep.all).bound(work, cell)
+        j = bisect_left(prep.below_sizes, size)  # trusted drafting cells of fewer drafts
+        if j >= 2:
+            secant = self._secant(bucket, size, prep.below[0], prep.below[j - 1])
             best = secant if best is None else max(best, secant)
         if cell is None:
             estimate = None if best is None else best * f
         else:
             # a young cell is distrusted down to its bound, or, with no comparable cell, to
             # any cell's (that only makes the estimate more optimistic)
-            bound = best if best is not None else best_any
+            bound = best if best is not None or not plain_only else prep.all.bound(work, cell)
             estimate = f * (cell.seconds if bound is None else min(cell.seconds, bound))
         # never above what trusted cells show it cannot exceed: a young cell's stall (100 ms
         # for a 4-row pass) bounds its neighbours from below at a price their trusted upper
         # bound rules out
         return (estimate if upper is None or estimate is None else min(estimate, upper)), upper
 
-    def _secant(self, bucket: int, size: int, below: list) -> float | None:
+    def _bucket(self, bucket: int) -> "_Bucket":
+        """The cells as one bucket's estimates read them, made once per change of any cell.
+
+        A measured cell (b', n') bounds a pass (b, n) from below by
+        c * min(1, b / b') * min(1, work / w'): s = c min(1, b / b') while w' <= work, s work / w'
+        past it. So, the cells sorted by w', the bound at any work is the larger of a prefix
+        maximum of s and work times a suffix maximum of s / w' (`_Bounds`)."""
+        prep = self._prepared.get(bucket)
+        if prep is not None and self._cells_view is not None:
+            return prep
+        view, least = self._view(), self._min_samples
+        ups = sorted((n, seconds) for b, n, seconds, count, _, _ in view if count >= least and b >= bucket)
+        upper_min = [0.0] * len(ups)
+        low = math.inf
+        for i in range(len(ups) - 1, -1, -1):
+            low = upper_min[i] = min(low, ups[i][1])
+        scaled = [(w, seconds * (bucket / b if bucket < b else 1.0), n, c) for b, n, seconds, _, w, c in view]
+        below = sorted((n, c) for b, n, _, count, _, c in view if b == bucket and n >= 1 and count >= least)
+        prep = self._prepared[bucket] = _Bucket(
+            [n for n, _ in ups], upper_min, scaled, _Bounds(scaled), None, [n for n, _ in below], below)
+        return prep
+
+    def _secant(self, bucket: int, size: int, narrowest: tuple, widest: tuple) -> float:
         """The convexity bound past the measured sizes of this batch bucket (speed-free),
-        from `below`: its trusted drafting cells (n, cell) of fewer than `size` drafts.
+        from the narrowest and widest of its trusted drafting cells (n, cell) of fewer than
+        `size` drafts.
 
         A pass's cost is a fixed part while it is memory-bound, then grows with its tokens
         once it is compute-bound: convex in its tokens. So past the widest trusted cell (n1)
@@ -531,9 +557,7 @@ class CostTable:
         slow first sample would make the slope, and the bound, too steep, and a plain round
         does less per token than any verifying one.
         """
-        if len(below) < 2:
-            return None
-        (n0, c0), (n1, c1) = min(below, key=lambda t: t[0]), max(below, key=lambda t: t[0])
+        (n0, c0), (n1, c1) = narrowest, widest
         w0, w1 = self._tokens(bucket, n0), self._tokens(bucket, n1)
         # the slope's lower end: each mean moved two standard errors toward the other (timing
         # noise between close sizes would otherwise read as a steep slope and price wide
@@ -610,6 +634,60 @@ class _Cell:
     stamp: int = -1
 
 
+class _Bounds:
+    """Lower bounds from a set of cells, each (w, s, n, cell): s its speed-free seconds scaled
+    to the bucket's rows, w its work measure. The bound at `work` is the largest of s (cells
+    with w <= work) and s * work / w (wider cells), leaving out the cell being estimated."""
+
+    __slots__ = ("ws", "top", "second", "ratio")
+
+    def __init__(self, cells: list[tuple]):
+        cells = sorted(cells, key=lambda t: t[0])
+        self.ws = [t[0] for t in cells]
+        self.top, self.second = [], []  # prefix maxima of s: the best (s, cell), the best of another cell
+        top = second = (-math.inf, None)
+        for _, s, _, c in cells:
+            if s > top[0]:
+                top, second = (s, c), top
+            elif s > second[0]:
+                second = (s, c)
+            self.top.append(top)
+            self.second.append(second[0])
+        self.ratio = [(0.0, 0.0, 1.0)] * (len(cells) + 1)  # suffix maxima of s / w, as (s / w, s, w)
+        for i in range(len(cells) - 1, -1, -1):
+            w, s = cells[i][0], cells[i][1]
+            if s / w > self.ratio[i + 1][0]:
+                self.ratio[i] = (s / w, s, w)
+            else:
+                self.ratio[i] = self.ratio[i + 1]
+
+    def bound(self, work: float, leave_out: "_Cell | None") -> float | None:
+        if not self.ws:
+            return None
+        i = bisect_right(self.ws, work)
+        best = -math.inf
+        if i:
+            s, c = self.top[i - 1]
+            best = s if c is not leave_out else self.second[i - 1]
+        if i < len(self.ws):
+            _, s, w = self.ratio[i]
+            best = max(best, s * (work / w))  # (the same rounding as the bound's definition)
+        return None if best == -math.inf else best
+
+
+@dataclass
+class _Bucket:
+    """One bucket's view of a table's cells (`CostTable._bucket`)."""
+
+    upper_sizes: list      # sizes of the trusted cells of no fewer rows, ascending
+    upper_min: list        # the least seconds among them from each index on
+    scaled: list           # every cell as (w, s, n, cell) (see `_Bounds`)
+    all: _Bounds           # lower bounds from every cell
+    plain: _Bounds | None  # ... from cells of size 0 (made when first needed)
+    below_sizes: list      # sizes of the bucket's trusted drafting cells, ascending
+    below: list            # those cells as (n, cell)
+
+
 @dataclass
 class _Request:
     proposer: str
@@ -646,7 +724,7 @@ class AdaptiveController:
         # sampling, KV rollback), so only plain rounds bound a plain one (see the docstring).
         self._speed = _Speed(cfg.cost_drift)  # shared: a slowdown hits every pass alike
         self._costs = {"verify": CostTable(cfg.cost_window, lambda b, n: b + n, cfg.cost_min_samples,
-                                           bounds=lambda n, other: n > 0 or other == 0,
+                                           plain_by_plain=True,
                                            outlier=cfg.cost_outlier, speed=self._speed),
                        "draft": CostTable(cfg.cost_window, lambda b, n: n, cfg.cost_min_samples,
                                           outlier=cfg.cost_outlier, speed=self._speed)}
@@ -827,8 +905,8 @@ class AdaptiveController:
         """The request's last round tested nothing: its acceptance may have changed since."""
         keep = 0.5 ** (1.0 / self.config.idle_half_life_rounds)
         req.estimator.relax(self._global[req.proposer].value, self.config.prior_weight_tokens, keep)
-        for part in (req.first, req.cont):  # their data fades: back toward the pooled alpha
-            part.relax(part.value, _NO_WEIGHT, keep)
+        req.first.fade(keep)  # their data fades: back toward the pooled alpha
+        req.cont.fade(keep)
 
     def _adaptive_ks(self, reqs: list[_Request], batch_size: int, caps: list[int],
                      catch_up: list[int], remaining: list[int]) -> list[int]:
@@ -853,7 +931,7 @@ class AdaptiveController:
                 g *= c
             if cap and req.proposer not in FREE_DRAFT_PROPOSERS:
                 drafters.add(i)
-        gains.sort(key=lambda t: -t[0])  # stable: ties keep row order, and a row's positions in order
+        gains.sort(key=itemgetter(0), reverse=True)  # stable: ties keep row order, a row's positions in order
         # The gain order ignores one-off catch-up charges, so the rows that need none are
         # also tried alone: a caught-up row may draft while the others stay plain.
         variants = [gains]
@@ -867,9 +945,10 @@ class AdaptiveController:
             if starters:
                 first = min(starters, key=lambda i: (-firsts[i], catch_up[i]))
                 variants.append([t for t in gains if not charge[t[1]] or t[1] == first])
-        verify_s: dict[int, tuple[float, float | None]] = {}  # size bucket -> (estimate, upper)
-        draft_cost: dict[tuple[int, int] | None, tuple[float, float | None]] = {}
+        verify_s: dict[int, tuple[float | None, float | None, bool]] = {}  # size bucket -> priced
+        draft_cost: dict[tuple[int, int], tuple[float | None, float | None]] = {}
         needy = {i for i, c in enumerate(catch_up) if c}
+        charged = any(charge)
         catch_up_known = self._catch_up[1] > 0
 
         def plan(pool: list, depth: int) -> list[tuple[float, int, bool, float, float | None, float]]:
@@ -880,23 +959,29 @@ class AdaptiveController:
             else their upper bounds from trusted cells), None if there are none."""
             out, total, one_off, taken, rows = [], float(batch_size), 0.0, 0, set()
             for n in _sizes_upto(min(len(pool), limit)):
-                total += sum(t[0] for t in pool[taken:n])
-                # a row's share of its catch-up: the tokens this round adds, 1 + alpha at its first draft
-                one_off += sum(charge[t[1]] * (t[0] + (1.0 if t[2] == 1 else 0.0)) for t in pool[taken:n])
-                rows.update(t[1] for t in pool[taken:n] if t[1] in drafters)
-                taken = n
+                if n > taken:
+                    added = pool[taken:n]
+                    total += sum([t[0] for t in added])
+                    if charged:  # a row's share of its catch-up: the tokens this round adds, 1 + alpha at its first draft
+                        one_off += sum(charge[t[1]] * (t[0] + (1.0 if t[2] == 1 else 0.0)) for t in added)
+                    if drafters:
+                        rows.update(t[1] for t in added if t[1] in drafters)
+                    taken = n
                 b = size_bucket(n)
-                if b not in verify_s:  # no estimate at all: unmeasured, so optimistic (free)
-                    v, v_hi = self.estimated_range("verify", batch_size, n)
-                    verify_s[b] = (v, v_hi)
-                key = (batch_bucket(len(rows)), depth) if rows else None
-                passes_trusted = verify.trusted(bucket, n) and (not rows or draft.trusted(key[0], depth))
-                if len(rows & starters) > 1 and not passes_trusted:
-                    continue  # several catch-ups bought on optimistic prices
-                if key not in draft_cost:
-                    d, d_hi = self.estimated_range("draft", len(rows), depth) if rows else (0.0, 0.0)
-                    draft_cost[key] = (d, d_hi)
-                (v, v_hi), (d, d_hi) = verify_s[b], draft_cost[key]
+                priced_v = verify_s.get(b)
+                if priced_v is None:  # (estimate, upper, trusted) of the verify pass
+                    priced_v = verify_s[b] = (*self.estimated_range("verify", batch_size, n), verify.trusted(bucket, n))
+                v, v_hi, passes_trusted = priced_v
+                if rows:
+                    key = (batch_bucket(len(rows)), depth)
+                    passes_trusted = passes_trusted and draft.trusted(key[0], depth)
+                    if len(rows & starters) > 1 and not passes_trusted:
+                        continue  # several catch-ups bought on optimistic prices
+                    if key not in draft_cost:
+                        draft_cost[key] = self.estimated_range("draft", len(rows), depth)
+                    d, d_hi = draft_cost[key]
+                else:
+                    d = d_hi = 0.0
                 # a pass with no estimate at all is unmeasured, so optimistic (free); a plan
                 # with such a pass has no price to cap its round's charge (see "Exploration budget")
                 priced = math.inf if v is None or d is None else v + one_off + d
