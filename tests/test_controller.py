@@ -431,8 +431,12 @@ def _estimates_cell_by_cell(table: CostTable, bucket: int, size: int):
     upper = None if upper is None else upper * f
     if cell is not None and cell.count >= least:
         return cell.seconds * f, upper
+    plain = table._cells.get((bucket, 0))
     if len(below) >= 2:
         secant = table._secant(bucket, size, min(below, key=lambda t: t[0]), max(below, key=lambda t: t[0]))
+        best = secant if best is None else max(best, secant)
+    elif below and table._plain_by_plain and plain is not None and plain.count >= least:
+        secant = table._secant(bucket, size, (0, plain), below[0], CostTable.PLAIN_SLOPE_SHARE)
         best = secant if best is None else max(best, secant)
     if cell is None:
         estimate = None if best is None else best * f
@@ -515,7 +519,7 @@ def test_a_pass_past_the_measured_sizes_is_priced_on_the_measured_slope(secant, 
     The flat bound alone prices a 4-row pass of 28 drafts at the 12-draft one's cost and
     sends the controller to probe it (measured on this CPU: 26 ms bound, 50 ms real)."""
     if not secant:
-        monkeypatch.setattr(CostTable, "_secant", lambda self, bucket, size, narrowest, widest: 0.0)
+        monkeypatch.setattr(CostTable, "_secant", lambda self, *args: 0.0)
     cost = lambda n: 0.010 + 0.0013 * n  # noqa: E731 (seconds: 4 rows, n drafts in all)
     ctl = AdaptiveController(ControllerConfig(explore=0.0))
     _measured(ctl, 4, cost, (0, 1, 4, 12))
@@ -535,6 +539,23 @@ def test_a_pass_past_the_measured_sizes_is_priced_on_the_measured_slope(secant, 
     # the slope's two-standard-error lower end is ~0: the bound stays at the widest cell's
     # lower end instead of extrapolating noise (the means' slope, 1e-3 s a draft, doubled the bound at 28)
     assert noisy.estimated_cost("verify", 4, 28) < 0.016
+
+
+@pytest.mark.parametrize("share", [CostTable.PLAIN_SLOPE_SHARE, 0.0], ids=["half the slope", "broken: flat bound"])
+def test_plain_and_one_drafting_size_price_a_wider_pass_on_half_their_slope(share, monkeypatch):
+    """16 rows, plain 20 ms and 16 drafts 37 ms measured (trusted), acceptance 0.5 (chat at
+    16 in flight on this CPU). On the flat bound from the 16-draft cell, 48 drafts cost
+    37 ms and look 18% better than plain: the controller probes them (they took 77-93 ms).
+    Half the slope from plain prices them at 54 ms, and 48 drafts are out."""
+    monkeypatch.setattr(CostTable, "PLAIN_SLOPE_SHARE", share)
+    ctl = AdaptiveController(ControllerConfig(explore=0.0))
+    _measured(ctl, 16, lambda n: 0.020 if n == 0 else 0.037, (0, 16))
+    ids = [f"r{i}" for i in range(16)]
+    _accepting(ctl, ids, accepted=1)  # alpha 0.5
+    expected = 0.037 + 32 * share * (0.037 - 0.020) / 16
+    assert math.isclose(ctl.estimated_cost("verify", 16, 48), expected)
+    drafts = sum(ctl.choose_k(ids, 16, [8] * 16).values())
+    assert (drafts < 16) == (share > 0), drafts  # (1-2 drafts are unmeasured: optimistic)
 
 
 def test_size_buckets_are_exact_to_8_then_4_per_octave():

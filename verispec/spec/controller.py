@@ -120,7 +120,9 @@ then a per-token part), so it lies above the secant through the narrowest and wi
 trusted drafting passes, continued (each end moved two standard errors of its mean toward
 the other, so timing noise between close sizes does not read as a slope). Without it a
 4-row pass of 28 drafts was priced at its 12-draft neighbour's 26 ms, took 50 ms, and was
-probed three times in one run (default model, code, 4 in flight). The same two assumptions
+probed three times in one run (default model, code, 4 in flight). With one trusted drafting
+pass, the trusted plain round is the narrow end at half the slope (a verifying round's
+fixed extra would otherwise read as slope; see `CostTable._secant`). The same two assumptions
 give an upper bound: a pass costs no more than a trusted cell with no fewer rows and no
 fewer draft tokens (a plain round no more than any such, a verifying one no more than a
 verifying one), and no estimate is above it. A plain round is bounded by plain rounds only: a
@@ -397,6 +399,8 @@ class CostTable:
     is bounded by measured cells of size 0 only (a verifying round does more per token).
     """
 
+    PLAIN_SLOPE_SHARE = 0.5  # of the slope from a plain cell (see `_secant`)
+
     def __init__(self, window: int, tokens, min_samples: int = 1, plain_by_plain: bool = False,
                  outlier: float = 2.0, speed: "_Speed | None" = None):
         self._window = window
@@ -505,8 +509,9 @@ class CostTable:
             prep.plain = _Bounds([t for t in prep.scaled if t[2] == 0])
         best = (prep.plain if plain_only else prep.all).bound(work, cell)
         j = bisect_left(prep.below_sizes, size)  # trusted drafting cells of fewer drafts
-        if j >= 2:
-            secant = self._secant(bucket, size, prep.below[0], prep.below[j - 1])
+        if j >= 2 or (j == 1 and prep.plain_end is not None):
+            narrowest, share = (prep.below[0], 1.0) if j >= 2 else (prep.plain_end, self.PLAIN_SLOPE_SHARE)
+            secant = self._secant(bucket, size, narrowest, prep.below[j - 1], share)
             best = secant if best is None else max(best, secant)
         if cell is None:
             estimate = None if best is None else best * f
@@ -538,14 +543,16 @@ class CostTable:
             low = upper_min[i] = min(low, ups[i][1])
         scaled = [(w, seconds * (bucket / b if bucket < b else 1.0), n, c) for b, n, seconds, _, w, c in view]
         below = sorted((n, c) for b, n, _, count, _, c in view if b == bucket and n >= 1 and count >= least)
+        plain = self._cells.get((bucket, 0)) if self._plain_by_plain else None
         prep = self._prepared[bucket] = _Bucket(
-            [n for n, _ in ups], upper_min, scaled, _Bounds(scaled), None, [n for n, _ in below], below)
+            [n for n, _ in ups], upper_min, scaled, _Bounds(scaled), None, [n for n, _ in below], below,
+            (0, plain) if plain is not None and plain.count >= least else None)
         return prep
 
-    def _secant(self, bucket: int, size: int, narrowest: tuple, widest: tuple) -> float:
+    def _secant(self, bucket: int, size: int, narrowest: tuple, widest: tuple, share: float = 1.0) -> float:
         """The convexity bound past the measured sizes of this batch bucket (speed-free),
         from the narrowest and widest of its trusted drafting cells (n, cell) of fewer than
-        `size` drafts.
+        `size` drafts, the slope taken at `share` of its value.
 
         A pass's cost is a fixed part while it is memory-bound, then grows with its tokens
         once it is compute-bound: convex in its tokens. So past the widest trusted cell (n1)
@@ -553,9 +560,16 @@ class CostTable:
         c1 + (w - w1) (c1 - c0) / (w1 - w0), w the work measure. The flat bound alone priced
         a 4-row pass of 28 drafts at its 12-draft neighbour's 26 ms; it took 50 ms, and the
         probe ran three times (default model, code, 4 in flight; the secant through 4 and 12
-        drafts gives 44 ms). Only trusted cells of at least one draft count: a young cell's
-        slow first sample would make the slope, and the bound, too steep, and a plain round
-        does less per token than any verifying one.
+        drafts gives 44 ms). Only trusted cells count: a young cell's slow first sample would
+        make the slope, and the bound, too steep.
+
+        With one trusted drafting cell the bucket's trusted plain cell is the narrow end, at
+        `PLAIN_SLOPE_SHARE` of the slope: a plain round does less per token than a verifying
+        one (the verify round's fixed extra, rejection sampling and KV rollback, would read as
+        slope), so half the slope is a bound while that extra is at most half of what the
+        drafting cell costs beyond plain. Without it, 16 rows (chat) measured 16 drafts at 1.9x
+        a plain round, then probed 48 drafts on the flat bound from 16 (37 ms) and paid 77-93 ms,
+        once or twice a run: ~1% of the run for a pass whose half-slope bound (54 ms) rules it out.
         """
         (n0, c0), (n1, c1) = narrowest, widest
         w0, w1 = self._tokens(bucket, n0), self._tokens(bucket, n1)
@@ -563,7 +577,7 @@ class CostTable:
         # noise between close sizes would otherwise read as a steep slope and price wide
         # passes out: 16 rows, a fixed 60% for any drafting, 5% noise lost 0.8% of throughput)
         low, high = c1.seconds - c1.error, c0.seconds + c0.error
-        return low + (self._tokens(bucket, size) - w1) * max(0.0, low - high) / (w1 - w0)
+        return low + (self._tokens(bucket, size) - w1) * share * max(0.0, low - high) / (w1 - w0)
 
     def rescale(self, factor: float, cell: "_Cell | None" = None, last: int | None = None) -> None:
         """Multiply stored (speed-free) timings by `factor`: every cell's, or `cell`'s `last` ones."""
@@ -686,6 +700,7 @@ class _Bucket:
     plain: _Bounds | None  # ... from cells of size 0 (made when first needed)
     below_sizes: list      # sizes of the bucket's trusted drafting cells, ascending
     below: list            # those cells as (n, cell)
+    plain_end: tuple | None  # (0, the bucket's plain cell) if trusted and the table bounds plain by plain
 
 
 @dataclass
