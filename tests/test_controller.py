@@ -558,6 +558,40 @@ def test_plain_and_one_drafting_size_price_a_wider_pass_on_half_their_slope(shar
     assert (drafts < 16) == (share > 0), drafts  # (1-2 drafts are unmeasured: optimistic)
 
 
+@pytest.mark.parametrize("refresh, restart", [(True, True), (False, True), (True, False)],
+                         ids=["", "broken: plain never re-timed", "broken: old timings kept"])
+def test_a_plain_cell_timed_in_a_slow_stretch_is_re_timed_while_drafting(refresh, restart, monkeypatch):
+    """4 rows, first drafts accepted ~0.45, no probes. Plain rounds were timed in a slow
+    stretch (7.6 ms; 6.6 at the normal pace), drafts afterwards (6.6 + 1 ms a draft): one
+    draft looks 11% better than plain while it is 4% worse. The controller re-times plain
+    within two windows of passes, the fresh timing replaces the stale ones, and it plays
+    plain from then on. Never re-timed, it drafts on; re-timed but averaged with the 16
+    stale timings, plain still looks worse (what the session-16 lockstep trace at 16 in
+    flight showed: plain priced at 27.7 ms, its rounds at 23.5)."""
+    from verispec.spec import controller as ctl_mod
+    if not refresh:
+        monkeypatch.setattr(ctl_mod.AdaptiveController, "_plain_is_stale", lambda self, *a: False)
+    if not restart:
+        monkeypatch.setattr(ctl_mod.CostTable, "STALE_AFTER_WINDOWS", 10 ** 9)
+    ctl = AdaptiveController(ControllerConfig(explore=0.0))
+    ids = ["a", "b", "c", "d"]
+    for rid in ids:
+        ctl.start(rid, "ngram")
+    cost = lambda drafts: 0.0066 + 0.001 * drafts  # noqa: E731 (the normal pace)
+    _measured(ctl, 4, lambda n: 0.0076, (0,), times=16)  # the slow stretch
+    _measured(ctl, 4, cost, (4,), times=3)
+    plain_rounds = []
+    for r in range(120):
+        ks = ctl.choose_k(ids, 4, [8] * 4)
+        for i, rid in enumerate(ids):
+            if ks[rid]:
+                ctl.observe_acceptance(rid, ks[rid], 1 if (r + i) % 20 < 9 else 0)  # 0.45
+        ctl.observe_cost("verify", 4, sum(ks.values()), cost(sum(ks.values())))
+        plain_rounds.append(not any(ks.values()))
+    late = sum(plain_rounds[60:])
+    assert (late >= 50) == (refresh and restart), (late, sum(plain_rounds[:60]))
+
+
 def test_size_buckets_are_exact_to_8_then_4_per_octave():
     assert [size_bucket(n) for n in range(10)] == list(range(9)) + [10]
     assert [size_bucket(n) for n in (11, 12, 13, 16, 17, 20, 21, 33, 129)] == [12, 12, 14, 16, 20, 20, 24, 40, 160]

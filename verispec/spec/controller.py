@@ -160,6 +160,23 @@ at 1.6x visiting both cells, then 16 plain ones: the drafting cell ends 30% high
 f, 4.5% with it. Young cells do not move f: a cell that spans several sizes, filled in one
 sweep of rising sizes, would read as a machine slowing down.
 
+Stale cells
+-----------
+A cell not visited keeps the timings of whenever it was last visited, and plain decoding is
+the cell every drafting plan is compared with. In lockstep at 16 in flight (chat) plain
+rounds ran 19-20 ms early, 25-31 ms in a slow stretch, then ~23 ms again; the controller
+probed 2 drafts at the end of the stretch and from then on compared 2-draft rounds timed at
+the fast pace (25-28 ms) with plain priced at the slow one (27.7 ms against a true 23.5): it
+drafted in 29 of the last 33 rounds at a loss (the speed factor reads established cells
+only, and the drafting cell was young). So (1) while the controller drafts at a bucket whose
+plain round was last timed more than 2 `cost_window` passes ago, and plain's estimated rate
+is within `explore_within` of the chosen plan's, it plays one plain round instead (at most
+one round in 32 at a price within 15%: < 0.5% where drafting pays); and (2) a cell visited
+after more than 2 `cost_window` passes without one holds only the fresh timing: the old ones
+are of another stretch of the run, and a fresh timing is unbiased where their mean is not
+(a cell that is then chosen gathers samples again; one visited only now and then is priced
+by its latest timing).
+
 Exploring from a cold start costs real rounds, and at batch 16 one round of 8 drafts per
 row costs ~4 plain steps (measured). So the controller widens step by step: with nothing
 measured it plays plain decoding; a verify pass may hold at most twice the tokens of the
@@ -400,6 +417,7 @@ class CostTable:
     """
 
     PLAIN_SLOPE_SHARE = 0.5  # of the slope from a plain cell (see `_secant`)
+    STALE_AFTER_WINDOWS = 2  # a cell unvisited for this many windows of passes restarts (`observe`)
 
     def __init__(self, window: int, tokens, min_samples: int = 1, plain_by_plain: bool = False,
                  outlier: float = 2.0, speed: "_Speed | None" = None):
@@ -422,11 +440,17 @@ class CostTable:
         cell = self._cells.get(key)
         if cell is None:
             cell = self._cells[key] = _Cell(deque(maxlen=self._window))
+        # Unvisited for more than two windows of passes: its timings are of another stretch of
+        # the run, and the fresh one replaces them (see "Stale cells").
+        stale = cell.count > 0 and stamp - cell.stamp > self.STALE_AFTER_WINDOWS * self._window
+        if stale:
+            cell.samples.clear()
         speed = self._speed
         cell.samples.append(seconds / speed.factor)
         cell.count += 1
         cell.stamp = stamp
-        expected = cell.seconds * speed.factor if cell.count > self._window else 0.0  # established cells only
+        # established cells only, and not a stale one (its old mean is not this moment's pace)
+        expected = cell.seconds * speed.factor if cell.count > self._window and not stale else 0.0
         self._refresh(cell)
         if expected > 0.0 and seconds > 0.0 and 1.0 / self._outlier <= seconds / expected <= self._outlier:
             speed.observe(seconds / expected, self, cell)  # (a stall is not the machine's pace)
@@ -1045,6 +1069,8 @@ class AdaptiveController:
         if self._probe_due():
             probe = self._probe(options, i, bucket)
             i = probe if may_explore or options[probe][2] else i
+        if options[i][1] and self._plain_is_stale(bucket, options[0][0], options[i][0]):
+            i = 0  # a plain round: every drafting plan's reference, re-measured (see "Stale cells")
         self._round = _Round(float(batch_size), explores=not options[i][2], safe_rate=safe[1][safe[2]][4],
                              seconds=options[i][3], priced=options[i][5])
         ks = [0] * len(reqs)
@@ -1123,6 +1149,12 @@ class AdaptiveController:
             self._probes += 1
             return j
         return i
+
+    def _plain_is_stale(self, bucket: int, plain_rate: float, best_rate: float) -> bool:
+        """Whether plain decoding at this bucket was last timed more than two windows of
+        passes ago while its rate is within `explore_within` of the chosen plan's."""
+        age = self._num_cost_samples - self._costs["verify"].stamp(bucket, 0)
+        return age > 2 * self.config.cost_window and plain_rate >= (1.0 - self.config.explore_within) * best_rate
 
     def _probe_due(self) -> bool:
         """Deterministic: true on a fraction `explore` of rounds, evenly spread."""
