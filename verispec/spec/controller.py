@@ -517,8 +517,8 @@ class CostTable:
         or None; so a plain round is bounded by verifying ones too (they do more per token),
         a verifying round by verifying ones only (n >= size > 0).
 
-        The controller prices every plan of every round with this (its inner loop), so the
-        cells are arranged once per bucket and change of any cell (`_bucket`) and each call
+        The controller prices every plan of every round with this (its inner loop), so each
+        bucket's view of the cells is made once after any cell changes (`_bucket`) and a call
         is a few binary searches."""
         size = size_bucket(size)
         cell = self._cells.get((bucket, size))
@@ -724,7 +724,7 @@ class _Bucket:
     plain: _Bounds | None  # ... from cells of size 0 (made when first needed)
     below_sizes: list      # sizes of the bucket's trusted drafting cells, ascending
     below: list            # those cells as (n, cell)
-    plain_end: tuple | None  # (0, the bucket's plain cell) if trusted and the table bounds plain by plain
+    plain_end: tuple | None  # (0, the bucket's plain cell): trusted, in a table bounding plain by plain
 
 
 @dataclass
@@ -1001,7 +1001,7 @@ class AdaptiveController:
                 if n > taken:
                     added = pool[taken:n]
                     total += sum([t[0] for t in added])
-                    if charged:  # a row's share of its catch-up: the tokens this round adds, 1 + alpha at its first draft
+                    if charged:  # a row's share of its catch-up: the tokens the round adds (1 + alpha at a 1st draft)
                         one_off += sum(charge[t[1]] * (t[0] + (1.0 if t[2] == 1 else 0.0)) for t in added)
                     if drafters:
                         rows.update(t[1] for t in added if t[1] in drafters)
@@ -1009,7 +1009,8 @@ class AdaptiveController:
                 b = size_bucket(n)
                 priced_v = verify_s.get(b)
                 if priced_v is None:  # (estimate, upper, trusted) of the verify pass
-                    priced_v = verify_s[b] = (*self.estimated_range("verify", batch_size, n), verify.trusted(bucket, n))
+                    priced_v = verify_s[b] = (*self.estimated_range("verify", batch_size, n),
+                                              verify.trusted(bucket, n))
                 v, v_hi, passes_trusted = priced_v
                 if rows:
                     key = (batch_bucket(len(rows)), depth)
