@@ -409,7 +409,8 @@ class AcceptanceEstimator:
 class CostTable:
     """Seconds of one pass kind per (batch bucket, size bucket), with optimistic estimates.
 
-    A cell keeps its last `window` timings; its estimate is their mean over the timings
+    A cell keeps its last `window` timings (only the fresh one when it was unvisited for
+    `STALE_AFTER_WINDOWS` windows of passes); its estimate is their mean over the timings
     within `outlier` times their median (see the module docstring: robust to a stall).
     `tokens(bucket, size)` is the work measure the bounds scale by: b + n for a verify pass
     over n draft tokens, n for the draft model's n steps. `plain_by_plain`: a pass of size 0
@@ -460,7 +461,6 @@ class CostTable:
         once per change of any cell (`_refresh`), read by every estimate of every plan of a
         round (a few hundred microseconds of a 5 ms step before; fixed k pays none of it)."""
         if self._cells_view is None:
-            self._prepared.clear()
             self._cells_view = [(b, n, c.seconds, c.count, max(self._tokens(b, n), 1), c)
                                 for (b, n), c in self._cells.items()]
         return self._cells_view
@@ -468,6 +468,7 @@ class CostTable:
     def _refresh(self, cell: "_Cell") -> None:
         """The cell's robust mean of its stored timings, and that mean's error."""
         self._cells_view = None
+        self._prepared.clear()
         ordered = sorted(cell.samples)
         m = len(ordered)
         median = 0.5 * (ordered[(m - 1) // 2] + ordered[m // 2])
@@ -542,7 +543,7 @@ class CostTable:
         else:
             # a young cell is distrusted down to its bound, or, with no comparable cell, to
             # any cell's (that only makes the estimate more optimistic)
-            bound = best if best is not None or not plain_only else prep.all.bound(work, cell)
+            bound = best if best is not None else prep.all.bound(work, cell)
             estimate = f * (cell.seconds if bound is None else min(cell.seconds, bound))
         # never above what trusted cells show it cannot exceed: a young cell's stall (100 ms
         # for a 4-row pass) bounds its neighbours from below at a price their trusted upper
@@ -557,7 +558,7 @@ class CostTable:
         past it. So, the cells sorted by w', the bound at any work is the larger of a prefix
         maximum of s and work times a suffix maximum of s / w' (`_Bounds`)."""
         prep = self._prepared.get(bucket)
-        if prep is not None and self._cells_view is not None:
+        if prep is not None:
             return prep
         view, least = self._view(), self._min_samples
         ups = sorted((n, seconds) for b, n, seconds, count, _, _ in view if count >= least and b >= bucket)
@@ -1153,7 +1154,7 @@ class AdaptiveController:
 
     def _plain_is_stale(self, bucket: int, plain_rate: float, best_rate: float) -> bool:
         """Whether plain decoding at this bucket was last timed more than two windows of
-        passes ago while its rate is within `explore_within` of the chosen plan's."""
+        passes ago (or never) while its rate is within `explore_within` of the chosen plan's."""
         age = self._num_cost_samples - self._costs["verify"].stamp(bucket, 0)
         return age > 2 * self.config.cost_window and plain_rate >= (1.0 - self.config.explore_within) * best_rate
 
