@@ -114,7 +114,7 @@ def main(argv=None) -> int:
     share = {k: v / seconds["adaptive"] for k, v in timers.items()}
     print(f"  adaptive's host time: choose_k {share['choose_k']:.1%}, lookups {share['lookup']:.1%} of its run")
     header = common.finish_run(header, t0)
-    common.write_json(common.RESULTS_DIR / f"spec_overhead-{args.task}-c{c}-budget{budget:g}.json", {
+    common.write_json(args.out or common.RESULTS_DIR / f"spec_overhead-{args.task}-c{c}-budget{budget:g}.json", {
         "benchmark": "spec_overhead", "schema": "verispec.bench.spec-overhead/v1", **header,
         "settings": {"model": args.model, "task": args.task, "datasets": sources, "concurrency": c,
                      "num_prompts": args.num_prompts, "max_tokens": args.max_tokens, "rounds": args.rounds,
