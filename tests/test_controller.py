@@ -431,13 +431,31 @@ def _estimates_cell_by_cell(table: CostTable, bucket: int, size: int):
     upper = None if upper is None else upper * f
     if cell is not None and cell.count >= least:
         return cell.seconds * f, upper
-    plain = table._cells.get((bucket, 0))
-    if len(below) >= 2:
-        secant = table._secant(bucket, size, min(below, key=lambda t: t[0]), max(below, key=lambda t: t[0]))
-        best = secant if best is None else max(best, secant)
-    elif below and table._plain_by_plain and plain is not None and plain.count >= least:
-        secant = table._secant(bucket, size, (0, plain), below[0], CostTable.PLAIN_SLOPE_SHARE)
-        best = secant if best is None else max(best, secant)
+    # the convexity bounds: the secant through the narrowest and widest trusted drafting cells
+    # of fewer drafts (with one such, the plain cell at a share of the slope), and the plain
+    # cell on a smaller bucket's plain slope
+    share = CostTable.PLAIN_SLOPE_SHARE
+    plain = table._cells.get((bucket, 0)) if table._plain_by_plain else None
+    plain = plain if plain is not None and plain.count >= least else None
+    tokens, secants = table._tokens, []
+
+    def secant(n0, c0, n1, c1, share):
+        low, high, w0, w1 = c1.seconds - c1.error, c0.seconds + c0.error, tokens(bucket, n0), tokens(bucket, n1)
+        return low + (work - w1) * (share * max(0.0, low - high) / (w1 - w0))
+
+    ends = sorted(below, key=lambda t: t[0])
+    if len(ends) >= 2:
+        secants.append(secant(*ends[0], *ends[-1], 1.0))
+    elif ends and plain is not None:
+        secants.append(secant(0, plain, *ends[0], share))
+    if plain is not None and size > 0:
+        wp, low = tokens(bucket, 0), plain.seconds - plain.error
+        for (b, n), c in table._cells.items():
+            if n == 0 and b < bucket and c.count >= least:
+                slope = share * max(0.0, low - (c.seconds + c.error)) / (wp - tokens(b, 0))
+                secants += [low + (work - wp) * slope] if slope > 0.0 else []
+    if secants:
+        best = max(secants) if best is None else max(best, *secants)
     if cell is None:
         estimate = None if best is None else best * f
     else:
@@ -519,7 +537,7 @@ def test_a_pass_past_the_measured_sizes_is_priced_on_the_measured_slope(secant, 
     The flat bound alone prices a 4-row pass of 28 drafts at the 12-draft one's cost and
     sends the controller to probe it (measured on this CPU: 26 ms bound, 50 ms real)."""
     if not secant:
-        monkeypatch.setattr(CostTable, "_secant", lambda self, *args: 0.0)
+        monkeypatch.setattr(CostTable, "_secants", lambda self, bucket, below, view: ([None] * len(below), None))
     cost = lambda n: 0.010 + 0.0013 * n  # noqa: E731 (seconds: 4 rows, n drafts in all)
     ctl = AdaptiveController(ControllerConfig(explore=0.0))
     _measured(ctl, 4, cost, (0, 1, 4, 12))
@@ -556,6 +574,32 @@ def test_plain_and_one_drafting_size_price_a_wider_pass_on_half_their_slope(shar
     assert math.isclose(ctl.estimated_cost("verify", 16, 48), expected)
     drafts = sum(ctl.choose_k(ids, 16, [8] * 16).values())
     assert (drafts < 16) == (share > 0), drafts  # (1-2 drafts are unmeasured: optimistic)
+
+
+@pytest.mark.parametrize("carried", [True, False], ids=["", "broken: no slope from smaller buckets"])
+def test_a_bucket_without_drafting_cells_takes_its_slope_from_smaller_buckets_plain_rounds(carried, monkeypatch):
+    """16 rows, plain rounds measured at 4 rows (7.2 ms, the warm-up) and at 16 (23.3 ms),
+    no drafting measured at 16, first drafts accepted 0.3 (math at 16 in flight on this
+    CPU). On the flat bound from plain, 16 drafts cost 23.3 ms and look 30% better than
+    plain: the controller probes them (they took 35-49 ms, three times before the cell was
+    trusted). Plain's slope between the buckets, at half its value, prices them at 34 ms,
+    and no drafting pays."""
+    if not carried:
+        real = CostTable._secants
+        monkeypatch.setattr(CostTable, "_secants", lambda self, *a: (real(self, *a)[0], None))
+    ctl = AdaptiveController(ControllerConfig(explore=0.0))
+    _measured(ctl, 4, lambda n: 0.0072, (0,))
+    _measured(ctl, 16, lambda n: 0.0233, (0,))
+    ids = [f"r{i}" for i in range(16)]
+    for rid in ids:
+        ctl.start(rid, "ngram")
+        for i in range(40):
+            ctl.observe_acceptance(rid, 1, int(i % 10 < 3))
+    expected = 0.0233 + 16 * CostTable.PLAIN_SLOPE_SHARE * (0.0233 - 0.0072) / 12
+    assert math.isclose(ctl.estimated_cost("verify", 16, 16), expected if carried else 0.0233)
+    assert math.isclose(ctl.estimated_cost("verify", 4, 4), 0.0072)  # (the flat bound: no slope from a larger bucket)
+    drafts = sum(ctl.choose_k(ids, 16, [8] * 16).values())
+    assert (drafts == 0) == carried, drafts
 
 
 @pytest.mark.parametrize("refresh, restart", [(True, True), (False, True), (True, False)],

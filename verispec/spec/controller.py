@@ -116,13 +116,19 @@ most linear work). For a measured cell (b', n') with cost c that gives
 where size is the pass's tokens (b + n for verify, n for the draft model's k steps), and
 the estimate is the largest such bound. Past the widest trusted pass of its batch bucket a
 third assumption tightens it: cost is convex in tokens (a fixed part while memory-bound,
-then a per-token part), so it lies above the secant through the narrowest and widest
-trusted drafting passes, continued (each end moved two standard errors of its mean toward
-the other, so timing noise between close sizes does not read as a slope). Without it a
-4-row pass of 28 drafts was priced at its 12-draft neighbour's 26 ms, took 50 ms, and was
-probed three times in one run (default model, code, 4 in flight). With one trusted drafting
-pass, the trusted plain round is the narrow end at half the slope (a verifying round's
-fixed extra would otherwise read as slope; see `CostTable._secant`). The same two assumptions
+then a per-token part), so it lies above every secant through two trusted drafting passes
+narrower than it, continued past the wider one (each end moved two standard errors of its
+mean toward the other, so timing noise between close sizes does not read as a slope).
+Without it a 4-row pass of 28 drafts was priced at its 12-draft neighbour's 26 ms, took
+50 ms, and was probed three times in one run (default model, code, 4 in flight). The
+trusted plain round is a narrow end too, at half the slope (a verifying round's fixed extra
+would otherwise read as slope) while it is the only one below, and the bucket's plain
+round continues at half the slope
+from a smaller bucket's plain round (an added row costs about what an added draft token
+does, and convexity makes the slope over fewer tokens a lower bound), so a bucket knows a
+slope before it has measured any drafting: 16 rows otherwise priced their first 16 drafts
+at a plain round's 23 ms, on the flat bound, and paid 35-49 ms three times before the cell
+was trusted (math, 16 in flight; see `CostTable._secants`). The same two assumptions
 give an upper bound: a pass costs no more than a trusted cell with no fewer rows and no
 fewer draft tokens (a plain round no more than any such, a verifying one no more than a
 verifying one), and no estimate is above it. A plain round is bounded by plain rounds only: a
@@ -135,7 +141,11 @@ the truth it is optimistic, and optimism is the exploration: an unmeasured size 
 exactly when even its optimistic rate beats the best known one, and is measured by that
 round. A cell with fewer than `cost_min_samples` samples counts as no more than that bound
 either, so one slow first timing (a page fault, a kernel's first call at a new shape)
-cannot price a size out for good.
+cannot price a size out for good. (That costs re-probes: a 16-row pass of 14 drafts priced
+at 30 ms was probed three times at 39 ms, math at 16 in flight. Pricing a young drafting
+cell at its own mean when within `cost_outlier` of its bound saved them, but lost 0.5% on
+the simulated first 0.4 / then 0.85 workload and undid the stale-cell and plain-pricing
+safeguards' tests, so it is not done.)
 
 Drift (a slowdown hits every pass alike)
 ----------------------------------------
@@ -417,7 +427,7 @@ class CostTable:
     is bounded by measured cells of size 0 only (a verifying round does more per token).
     """
 
-    PLAIN_SLOPE_SHARE = 0.5  # of the slope from a plain cell (see `_secant`)
+    PLAIN_SLOPE_SHARE = 0.5  # of the slope from a plain cell (see `_secants`)
     STALE_AFTER_WINDOWS = 2  # a cell unvisited for this many windows of passes restarts (`observe`)
 
     def __init__(self, window: int, tokens, min_samples: int = 1, plain_by_plain: bool = False,
@@ -533,11 +543,12 @@ class CostTable:
         if plain_only and prep.plain is None:  # (rarely needed: the plain cell is young)
             prep.plain = _Bounds([t for t in prep.scaled if t[2] == 0])
         best = (prep.plain if plain_only else prep.all).bound(work, cell)
-        j = bisect_left(prep.below_sizes, size)  # trusted drafting cells of fewer drafts
-        if j >= 2 or (j == 1 and prep.plain_end is not None):
-            narrowest, share = (prep.below[0], 1.0) if j >= 2 else (prep.plain_end, self.PLAIN_SLOPE_SHARE)
-            secant = self._secant(bucket, size, narrowest, prep.below[j - 1], share)
-            best = secant if best is None else max(best, secant)
+        if size:  # the convexity bounds from the bucket's trusted cells of fewer drafts
+            j = bisect_left(prep.below_sizes, size)
+            for line in (prep.lines[j - 1] if j else None, prep.carried):
+                if line is not None:
+                    secant = line[0] + (work - line[1]) * line[2]
+                    best = secant if best is None or secant > best else best
         if cell is None:
             estimate = None if best is None else best * f
         else:
@@ -568,41 +579,78 @@ class CostTable:
             low = upper_min[i] = min(low, ups[i][1])
         scaled = [(w, seconds * (bucket / b if bucket < b else 1.0), n, c) for b, n, seconds, _, w, c in view]
         below = sorted((n, c) for b, n, _, count, _, c in view if b == bucket and n >= 1 and count >= least)
-        plain = self._cells.get((bucket, 0)) if self._plain_by_plain else None
+        lines, carried = self._secants(bucket, below, view)
         prep = self._prepared[bucket] = _Bucket(
-            [n for n, _ in ups], upper_min, scaled, _Bounds(scaled), None, [n for n, _ in below], below,
-            (0, plain) if plain is not None and plain.count >= least else None)
+            [n for n, _ in ups], upper_min, scaled, _Bounds(scaled), None, [n for n, _ in below], lines, carried)
         return prep
 
-    def _secant(self, bucket: int, size: int, narrowest: tuple, widest: tuple, share: float = 1.0) -> float:
-        """The convexity bound past the measured sizes of this batch bucket (speed-free),
-        from the narrowest and widest of its trusted drafting cells (n, cell) of fewer than
-        `size` drafts, the slope taken at `share` of its value.
+    def _secants(self, bucket: int, below: list, view: list) -> tuple[list, tuple | None]:
+        """The convexity bounds of a bucket's drafting passes (speed-free), as lines
+        (low, w, slope) bounding a pass of work w' past w by low + (w' - w) slope: for each
+        trusted drafting cell in `below` ((n, cell), ascending) the line of the sizes past it
+        (or None), and the carried one (or None).
 
         A pass's cost is a fixed part while it is memory-bound, then grows with its tokens
-        once it is compute-bound: convex in its tokens. So past the widest trusted cell (n1)
-        below `size`, cost lies above the line through it and the narrowest one (n0):
-        c1 + (w - w1) (c1 - c0) / (w1 - w0), w the work measure. The flat bound alone priced
-        a 4-row pass of 28 drafts at its 12-draft neighbour's 26 ms; it took 50 ms, and the
-        probe ran three times (default model, code, 4 in flight; the secant through 4 and 12
-        drafts gives 44 ms). Only trusted cells count: a young cell's slow first sample would
-        make the slope, and the bound, too steep.
+        once it is compute-bound: convex in its tokens. So past the widest trusted drafting
+        cell below a size (w1, c1) cost lies above the line through it and the narrowest one
+        (w0, c0), of slope (c1 - c0) / (w1 - w0). The flat bound alone priced a 4-row pass of
+        28 drafts at its 12-draft neighbour's 26 ms; it took 50 ms, and the probe ran three
+        times (default model, code, 4 in flight; the secant through 4 and 12 drafts gives
+        44 ms). Only trusted cells count (a young cell's slow first timing would make the
+        slope too steep), each end moved two standard errors of its mean toward the other
+        (timing noise between close sizes would otherwise read as a steep slope and price wide
+        passes out: 16 rows, a fixed 60% for any drafting, 5% noise lost 0.8% of throughput).
+        A cell of one timing (a stale cell restarted) is an end of no slope (its error is its
+        whole mean): as the narrow end it flattened the line of a trusted 16-draft cell at 16
+        rows, and 48 drafts were probed at 32 ms (they took 68; math, 16 in flight). Skipping
+        such ends, or taking the steepest of all pairs, priced more exactly and lost in
+        simulation (0.5% on the 60%-extra workload above; all pairs, noise selected, 0.969x
+        the best fixed k against 0.974x on first 0.4 / then 0.85), so the ends stay these.
 
-        With one trusted drafting cell the bucket's trusted plain cell is the narrow end, at
-        `PLAIN_SLOPE_SHARE` of the slope: a plain round does less per token than a verifying
-        one (the verify round's fixed extra, rejection sampling and KV rollback, would read as
-        slope), so half the slope is a bound while that extra is at most half of what the
-        drafting cell costs beyond plain. Without it, 16 rows (chat) measured 16 drafts at 1.9x
-        a plain round, then probed 48 drafts on the flat bound from 16 (37 ms) and paid 77-93 ms,
-        once or twice a run: ~1% of the run for a pass whose half-slope bound (54 ms) rules it out.
+        With one trusted drafting cell below a size, the bucket's trusted plain cell is its
+        narrow end at `PLAIN_SLOPE_SHARE` of the slope: a plain round does less per token than
+        a verifying one (the verify round's fixed extra, rejection sampling and KV rollback,
+        would read as slope), so half the slope is a bound while that extra is at most half of
+        what the drafting cell costs beyond plain. Without it, 16 rows (chat) measured 16
+        drafts at 1.9x a plain round, then probed 48 drafts on the flat bound from 16 (37 ms)
+        and paid 77-93 ms, once or twice a run. With two drafting cells the plain end is left
+        out: next to a 1-draft cell the fixed extra is all of the difference (a simulated
+        fixed 60% for any drafting then priced every wider pass out).
+
+        Carried (a table bounding plain by plain): the bucket's plain cell continued at the
+        same share of the slope from any smaller bucket's trusted plain cell. A row added to a
+        round costs about what a draft token added to a row does (a query over a context, a
+        token through the layers, one more position sampled; the row also its bookkeeping),
+        and a smaller bucket's rounds have fewer tokens, so by convexity their slope is no
+        steeper than the one past this bucket's plain round. Without it a bucket knows no
+        slope until it has trusted drafting cells: at 16 in flight (math) the first 16 drafts
+        were priced at a plain round's 23 ms and paid 35-49 ms three times (a young cell is
+        priced at its bound until trusted).
         """
-        (n0, c0), (n1, c1) = narrowest, widest
-        w0, w1 = self._tokens(bucket, n0), self._tokens(bucket, n1)
-        # the slope's lower end: each mean moved two standard errors toward the other (timing
-        # noise between close sizes would otherwise read as a steep slope and price wide
-        # passes out: 16 rows, a fixed 60% for any drafting, 5% noise lost 0.8% of throughput)
-        low, high = c1.seconds - c1.error, c0.seconds + c0.error
-        return low + (self._tokens(bucket, size) - w1) * share * max(0.0, low - high) / (w1 - w0)
+        tokens, share, least = self._tokens, self.PLAIN_SLOPE_SHARE, self._min_samples
+
+        def line(narrow: tuple, wide: tuple, share: float) -> tuple:
+            (w0, c0), (w1, c1) = narrow, wide
+            low, high = c1.seconds - c1.error, c0.seconds + c0.error
+            return low, w1, share * max(0.0, low - high) / (w1 - w0)
+
+        plain = self._cells.get((bucket, 0)) if self._plain_by_plain else None
+        plain_end = (tokens(bucket, 0), plain) if plain is not None and plain.count >= least else None
+        lines, narrowest = [], None
+        for n, c in below:
+            widest = (tokens(bucket, n), c)
+            if narrowest is not None:
+                lines.append(line(narrowest, widest, 1.0))
+            else:
+                narrowest = widest
+                lines.append(line(plain_end, widest, share) if plain_end is not None else None)
+        carried = None
+        if plain_end is not None:
+            slope = max([line((tokens(b, 0), c), plain_end, share)[2] for b, n, _, count, _, c in view
+                         if n == 0 and b < bucket and count >= least], default=0.0)
+            if slope > 0.0:
+                carried = (plain_end[1].seconds - plain_end[1].error, plain_end[0], slope)
+        return lines, carried
 
     def rescale(self, factor: float, cell: "_Cell | None" = None, last: int | None = None) -> None:
         """Multiply stored (speed-free) timings by `factor`: every cell's, or `cell`'s `last` ones."""
@@ -724,8 +772,8 @@ class _Bucket:
     all: _Bounds           # lower bounds from every cell
     plain: _Bounds | None  # ... from cells of size 0 (made when first needed)
     below_sizes: list      # sizes of the bucket's trusted drafting cells, ascending
-    below: list            # those cells as (n, cell)
-    plain_end: tuple | None  # (0, the bucket's plain cell): trusted, in a table bounding plain by plain
+    lines: list            # the convexity bound past each, (low, w, slope) or None (`CostTable._secants`)
+    carried: tuple | None  # the plain cell's, on a smaller bucket's plain slope (or None)
 
 
 @dataclass
