@@ -19,6 +19,7 @@ from bugs import keep_stale_draft_kv
 from tiny import run_all, tiny_engine, tiny_pair
 from verispec.cache.manager import KVCacheManager
 from verispec.engine.engine import LLMEngine
+from verispec.request import Request
 from verispec.sampling import SamplingParams
 
 VOCAB = 48
@@ -127,6 +128,7 @@ def _free_without_truncating(self, seq_id):
 BROKEN = {
     "commit_before_verification": lambda mp: mp.setattr(LLMEngine, "_rollback", keep_stale_draft_kv),
     "free_a_reused_block": lambda mp: mp.setattr(KVCacheManager, "evict_provisional", _free_without_truncating),
+    "all_ids_not_kept_up": lambda mp: mp.setattr(Request, "append_output", lambda self, t: self.output_ids.append(t)),
 }
 
 

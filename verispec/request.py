@@ -43,9 +43,19 @@ class Request:
     detokenizer: object = None
     generator: object = None
 
+    def __post_init__(self) -> None:
+        self._all_ids = self.prompt_ids + self.output_ids
+
     @property
     def all_ids(self) -> list[int]:
-        return self.prompt_ids + self.output_ids
+        """Prompt then output: one list kept up to date by `append_output` (read for every
+        row of every step; building it per read cost ~5 us a row at 800 tokens). Read-only."""
+        return self._all_ids
+
+    def append_output(self, token: int) -> None:
+        """The one way output grows (`all_ids` follows)."""
+        self.output_ids.append(token)
+        self._all_ids.append(token)
 
     @property
     def num_tokens(self) -> int:

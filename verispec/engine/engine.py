@@ -194,6 +194,9 @@ class LLMEngine:
 
     def check_integrity(self) -> None:
         self.kv.check_integrity()
+        for req in self.requests.values():
+            if req.all_ids != req.prompt_ids + req.output_ids:
+                raise AssertionError(f"request {req.request_id!r}: all_ids is not prompt + output")
 
     # ------------------------------------------------------------------ the step
     def step(self) -> list[RequestOutput]:
@@ -378,7 +381,7 @@ class LLMEngine:
         full = req.text + req.held_text  # all text decoded so far, emitted or held
         new_ids, reason, stop_hit = [], None, False
         for t in tokens:
-            req.output_ids.append(t)
+            req.append_output(t)
             new_ids.append(t)
             if t in self.eos_ids and not req.params.ignore_eos:
                 reason = "stop"
