@@ -167,6 +167,10 @@ class RunResult:
     chosen_k: list[int] = field(default_factory=list)  # controller's k histogram (adaptive rows)
     load_after: float = 0.0  # 1-minute load average when the run ended (this run adds ~1-2)
     others_cpu_share: float | None = None  # cores' time other processes took during the run
+    # The steps run with all `concurrency` requests in flight (see `ClosedLoop`): their
+    # seconds and the tokens they returned. 0 seconds: none was.
+    sustained_tokens: int = 0
+    sustained_seconds: float = 0.0
 
     @property
     def tokens(self) -> int:
@@ -175,6 +179,11 @@ class RunResult:
     @property
     def tokens_per_s(self) -> float:
         return self.tokens / self.seconds
+
+    @property
+    def sustained_tokens_per_s(self) -> float | None:
+        """Tokens per second while `concurrency` requests were in flight (None: never)."""
+        return self.sustained_tokens / self.sustained_seconds if self.sustained_seconds > 0 else None
 
     @property
     def drafted(self) -> int:
@@ -196,6 +205,8 @@ class RunResult:
                 "drafted": self.drafted, "accepted": self.accepted, "acceptance": self.acceptance,
                 "mean_accepted_per_round": (self.accepted / n if (n := sum(r.draft_rounds for r in self.requests))
                                             else None),
+                "sustained_tokens": self.sustained_tokens, "sustained_seconds": self.sustained_seconds,
+                "sustained_tokens_per_s": self.sustained_tokens_per_s,
                 "steps": self.steps, "mean_in_flight": self.mean_in_flight,
                 "median_ttft_s": ttfts[len(ttfts) // 2] if ttfts else None,
                 "chosen_k_histogram": self.chosen_k, "load_after": self.load_after,
@@ -209,6 +220,14 @@ class ClosedLoop:
     measure their own seconds, and latencies are on that clock too.
 
     Failed requests raise: a benchmark never averages over errors.
+
+    Besides the whole run's rate it keeps the sustained one: tokens returned by, over the
+    seconds of, the steps run with all `concurrency` requests in flight. Once the queue is
+    empty the batch drains, and how long that tail is depends on how far apart the last
+    requests' progress drifted, not on the concurrency measured: plain decoding of equal-
+    length answers keeps every row in step and drains at once, while speculation moves rows
+    apart (chat at 4 in flight, 8 answers of 128 tokens: 75 of adaptive's 236 rounds ran
+    with 1-3 rows, none of plain's). The whole-run rate charges that tail to speculation.
     """
 
     def __init__(self, engine: LLMEngine, items: list[WorkItem], concurrency: int, params: SamplingParams,
@@ -222,6 +241,7 @@ class ClosedLoop:
         self._first_token: dict[str, float] = {}
         self._done: list[RequestResult] = []
         self.steps, self.clock, self._in_flight_time = 0, 0.0, 0.0
+        self.sustained_tokens, self.sustained_seconds = 0, 0.0
 
     @property
     def finished(self) -> bool:
@@ -253,14 +273,19 @@ class ClosedLoop:
                                                 out.finish_reason, self._first_token[out.request_id] - t_add,
                                                 now - t_add, s.num_draft_tokens, s.num_accepted_tokens,
                                                 s.num_drafts, s.target_forwards))
-        self.clock += time.perf_counter() - t_start
+        spent = time.perf_counter() - t_start
+        self.clock += spent
+        if in_flight == self.concurrency:
+            self.sustained_tokens += sum(len(out.new_token_ids) for out in outputs)
+            self.sustained_seconds += spent
 
     def result(self, others_cpu: float | None) -> RunResult:
         k_after = self.engine.controller.snapshot()["k_counts"]
         order = {it.prompt_id: i for i, it in enumerate(self.items)}
         done = sorted(self._done, key=lambda r: order[r.prompt_id])
         return RunResult(self.concurrency, self.clock, done, self.steps, self._in_flight_time / self.clock,
-                         [a - b for a, b in zip(k_after, self._k_before)], round(load_average(), 2), others_cpu)
+                         [a - b for a, b in zip(k_after, self._k_before)], round(load_average(), 2), others_cpu,
+                         self.sustained_tokens, self.sustained_seconds)
 
 
 def run_closed_loop(engine: LLMEngine, items: list[WorkItem], concurrency: int,

@@ -112,3 +112,60 @@ def test_lockstep_pairs_contenders_against_the_machines_drift(lockstep, monkeypa
     ratio = results["a"].tokens_per_s / results["b"].tokens_per_s
     assert results["a"].tokens == results["b"].tokens == 20
     assert (abs(ratio - 2.0) < 0.15) == lockstep, ratio
+
+
+class _Rows:
+    """Every live request returns one token a step; a step costs one unit of the fake clock
+    however many rows it has (so a drained batch is slow per token)."""
+
+    def __init__(self, clock, lengths):
+        from types import SimpleNamespace
+        self.clock, self.lengths, self.left = clock, lengths, {}
+        self.controller = SimpleNamespace(snapshot=lambda: {"k_counts": [0]})
+
+    def add_request(self, rid, ids, params):
+        self.left[rid] = self.lengths[rid.split("/")[1]]
+
+    def step(self):
+        self.clock.work(1.0)
+        outs = []
+        for rid in list(self.left):
+            self.left[rid] -= 1
+            outs.append(_Out(rid, self.left[rid] == 0))
+            if not self.left[rid]:
+                del self.left[rid]
+        return outs
+
+
+def test_the_sustained_rate_counts_only_the_steps_with_every_slot_busy(monkeypatch):
+    """Two slots, answers of 5 and 15 tokens: 5 steps with both in flight (2 tokens each),
+    then a drain of 10 steps with one. The whole run reads 20 / 15 tokens a unit; the
+    sustained rate, 10 / 5 = 2, is what 2 requests in flight make."""
+    import common
+    clock = _Clock()
+    monkeypatch.setattr(common, "time", clock)
+    items = [common.WorkItem("a", "chat", (1,)), common.WorkItem("b", "chat", (1,))]
+    loop = common.ClosedLoop(_Rows(clock, {"a": 5, "b": 15}), items, 2, None, "x")
+    while not loop.finished:
+        loop.step()
+    r = loop.result(None)
+    assert r.tokens == 20 and r.seconds == 15.0 and r.steps == 15
+    assert (r.sustained_tokens, r.sustained_seconds, r.sustained_tokens_per_s) == (10, 5.0, 2.0)
+
+
+def test_a_cell_is_scored_on_sustained_rates_too():
+    """The whole-run verdict and the sustained one are separate: here adaptive misses plain
+    over the whole run (its drain) and meets it while every slot is busy."""
+    def run(seconds, sustained_seconds):
+        r = _run(seconds)
+        return replace(r, sustained_tokens=80, sustained_seconds=sustained_seconds)
+    from dataclasses import replace
+    runs = {"plain": [run(1.0, 0.8)], "k=1": [run(1.1, 0.85)], "adaptive": [run(1.1, 0.78)]}
+    cell = _cell(runs)
+    assert not cell["meets_target"] and cell["adaptive_vs_plain"] == 1.0 / 1.1
+    sus = cell["sustained"]
+    assert sus["meets_target"] and sus["tokens_per_s"]["adaptive"] == 80 / 0.78 and sus["best_fixed"] == "k=1"
+    (row,) = adaptive.overall([cell])
+    assert row["sustained"]["tokens_per_s"]["plain"] == 100.0
+    assert "sustained: adaptive / plain" in adaptive.table([cell], [row])
+    assert _cell({n: [_run(1.0)] for n in runs})["sustained"] is None  # no sustained steps: no verdict
