@@ -526,18 +526,22 @@ class CostTable:
         """(`estimate`, upper): upper is a price this pass cannot exceed, the cheapest trusted
         cell of no fewer rows and no fewer draft tokens (cost never falls as either grows),
         or None; so a plain round is bounded by verifying ones too (they do more per token),
-        a verifying round by verifying ones only (n >= size > 0).
+        a verifying round by verifying ones only (n >= size > 0)."""
+        return self.priced(bucket, size)[:2]
+
+    def priced(self, bucket: int, size: int) -> tuple[float | None, float | None, bool]:
+        """(`estimate`, upper, `trusted`) of a pass (see `estimates`).
 
         The controller prices every plan of every round with this (its inner loop), so each
         bucket's view of the cells is made once after any cell changes (`_bucket`) and a call
         is a few binary searches."""
-        size = size_bucket(size)
+        size = size if 0 <= size <= 8 else size_bucket(size)
         cell = self._cells.get((bucket, size))
         f, prep = self._speed.factor, self._bucket(bucket)
         i = bisect_left(prep.upper_sizes, size)
         upper = prep.upper_min[i] * f if i < len(prep.upper_sizes) else None
         if cell is not None and cell.count >= self._min_samples:
-            return cell.seconds * f, upper
+            return cell.seconds * f, upper, True
         work = self._tokens(bucket, size)
         plain_only = self._plain_by_plain and size == 0
         if plain_only and prep.plain is None:  # (rarely needed: the plain cell is young)
@@ -559,7 +563,7 @@ class CostTable:
         # never above what trusted cells show it cannot exceed: a young cell's stall (100 ms
         # for a 4-row pass) bounds its neighbours from below at a price their trusted upper
         # bound rules out
-        return (estimate if upper is None or estimate is None else min(estimate, upper)), upper
+        return (estimate if upper is None or estimate is None else min(estimate, upper)), upper, False
 
     def _bucket(self, bucket: int) -> "_Bucket":
         """The cells as one bucket's estimates read them, made once per change of any cell.
@@ -1055,11 +1059,10 @@ class AdaptiveController:
                     if drafters:
                         rows.update(t[1] for t in added if t[1] in drafters)
                     taken = n
-                b = size_bucket(n)
+                b = n if n <= 8 else size_bucket(n)
                 priced_v = verify_s.get(b)
                 if priced_v is None:  # (estimate, upper, trusted) of the verify pass
-                    priced_v = verify_s[b] = (*self.estimated_range("verify", batch_size, n),
-                                              verify.trusted(bucket, n))
+                    priced_v = verify_s[b] = verify.priced(bucket, b)
                 v, v_hi, passes_trusted = priced_v
                 if rows:
                     key = (batch_bucket(len(rows)), depth)
