@@ -231,8 +231,9 @@ def test_a_spent_budget_still_drafts_where_measured_passes_bound_the_price(upper
     3 rows is priced safely at most that and still beats plain: the controller drafts.
     Without upper bounds it played plain for 58 rounds in a row (code, 4 in flight)."""
     if not upper:
-        estimates = CostTable.estimates
-        monkeypatch.setattr(CostTable, "estimates", lambda self, bucket, size: (estimates(self, bucket, size)[0], None))
+        priced = CostTable.priced
+        monkeypatch.setattr(CostTable, "priced", lambda self, bucket, size: (
+            priced(self, bucket, size)[0], None, priced(self, bucket, size)[2]))
     ctl = AdaptiveController(ControllerConfig(explore=0.0, explore_budget=0.0))
     _measured(ctl, 4, lambda n: 0.010 + 0.0005 * n, (0, 4))
     _measured(ctl, 3, lambda n: 0.009, (0,))
@@ -965,7 +966,9 @@ def test_rows_start_one_per_round_while_the_wide_pass_is_unmeasured(guarded, mon
     16 and catch-ups priced; no pass verifying drafts measured at 16. The bounds price any
     verify pass like plain, so many rows would start at once on that optimism."""
     if not guarded:
+        priced = CostTable.priced
         monkeypatch.setattr(CostTable, "trusted", lambda self, bucket, size: True)
+        monkeypatch.setattr(CostTable, "priced", lambda self, bucket, size: (*priced(self, bucket, size)[:2], True))
     ctl = AdaptiveController(ControllerConfig(explore=0.0))
     ids = [f"r{i}" for i in range(16)]
     for rid in ids:
