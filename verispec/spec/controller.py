@@ -116,19 +116,18 @@ most linear work). For a measured cell (b', n') with cost c that gives
 where size is the pass's tokens (b + n for verify, n for the draft model's k steps), and
 the estimate is the largest such bound. Past the widest trusted pass of its batch bucket a
 third assumption tightens it: cost is convex in tokens (a fixed part while memory-bound,
-then a per-token part), so it lies above every secant through two trusted drafting passes
-narrower than it, continued past the wider one (each end moved two standard errors of its
-mean toward the other, so timing noise between close sizes does not read as a slope).
+then a per-token part), so it lies above the secant through the narrowest and widest
+trusted drafting passes narrower than it, continued (each end moved two standard errors of
+its mean toward the other, so timing noise between close sizes does not read as a slope).
 Without it a 4-row pass of 28 drafts was priced at its 12-draft neighbour's 26 ms, took
-50 ms, and was probed three times in one run (default model, code, 4 in flight). The
-trusted plain round is a narrow end too, at half the slope (a verifying round's fixed extra
-would otherwise read as slope) while it is the only one below, and the bucket's plain
-round continues at half the slope
-from a smaller bucket's plain round (an added row costs about what an added draft token
-does, and convexity makes the slope over fewer tokens a lower bound), so a bucket knows a
-slope before it has measured any drafting: 16 rows otherwise priced their first 16 drafts
-at a plain round's 23 ms, on the flat bound, and paid 35-49 ms three times before the cell
-was trusted (math, 16 in flight; see `CostTable._secants`). The same two assumptions
+50 ms, and was probed three times in one run (default model, code, 4 in flight). With one
+such pass the trusted plain round is the narrow end, at half the slope (a verifying round's
+fixed extra would otherwise read as slope). And the bucket's plain round continues at half
+the slope from a smaller bucket's plain round (an added row costs about what an added draft
+token does, and convexity makes the slope over fewer tokens a lower bound), so a bucket
+knows a slope before it has measured any drafting: 16 rows otherwise priced their first 16
+drafts at a plain round's 23 ms, on the flat bound, and paid 35-49 ms three times before
+the cell was trusted (math, 16 in flight; see `CostTable._secants`). The same two assumptions
 give an upper bound: a pass costs no more than a trusted cell with no fewer rows and no
 fewer draft tokens (a plain round no more than any such, a verifying one no more than a
 verifying one), and no estimate is above it. A plain round is bounded by plain rounds only: a
