@@ -603,6 +603,49 @@ def test_a_bucket_without_drafting_cells_takes_its_slope_from_smaller_buckets_pl
     assert (drafts == 0) == carried, drafts
 
 
+@pytest.mark.parametrize("rest_max", [8, 0], ids=["", "rest_max 0: never"])
+def test_a_controller_choosing_plain_with_drafts_at_hand_rests_longer_each_time(rest_max):
+    """Any drafting doubles a 4-row round here, so at the prior acceptance plain wins: after
+    each plain choice with drafts at hand the controller rests 1, 2, 4, then 8 rounds (rows
+    play k = 0, counted as chosen). Once acceptance shows drafting pays, its next choice
+    drafts and it chooses every round again. rest_max 0: it chooses every round."""
+    ctl = AdaptiveController(ControllerConfig(explore=0.0, rest_max=rest_max))
+    cost = lambda n: 0.010 if n == 0 else 0.020 + 0.0002 * n  # noqa: E731
+    _measured(ctl, 4, cost, (0, 1, 2, 4, 8, 16, 24, 32))
+    ids = ["a", "b", "c", "d"]
+    for rid in ids:
+        ctl.start(rid, "ngram")
+
+    def play(rounds: int) -> str:
+        out = ""
+        for _ in range(rounds):
+            if ctl.rest(ids, 4):
+                out += "r"
+                ctl.observe_cost("verify", 4, 0, cost(0))
+                continue
+            ks = ctl.choose_k(ids, 4, [8] * 4)
+            for rid, k in ks.items():
+                if k:
+                    ctl.observe_acceptance(rid, k, k)
+            out += "d" if any(ks.values()) else "p"
+            ctl.observe_cost("verify", 4, sum(ks.values()), cost(sum(ks.values())))
+        return out
+
+    before = ctl.snapshot()["k_counts"][0]
+    pattern = play(30)
+    if rest_max:
+        assert pattern == "pr" "prr" "prrrr" + ("p" + "r" * 8) * 2 + "pr", pattern
+        assert ctl.snapshot()["rested_rounds"] == pattern.count("r")
+    else:
+        assert pattern == "p" * 30
+    assert ctl.snapshot()["k_counts"][0] - before == 4 * 30  # every rested row counted at k = 0
+    for rid in ids:  # acceptance turns: every draft accepted
+        for _ in range(60):
+            ctl.observe_acceptance(rid, 8, 8)
+    later = play(12)
+    assert later.lstrip("r").startswith("d") and "r" not in later.lstrip("r"), later
+
+
 @pytest.mark.parametrize("refresh, restart", [(True, True), (False, True), (True, False)],
                          ids=["", "broken: plain never re-timed", "broken: old timings kept"])
 def test_a_plain_cell_timed_in_a_slow_stretch_is_re_timed_while_drafting(refresh, restart, monkeypatch):

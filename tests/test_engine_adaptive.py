@@ -89,13 +89,13 @@ def test_an_engine_that_chooses_k_before_the_lookup_is_caught():
     engine = tiny_engine(PAIR[0], method="ngram", k=4, adaptive=True)
     log = record(engine)
     original = engine._choose_k
-    engine._choose_k = lambda rows, lookups: original(rows, {})
+    engine._choose_k = lambda rows, drafting, adaptive, lookups: original(rows, drafting, adaptive, {})
     run_all(engine, PROMPTS, GREEDY)
     assert any(available != found for available, _, found in log["choices"])
     broken = tiny_engine(PAIR[0], method="ngram", k=4, adaptive=True)
     drafted = drafts_per_step(broken)
     original2 = broken._choose_k
-    broken._choose_k = lambda rows, lookups: original2(rows, {})
+    broken._choose_k = lambda rows, drafting, adaptive, lookups: original2(rows, drafting, adaptive, {})
     run_all(broken, PROMPTS, GREEDY)
     assert drafted["mismatches"]
 
@@ -120,3 +120,29 @@ def deepest_round(method: str, broken: bool = False) -> int:
 def test_request_k_caps_the_adaptive_choice(method):
     assert deepest_round(method) <= 2
     assert deepest_round(method, broken=True) > 2
+
+
+def test_a_resting_controllers_rows_are_neither_looked_up_nor_chosen_for_and_play_plain():
+    """While the controller rests (controller docstring "Rest") its rows skip the n-gram
+    lookup and choose_k and verify no drafts; a fixed-k row in the same batch still drafts,
+    and every output is what plain decoding gives."""
+    engine = tiny_engine(PAIR[0], method="ngram", k=4, adaptive=True)
+    ctl = engine.controller
+    looked_up, chosen = [], []
+    lookup, choose = engine.ngram.lookup, ctl.choose_k
+    engine.ngram.lookup = lambda histories, ks: (looked_up.extend(h.seq_id for h in histories), lookup(histories, ks))[1]
+    ctl.choose_k = lambda *a, **kw: (chosen.append(a[0]), choose(*a, **kw))[1]
+    ctl.rest = lambda ids, batch_size: True
+    fixed = SpecOverride(num_tokens=2, adaptive=False)
+    for i, prompt in enumerate(PROMPTS):
+        engine.add_request(f"a{i}", prompt, GREEDY)
+    engine.add_request("fixed", PROMPTS[0], GREEDY, fixed)
+    final = {}
+    while engine.has_unfinished_requests():
+        final.update({o.request_id: o for o in engine.step() if o.finished})
+        engine.check_integrity()
+    assert set(looked_up) == {"fixed"} and not chosen
+    assert all(final[f"a{i}"].spec.num_draft_tokens == 0 for i in range(len(PROMPTS)))
+    assert final["fixed"].spec.num_draft_tokens > 0
+    plain = run_all(tiny_engine(PAIR[0], method="none"), PROMPTS + [PROMPTS[0]], GREEDY)
+    assert [final[r].token_ids for r in ("a0", "a1", "a2", "fixed")] == [o.token_ids for o in plain]

@@ -206,8 +206,12 @@ class LLMEngine:
             return []
         rows = batch.decode
         try:
-            lookups = self._lookup(rows)
-            ks = self._choose_k(rows, lookups)
+            adaptive = [r for r in rows if r.spec_method != "none" and r.adaptive]
+            # a resting controller's rows play plain: no lookup, no choice (controller "Rest")
+            resting = bool(adaptive) and self.controller.rest([r.request_id for r in adaptive], len(rows))
+            drafting = [r for r in rows if r.spec_method != "none" and not (resting and r.adaptive)]
+            lookups = self._lookup(drafting)
+            ks = self._choose_k(rows, drafting, [] if resting else adaptive, lookups)
             drafts, draft_s = self._propose(rows, ks, lookups)
             outputs = self._verify_and_commit(batch, rows, drafts)
         except Exception as exc:  # one failed pass fails its rows only, never the others
@@ -226,18 +230,20 @@ class LLMEngine:
         return outputs
 
     def _lookup(self, rows: list[Request]) -> dict[str, list[int]]:
-        """Every n-gram row's proposal, up to the most it may draft this round, looked up
-        before k is chosen: the controller then knows which rows have drafts and how many."""
+        """Every n-gram row's proposal (of `rows`, those that may draft this round), up to the
+        most it may draft, looked up before k is chosen: the controller then knows which rows
+        have drafts and how many."""
         ngram_rows = [r for r in rows if r.spec_method == "ngram"]
         found = self.ngram.lookup([_History(r) for r in ngram_rows], [self.scheduler.spec_budget(r) for r in ngram_rows])
         return {r.request_id: tokens for r, tokens in zip(ngram_rows, found)}
 
-    def _choose_k(self, rows: list[Request], lookups: dict[str, list[int]]) -> dict[str, int]:
+    def _choose_k(self, rows: list[Request], drafting: list[Request], adaptive: list[Request],
+                  lookups: dict[str, list[int]]) -> dict[str, int]:
         """k per row: at most the request's k, its budget (max_tokens, context) and, for
-        n-gram, the lookup's length; the controller picks within that for adaptive rows."""
+        n-gram, the lookup's length; the controller picks within that for `adaptive` rows
+        (of `drafting`, the rows that may draft this round; any other row plays k = 0)."""
         limit = {r.request_id: len(lookups[r.request_id]) if r.request_id in lookups
-                 else self.scheduler.spec_budget(r) for r in rows if r.spec_method != "none"}
-        adaptive = [r for r in rows if r.spec_method != "none" and r.adaptive]
+                 else self.scheduler.spec_budget(r) for r in drafting}
         chosen = self.controller.choose_k(
             [r.request_id for r in adaptive], len(rows), [limit[r.request_id] for r in adaptive],
             catch_up=[self.drafter.missing(r) if r.spec_method == "draft" else 0 for r in adaptive],

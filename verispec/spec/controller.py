@@ -254,6 +254,21 @@ chat at 16 in flight, a cold controller started 8 rows on the bound of a 16-row 
 verifying 16 drafts, 0.52 s, that took 0.9 s: 723 tokens of catch-up, 5.2 s, bought on a
 price that was off by 2x, and again for 13 rows a few rounds later.)
 
+Rest (what choosing costs)
+--------------------------
+Choosing is not free: the n-gram lookup and choose_k take 0.2-0.45 ms of a step on the
+default model (0.18 ms of a 6.5 ms step at 4 rows, 0.3 + 0.15 ms of a 20 ms step at 16), and
+every round the controller times carries it, plain rounds included, so comparing its own
+rounds it never sees that a plain engine's round is 1.5-3% cheaper than its plain round
+(lockstep traces, session 17). Where plain decoding wins (16 in flight, most tasks) that is
+most of what a 0.97 target allows. So a controller that chose plain for every row while
+some had drafts at hand rests: the engine skips the lookup and the choice for its adaptive
+rows for the next 1 round, then 2, 4, ... up to `rest_max` while it keeps choosing plain,
+and back to choosing every round as soon as it drafts. A rest round is a plain round (k = 0
+for those rows, counted as chosen, their acceptance relaxed as for any untested round, timed
+into the plain cell: the cell then prices plain as it is when resting). What it can cost: a
+workload that turns in drafting's favour is seen up to `rest_max` rounds late.
+
 The batch (one verify pass serves every row)
 --------------------------------------------
 All rows of a step share one verify pass, whose cost follows its total draft tokens D. The
@@ -339,6 +354,9 @@ class ControllerConfig:
     explore_within: float = 0.15           # ... if its estimated rate is within this of the best
     explore_budget: float = 0.015          # exploring rounds' cost beyond the trusted best, as a
                                            # fraction of all measured round time (docstring)
+    rest_max: int = 8                      # rounds a controller that chose plain with drafts at
+                                           # hand may rest (no lookup, no choice), doubling from 1
+                                           # while it keeps choosing plain; 0: never (docstring "Rest")
 
     def __post_init__(self):
         # Copy so a caller mutating its dict cannot change a built config.
@@ -370,6 +388,8 @@ class ControllerConfig:
             raise ValueError(f"explore_within must be in [0, 1], got {self.explore_within}")
         if not self.explore_budget >= 0.0:
             raise ValueError(f"explore_budget must be >= 0, got {self.explore_budget}")
+        if not isinstance(self.rest_max, int) or self.rest_max < 0:
+            raise ValueError(f"rest_max must be an int >= 0, got {self.rest_max!r}")
 
     def to_dict(self) -> dict:
         """Plain data, recorded next to benchmark results."""
@@ -827,6 +847,9 @@ class AdaptiveController:
         self._rounds = 0
         self._probes = 0
         self._k_counts = [0] * (cfg.k_max + 1)
+        self._rest_left = 0   # rounds to rest before choosing again (see "Rest")
+        self._rest_next = 1   # the next rest's length
+        self._rested = 0      # rounds rested so far (for logs)
 
     expected_tokens = staticmethod(expected_tokens)
 
@@ -974,14 +997,9 @@ class AdaptiveController:
         for name, values in (("catch_up", catch_up), ("remaining", remaining)):
             if values is not None and (len(values) != n or any(not isinstance(v, int) or v < 0 for v in values)):
                 raise ValueError(f"{name} must give an int >= 0 for each of the {n} requests, got {values!r}")
-        reqs = [self._request(r) for r in request_ids]
-        self._round = None  # a round whose verify pass went unreported (a prefill step) is not entered
+        reqs = self._begin_round(request_ids)
         if not reqs:
             return {}
-        for req in reqs:
-            if req.awaiting_test:
-                self._relax_untested(req)
-            req.awaiting_test = True
         k_max = self.config.k_max
         caps = [k_max if a is None else min(a, k_max) for a in available]
         if not self.config.adaptive:
@@ -991,6 +1009,32 @@ class AdaptiveController:
         for k in ks:
             self._k_counts[k] += 1
         return dict(zip(request_ids, ks))
+
+    def rest(self, request_ids: list[str], batch_size: int) -> bool:
+        """Whether this round rests (see "Rest"): if so, every one of these rows plays k = 0
+        without a lookup or a choice, and choose_k is not called this round."""
+        if not isinstance(batch_size, int) or batch_size < max(1, len(request_ids)):
+            raise ValueError(
+                f"batch_size must be an int >= max(1, len(request_ids)={len(request_ids)}), "
+                f"got {batch_size!r}")
+        if self._rest_left <= 0 or not request_ids:
+            return False
+        self._rest_left -= 1
+        self._rested += 1
+        self._begin_round(request_ids)
+        self._k_counts[0] += len(request_ids)
+        self._round = _Round(float(batch_size), explores=False, safe_rate=0.0, seconds=0.0)
+        return True
+
+    def _begin_round(self, request_ids: list[str]) -> list[_Request]:
+        """A round's rows; those whose last round tested nothing relax (see the docstring)."""
+        reqs = [self._request(r) for r in request_ids]
+        self._round = None  # a round whose verify pass went unreported (a prefill step) is not entered
+        for req in reqs:
+            if req.awaiting_test:
+                self._relax_untested(req)
+            req.awaiting_test = True
+        return reqs
 
     def _relax_untested(self, req: _Request) -> None:
         """The request's last round tested nothing: its acceptance may have changed since."""
@@ -1128,6 +1172,11 @@ class AdaptiveController:
         ks = [0] * len(reqs)
         for _, row, _ in pool[: options[i][1]]:
             ks[row] += 1
+        if options[i][1]:  # drafting: choose every round again
+            self._rest_next = 1
+        elif gains:  # plain with drafts at hand: rest, longer each time (see "Rest")
+            self._rest_left = min(self._rest_next, self.config.rest_max)
+            self._rest_next = min(2 * self._rest_next, max(self.config.rest_max, 1))
         return ks
 
     def _catch_up_charges(self, caps: list[int], catch_up: list[int], remaining: list[int]) -> list[float | None]:
@@ -1220,6 +1269,7 @@ class AdaptiveController:
         return {
             "config": self.config.to_dict(),
             "rounds": self._rounds,
+            "rested_rounds": self._rested,
             "probes": self._probes,
             "explore_debt_s": self._explore_debt,
             "elapsed_s": self._elapsed,
