@@ -262,7 +262,8 @@ every round the controller times carries it, plain rounds included, so comparing
 rounds it never sees that a plain engine's round is 1.5-3% cheaper than its plain round
 (lockstep traces, session 17). Where plain decoding wins (16 in flight, most tasks) that is
 most of what a 0.97 target allows. So a controller that chose plain for every row while
-some had drafts at hand rests: the engine skips the lookup and the choice for its adaptive
+some had drafts at hand (as the best plan, not as a probe or a stale cell's re-timing in
+the middle of drafting) rests: the engine skips the lookup and the choice for its adaptive
 rows for the next 1 round, then 2, 4, ... up to `rest_max` while it keeps choosing plain,
 and back to choosing every round as soon as it drafts. A rest round is a plain round (k = 0
 for those rows, counted as chosen, their acceptance relaxed as for any untested round, timed
@@ -1162,6 +1163,7 @@ class AdaptiveController:
         safe = max((t for t in choices if t[1][t[2]][4] is not None), key=lambda t: (t[1][t[2]][4], -t[1][t[2]][1]))
         may_explore = self._explore_debt <= self.config.explore_budget * self._elapsed
         pool, options, i = max(choices, key=best) if may_explore else safe
+        plain_is_best = not options[i][1]  # (before a probe or a stale plain round moves i)
         if self._probe_due():
             probe = self._probe(options, i, bucket)
             i = probe if may_explore or options[probe][2] else i
@@ -1174,7 +1176,7 @@ class AdaptiveController:
             ks[row] += 1
         if options[i][1]:  # drafting: choose every round again
             self._rest_next = 1
-        elif gains:  # plain with drafts at hand: rest, longer each time (see "Rest")
+        elif gains and plain_is_best:  # plain the best with drafts at hand: rest, longer each time
             self._rest_left = min(self._rest_next, self.config.rest_max)
             self._rest_next = min(2 * self._rest_next, max(self.config.rest_max, 1))
         return ks
