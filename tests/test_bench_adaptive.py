@@ -156,10 +156,10 @@ def test_the_sustained_rate_counts_only_the_steps_with_every_slot_busy(monkeypat
 def test_a_cell_is_scored_on_sustained_rates_too():
     """The whole-run verdict and the sustained one are separate: here adaptive misses plain
     over the whole run (its drain) and meets it while every slot is busy."""
-    def run(seconds, sustained_seconds):
-        r = _run(seconds)
-        return replace(r, sustained_tokens=80, sustained_seconds=sustained_seconds)
     from dataclasses import replace
+
+    def run(seconds, sustained_seconds):
+        return replace(_run(seconds), sustained_tokens=80, sustained_seconds=sustained_seconds)
     runs = {"plain": [run(1.0, 0.8)], "k=1": [run(1.1, 0.85)], "adaptive": [run(1.1, 0.78)]}
     cell = _cell(runs)
     assert not cell["meets_target"] and cell["adaptive_vs_plain"] == 1.0 / 1.1

@@ -324,10 +324,10 @@ def batch_bucket(batch_size: int) -> int:
 def size_bucket(n: int) -> int:
     """The bucket of a pass's draft tokens (or depth): exact up to 8, then 4 per octave
     (9-10 -> 10, 11-12 -> 12, ..., 17-20 -> 20); the bucket is its largest member."""
+    if 0 <= n <= 8:  # (first: the controller's inner loop asks for these most)
+        return n
     if n < 0:
         raise ValueError(f"n must be >= 0, got {n}")
-    if n <= 8:
-        return n
     step = 1 << ((n - 1).bit_length() - 3)
     return -(-n // step) * step
 
@@ -555,7 +555,7 @@ class CostTable:
         The controller prices every plan of every round with this (its inner loop), so each
         bucket's view of the cells is made once after any cell changes (`_bucket`) and a call
         is a few binary searches."""
-        size = size if 0 <= size <= 8 else size_bucket(size)
+        size = size_bucket(size)
         cell = self._cells.get((bucket, size))
         f, prep = self._speed.factor, self._bucket(bucket)
         i = bisect_left(prep.upper_sizes, size)
@@ -984,10 +984,7 @@ class AdaptiveController:
             (None: none for any request); remaining: per request, its output budget left
             (None: unknown, the catch-up is then charged as if to a one-token budget).
         """
-        if not isinstance(batch_size, int) or batch_size < max(1, len(request_ids)):
-            raise ValueError(
-                f"batch_size must be an int >= max(1, len(request_ids)={len(request_ids)}), "
-                f"got {batch_size!r}")
+        _check_batch_size(request_ids, batch_size)
         if available is None:
             available = [None] * len(request_ids)
         elif len(available) != len(request_ids) or any(
@@ -1014,10 +1011,7 @@ class AdaptiveController:
     def rest(self, request_ids: list[str], batch_size: int) -> bool:
         """Whether this round rests (see "Rest"): if so, every one of these rows plays k = 0
         without a lookup or a choice, and choose_k is not called this round."""
-        if not isinstance(batch_size, int) or batch_size < max(1, len(request_ids)):
-            raise ValueError(
-                f"batch_size must be an int >= max(1, len(request_ids)={len(request_ids)}), "
-                f"got {batch_size!r}")
+        _check_batch_size(request_ids, batch_size)
         if self._rest_left <= 0 or not request_ids:
             return False
         self._rest_left -= 1
@@ -1103,7 +1097,7 @@ class AdaptiveController:
                     if drafters:
                         rows.update(t[1] for t in added if t[1] in drafters)
                     taken = n
-                b = n if n <= 8 else size_bucket(n)
+                b = size_bucket(n)
                 priced_v = verify_s.get(b)
                 if priced_v is None:  # (estimate, upper, trusted) of the verify pass
                     priced_v = verify_s[b] = verify.priced(bucket, b)
@@ -1284,6 +1278,12 @@ class AdaptiveController:
             "costs": {kind: t.snapshot() for kind, t in self._costs.items()},
             "speed_factor": self._speed.factor,
         }
+
+
+def _check_batch_size(request_ids: list[str], batch_size: int) -> None:
+    if not isinstance(batch_size, int) or batch_size < max(1, len(request_ids)):
+        raise ValueError(f"batch_size must be an int >= max(1, len(request_ids)={len(request_ids)}), "
+                         f"got {batch_size!r}")
 
 
 def _rate(tokens: float, seconds: float) -> float:
