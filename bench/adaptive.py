@@ -14,7 +14,12 @@ a slow stretch of the machine lands on every contender alike.
 
 Contenders: plain (spec "none"), fixed k = 1, 2, 4, 8, and adaptive with k_max = 8 (the
 same range as the fixed grid; the engine default is k_max = 4). Drafting is n-gram, or
-the draft model when --draft-model is given.
+the draft model when --draft-model is given. Plus a control (unless --no-control):
+`plain-control`, a second plain engine run exactly like the first. Its rate over plain's is
+what the measurement alone makes of two identical contenders in that cell (the same
+prompts, the same outputs, the same work), so a ratio of adaptive's that misses 0.97 by
+less than the control's own distance from 1.0 is not told apart from noise by that run.
+It takes no part in any verdict.
 
 Tasks: chat (MT-bench turn 1), code (HumanEval), rewrite (rewrite-code + rewrite-essay,
 interleaved), summarisation (CNN stories), math (GSM8K).
@@ -52,12 +57,15 @@ TASKS = {
 }
 FIXED_KS = (1, 2, 4, 8)
 TARGET = 0.97
+CONTROL = "plain-control"  # plain decoding again: the A/A control (module docstring)
 
 
-def contenders(method: str, adaptive_k_max: int) -> dict[str, SpecConfig]:
+def contenders(method: str, adaptive_k_max: int, control: bool = True) -> dict[str, SpecConfig]:
     out = {"plain": SpecConfig(method="none")}
     out.update({f"k={k}": SpecConfig(method=method, num_spec_tokens=k, adaptive=False) for k in FIXED_KS})
     out["adaptive"] = SpecConfig(method=method, num_spec_tokens=adaptive_k_max, adaptive=True)
+    if control:
+        out[CONTROL] = SpecConfig(method="none")
     return out
 
 
@@ -80,11 +88,18 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="run a repeat's contenders at once, one engine step each in turn, each timed "
                         "on its own steps (paired against the machine's drift; see common.run_lockstep)")
     p.add_argument("--contenders", default=None,
-                   help="comma-separated subset of plain,k=1,k=2,k=4,k=8,adaptive (default all; "
+                   help=f"comma-separated subset of plain,k=1,k=2,k=4,k=8,adaptive,{CONTROL} (default all; "
                         "ratios need plain, adaptive and at least one fixed k)")
+    p.add_argument("--no-control", dest="control", action="store_false",
+                   help=f"leave out {CONTROL}, the second plain engine that shows the measurement's noise")
     common.add_common_args(p, "1,4,16")
     args = p.parse_args(argv)
     args.tasks = args.tasks.split(",")
+    if args.contenders:
+        known = list(contenders("ngram", 1))
+        unknown = [n for n in args.contenders.split(",") if n not in known]
+        if unknown:
+            p.error(f"--contenders: unknown {unknown}; choose from {known}")
     bad = [t for t in args.tasks if t not in TASKS]
     if bad:
         p.error(f"--tasks: unknown {bad}; choose from {list(TASKS)}")
@@ -175,11 +190,23 @@ def _cell_result(runs: dict[str, list], task, c, measured, warm, sources, orders
 
 
 def _score(rate: dict[str, float]) -> dict:
-    """A cell's (or pooled row's) verdict from its contenders' rates."""
+    """A cell's (or pooled row's) verdict from its contenders' rates; the control's ratio to
+    plain (None without one) beside it, in no verdict."""
     best = max((f"k={k}" for k in FIXED_KS if f"k={k}" in rate), key=rate.get)
     vs_best, vs_plain = rate["adaptive"] / rate[best], rate["adaptive"] / rate["plain"]
     return {"tokens_per_s": rate, "best_fixed": best, "adaptive_vs_best_fixed": vs_best,
-            "adaptive_vs_plain": vs_plain, "meets_target": vs_best >= TARGET and vs_plain >= TARGET}
+            "adaptive_vs_plain": vs_plain, "meets_target": vs_best >= TARGET and vs_plain >= TARGET,
+            "control_vs_plain": rate[CONTROL] / rate["plain"] if CONTROL in rate else None}
+
+
+def control_spread(cells: list[dict]) -> dict | None:
+    """The control's ratios to plain over the cells (whole runs): their range and the
+    largest distance from 1.0, the size of a difference one run makes by itself."""
+    ratios = [c["control_vs_plain"] for c in cells if c.get("control_vs_plain") is not None]
+    if not ratios:
+        return None
+    return {"cells": len(ratios), "min": min(ratios), "max": max(ratios),
+            "max_deviation": max(abs(r - 1.0) for r in ratios)}
 
 
 def overall(cells: list[dict]) -> list[dict]:
@@ -216,11 +243,11 @@ def table(cells: list[dict], pooled: list[dict]) -> str:
         sus = cell.get("sustained")
         rows.append([cell["task"], cell["concurrency"], *[cell["tokens_per_s"][n] for n in names],
                      cell["best_fixed"], cell["adaptive_vs_best_fixed"], cell["adaptive_vs_plain"],
-                     acc, cell.get("adaptive_mean_k"), _verdict(cell),
+                     acc, cell.get("adaptive_mean_k"), _verdict(cell), cell.get("control_vs_plain"),
                      sus and sus["best_fixed"], sus and sus["adaptive_vs_best_fixed"],
                      sus and sus["adaptive_vs_plain"], _verdict(sus), cell.get("max_others_cpu_share")])
     headers = ["task", "C", *[f"{n} tok/s" for n in names], "best fixed", "adaptive / best fixed",
-               "adaptive / plain", "adaptive acceptance", "adaptive mean k", "target 0.97",
+               "adaptive / plain", "adaptive acceptance", "adaptive mean k", "target 0.97", "control / plain",
                "sustained: best fixed", "sustained: adaptive / best fixed", "sustained: adaptive / plain",
                "sustained: target 0.97", "others' CPU (max)"]
     return common.markdown_table(headers, rows)
@@ -239,7 +266,7 @@ def main(argv=None) -> int:
                                         spec=SpecConfig(method=method)))
     base = common.base_config(args)
     configs = {}
-    chosen = contenders(method, args.adaptive_k_max)
+    chosen = contenders(method, args.adaptive_k_max, args.control)
     if args.contenders:
         chosen = {n: chosen[n] for n in args.contenders.split(",")}
     for name, spec in chosen.items():
@@ -263,20 +290,25 @@ def main(argv=None) -> int:
                         if not (c["sustained"] or {}).get("meets_target")]
     print(f"cells missing the target: {misses or 'none'}")
     print(f"cells missing the target on sustained rates: {sustained_misses or 'none'}")
+    spread = control_spread(cells)
+    if spread:
+        print(f"control ({CONTROL} / plain, whole runs): {spread['min']:.3f} - {spread['max']:.3f} over "
+              f"{spread['cells']} cells, at most {spread['max_deviation']:.1%} from 1.0")
     header = common.finish_run(header, t0)
-    payload = {"benchmark": "adaptive", "schema": "verispec.bench.engine-adaptive/v2", **header,
+    payload = {"benchmark": "adaptive", "schema": "verispec.bench.engine-adaptive/v3", **header,
                "settings": {"model": args.model, "draft_model": args.draft_model, "method": method,
                             "dtype": args.dtype, "temperature": 0.0, "tasks": {t: TASKS[t] for t in args.tasks},
                             "concurrency": args.concurrency, "num_prompts": args.num_prompts,
                             "prompts_per_slot": args.prompts_per_slot, "max_tokens": args.max_tokens,
                             "num_warmup": args.num_warmup, "warmup_tokens": args.warmup_tokens,
                             "adaptive_k_max": args.adaptive_k_max, "repeats": args.repeats,
-                            "lockstep": args.lockstep, "target": TARGET,
+                            "lockstep": args.lockstep, "target": TARGET, "control": args.control,
                             "quick": args.quick,
                             "model_load_s": models.load_seconds},
                "engine_configs": {name: common.resolved(models, cfg).to_dict() for name, cfg in configs.items()},
                "cells": cells, "pooled": pooled, "cells_missing_target": misses,
-               "cells_missing_target_sustained": sustained_misses, "table_markdown": text}
+               "cells_missing_target_sustained": sustained_misses, "control_spread": spread,
+               "table_markdown": text}
     stem = f"adaptive_{'draft' if args.draft_model else 'ngram'}_{args.model}"
     common.write_json(args.out or common.RESULTS_DIR / f"{stem}{'_quick' if args.quick else ''}.json", payload)
     return 0

@@ -169,3 +169,29 @@ def test_a_cell_is_scored_on_sustained_rates_too():
     assert row["sustained"]["tokens_per_s"]["plain"] == 100.0
     assert "sustained: adaptive / plain" in adaptive.table([cell], [row])
     assert _cell({n: [_run(1.0)] for n in runs})["sustained"] is None  # no sustained steps: no verdict
+
+
+def test_the_control_is_reported_beside_the_verdict_and_takes_no_part_in_it():
+    """plain-control is a second plain engine: its rate over plain's is the noise of the
+    measurement, reported per cell, pooled, and as a spread over cells; it is neither the
+    best fixed k nor a reference of the target (a control 10% above plain changes nothing)."""
+    runs = {"plain": [_run(1.0)], "k=1": [_run(0.9)], "adaptive": [_run(0.92)], "plain-control": [_run(0.9)]}
+    cell = _cell(runs)
+    assert cell["control_vs_plain"] == pytest.approx(1 / 0.9)
+    assert cell["best_fixed"] == "k=1" and cell["meets_target"]
+    assert cell["contenders"]["plain-control"]["identical_to_plain"]["identical"] == 1
+    slow = _cell({**runs, "plain-control": [_run(1.04)]})
+    (row,) = adaptive.overall([cell, slow])
+    assert row["control_vs_plain"] == pytest.approx(200 / (0.9 + 1.04) / 100)
+    spread = adaptive.control_spread([cell, slow])
+    assert spread["cells"] == 2 and spread["min"] == pytest.approx(1 / 1.04)
+    assert spread["max_deviation"] == pytest.approx(1 / 0.9 - 1)
+    assert "control / plain" in adaptive.table([cell, slow], [row])
+    assert _cell({n: r for n, r in runs.items() if n != "plain-control"})["control_vs_plain"] is None
+    assert adaptive.control_spread([_cell({n: r for n, r in runs.items() if n != "plain-control"})]) is None
+
+
+def test_unknown_contenders_are_refused_by_name():
+    with pytest.raises(SystemExit):
+        adaptive.parse_args(["--contenders", "plain,k=3,adaptive"])
+    assert "plain-control" not in adaptive.contenders("ngram", 8, control=False)
