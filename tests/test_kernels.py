@@ -726,6 +726,49 @@ def test_decoder_stack_equals_the_per_layer_path(fmt, threads):
     assert not torch.equal(run(True)[0], want)
 
 
+@pytest.mark.skipif(not OPS.int4_vector or OPS.isa == "portable", reason="no vector attention kernel here")
+@pytest.mark.parametrize("every_row", [True, False], ids=["every row in the kernel", "broken: SDPA past 32 tokens"])
+def test_prefill_chunks_of_any_length_run_in_the_stack_and_do_not_depend_on_their_chunking(every_row, monkeypatch):
+    """Where the attention kernel has a vector form, a 100-token prompt is prefilled in the
+    decoder stack (every query in the kernel: no per-layer path, no SDPA), and its last
+    position's logits are bit-identical whether it is prefilled in one chunk or in two (60 +
+    40): each query's result depends on its own keys only (and each token's linears on the
+    token alone).
+    Routed as before (rows past 32 tokens to SDPA) the stack does not run for it."""
+    import verispec.engine.runner as runner_module
+    from verispec.engine.runner import ModelRunner, RowInput
+    if not every_row:
+        monkeypatch.setattr(runner_module, "kernel_query_limit", lambda ops, dtype, d: KERNEL_QUERY_LIMIT)
+    model = _packed_tiny_model("int4", hidden=256)  # head_dim 64: the vector attention path
+    model.kernels = OPS
+    calls = []
+
+    class Spy:
+        def __init__(self, stack):
+            self.stack = stack
+
+        def forward(self, *args, **kwargs):
+            calls.append(args[0].shape[0])  # tokens in the pass
+            return self.stack.forward(*args, **kwargs)
+    model._stack = Spy(model._decoder_stack())
+    ids = [int(t) for t in torch.randint(0, 64, (100,), generator=torch.Generator().manual_seed(7))]
+    table = list(range(8))  # blocks of 16: 128 slots
+
+    def runner():
+        return ModelRunner(model, num_slots=256, block_size=16)
+    whole = runner().forward([RowInput(ids, 0, table, 99)])[0]
+    assert (calls == [100]) == every_row
+    r = runner()
+    assert r.forward([RowInput(ids[:60], 0, table, 60)])[0].shape[0] == 0
+    parts = r.forward([RowInput(ids[60:], 60, table, 39)])
+    if every_row:
+        assert calls == [100, 60, 40]
+        assert torch.equal(parts[0], whole)
+    else:
+        assert calls == []  # every pass with a row over 32 tokens took the per-layer path
+        assert torch.allclose(parts[0], whole, atol=0.05)
+
+
 @pytest.mark.skipif(not OPS.int4_vector, reason="no AVX-512 or AVX2 here: no packed layers")
 def test_decoder_stack_checks_its_arguments_before_running():
     """Bad input to the stack raises naming the problem (before its parallel region, where

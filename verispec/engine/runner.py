@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
-from verispec.model.attention import KERNEL_QUERY_LIMIT, AttentionMetadata
+from verispec.model.attention import AttentionMetadata, kernel_query_limit
 from verispec.model.llama import LlamaModel
 
 
@@ -51,7 +51,8 @@ class ModelRunner:
             q_lens.append(n)
             logits_index.extend(range(offset + r.logits_from, offset + n))
             offset += n
-        if self.model.kernels is not None and max(q_lens) <= KERNEL_QUERY_LIMIT:  # decoding, verifying
+        limit = kernel_query_limit(self.model.kernels, self.model.embed_tokens.weight.dtype, self.model.cfg.head_dim)
+        if self.model.kernels is not None and max(q_lens) <= limit:  # every row in the attention kernel
             meta = AttentionMetadata.kernel_only([r.start for r in rows], q_lens, [r.block_table for r in rows],
                                                  self.block_size, self.device)
         else:
@@ -59,7 +60,7 @@ class ModelRunner:
             ctx_slots = [self.slots(r.block_table, 0, r.end) for r in rows]
             meta = AttentionMetadata.build(q_lens, [r.end for r in rows], positions,
                                            [c[r.start:] for c, r in zip(ctx_slots, rows)], ctx_slots, self.device,
-                                           KERNEL_QUERY_LIMIT if self.model.kernels is not None else 0)
+                                           limit)
         every = len(logits_index) == offset  # every position's logits (decoding): no gather
         logits = self.model(torch.tensor(ids, device=self.device), meta, self.kv,
                             None if every else torch.tensor(logits_index, dtype=torch.long, device=self.device))
