@@ -11,7 +11,10 @@ group's longest, keys padded to its longest context). Rows are grouped by query 
 that one verify or prefill row does not pad a whole decode batch to its length: one-token
 (decode) rows form one group, multi-token rows one or more (`partition_rows`), and each
 group's outputs are scattered back to the flat T order. A batch whose rows all have the
-same query length is a single group with nothing to scatter.
+same query length is a single group with nothing to scatter. With verispec's kernels on,
+rows go to the fused per-query kernel instead (`KernelQueries`): every row where the kernel
+has a vector form, else rows of at most `KERNEL_QUERY_LIMIT` tokens (`kernel_query_limit`);
+only the rest are grouped for SDPA.
 
 Rolling a row back by n tokens is O(1): its context length simply shrinks, and the stale
 slots are never read again (the mask below only admits key positions <= the query's
