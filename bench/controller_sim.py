@@ -202,6 +202,21 @@ def simulate(controller: AdaptiveController, scenario: Scenario, seed: int = 0) 
     return sim.finish()
 
 
+def simulate_requests(controller: AdaptiveController, scenarios: list[Scenario], seed: int = 0,
+                      measure_from: int = 0) -> SimResult:
+    """Run workloads one after another through one controller (a server's requests, each
+    started when the last finished); the result sums those from `measure_from` on (the ones
+    before are the warm-up)."""
+    total = SimResult()
+    for i, sc in enumerate(scenarios):
+        r = simulate(controller, sc, seed * 1000 + i)
+        if i >= measure_from:
+            for name in ("tokens", "expected", "seconds", "rounds", "drafted"):
+                setattr(total, name, getattr(total, name) + getattr(r, name))
+            total.ks += r.ks
+    return total
+
+
 # ---- the printed table ---------------------------------------------------------------
 
 # Cost models (time unit: one memory-bound target pass).
@@ -215,6 +230,33 @@ SPEC_OVERHEAD = CostModel(verify_per_token=0.01, flat_tokens=16, verify_spec=0.6
 # N-gram at batch 1 on the Zen 4 CPU (traced steps 4.3 / 4.9 / 5.7 / 7.8 / 12.8 ms at k = 0 / 1 /
 # 2 / 4 / 8): each verified token ~a quarter of a plain step.
 NGRAM_CPU = CostModel(verify_per_token=0.24, flat_tokens=1, draft_base=0.0, draft_per_token=0.0)
+
+# N-gram at batch 1 with a verify pass's fixed extra (rejection sampling, bookkeeping): the
+# default model's traced steps on GSM8K, ~3.75 / 4.7 / 4.9 / 6.4 ms at k = 0 / 1 / 2 / 3.
+NGRAM_CPU_MATH = CostModel(verify_per_token=0.15, flat_tokens=1, verify_spec=0.1, draft_base=0.0,
+                           draft_per_token=0.0, noise=0.1)
+
+
+def short_requests(kinds: list[tuple[float, float, float]], count: int, tokens: int = 123,
+                   warm_up: tuple[float, float, float] | None = None, warm_count: int = 4,
+                   warm_tokens: int = 16) -> list[Scenario]:
+    """A server's run at batch 1: `warm_count` warm-up requests of `warm_tokens` (acceptance
+    `warm_up`), then `count` requests of `tokens`, taking turns over `kinds`; each kind is
+    (first draft's acceptance, the later positions', the rounds with a lookup match)."""
+    def scenario(name: str, kind: tuple[float, float, float], n: int) -> Scenario:
+        first, alpha, coverage = kind
+        return Scenario(name, (alpha,), NGRAM_CPU_MATH, proposer="ngram", tokens=n, coverage=coverage,
+                        first_alpha=first)
+    warm = [scenario(f"warm-{i}", warm_up, warm_tokens) for i in range(warm_count)] if warm_up else []
+    return warm + [scenario(f"request-{i}", kinds[i % len(kinds)], tokens) for i in range(count)]
+
+
+# Alike short answers at batch 1 (GSM8K on the default model: the first draft accepted ~0.45,
+# then ~0.5, a match in ~70% of rounds; k = 2 best, 1.15x plain, k = 1 and 3 ~2.6% behind),
+# after a warm-up of early answer tokens that read low; and requests that differ (quoting
+# at 0.9 beside chat at 0.2).
+ALIKE_REQUESTS = short_requests([(0.45, 0.5, 0.7)], 4, warm_up=(0.25, 0.35, 0.7))
+MIXED_REQUESTS = short_requests([(0.9, 0.95, 0.9), (0.2, 0.3, 0.5)], 12)
 
 SCENARIOS = {sc.name: sc for sc in (
     Scenario("draft a=0.45", (0.45,), DRAFT, tokens=3000),
@@ -256,8 +298,19 @@ def main(seeds: tuple[int, ...] = (0, 1, 2)) -> None:
         cells = [f"{adaptive:11.3f}"] + [f"{fixed[k]:11.3f}" for k in shown]
         cells += [f"{fixed[best]:7.3f} k={best}", f"{adaptive / fixed[best] - 1:+11.1%}"]
         print(f"{sc.name:22}" + "".join(cells))
+    for name, workload, warm in (("alike short requests", ALIKE_REQUESTS, 4), ("mixed requests", MIXED_REQUESTS, 2)):
+        def rate(config: ControllerConfig | None) -> float:
+            return sum(simulate_requests(AdaptiveController(config), workload, s, warm).expected_rate
+                       for s in seeds) / len(seeds)
+        adaptive = rate(None)
+        fixed = {k: rate(ControllerConfig(adaptive=False, fixed_k=k)) for k in range(5)}
+        best = max(fixed, key=fixed.__getitem__)
+        cells = [f"{adaptive:11.3f}"] + [f"{fixed[k]:11.3f}" if k in fixed else f"{'':11}" for k in shown]
+        cells += [f"{fixed[best]:7.3f} k={best}", f"{adaptive / fixed[best] - 1:+11.1%}"]
+        print(f"{name:22}" + "".join(cells))
     print(f"tokens per simulated second (expected tokens of the rounds played); adaptive is the "
-          f"mean over seeds {list(seeds)}; best fixed is over every k in [0, 8]")
+          f"mean over seeds {list(seeds)}; best fixed is over every k in [0, 8] (the two runs of "
+          f"requests: [0, 4], after their warm-up requests)")
 
 
 if __name__ == "__main__":

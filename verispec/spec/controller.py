@@ -43,16 +43,35 @@ would never notice its acceptance rising (measured: on a workload alternating be
 alpha 0.9 and 0.35 the controller then gains 2% over the best fixed k instead of 11%). So an untested round
 counts as a chance, 1 - 2 ** (-1 / idle_half_life_rounds), that the request's acceptance
 has changed to a draw from its proposer's global estimate: the estimate moves that fraction
-toward the global one, and its weight toward `prior_weight_tokens`. A parked request so
+toward the global one, and its weight toward the prior's (see "Prior"). A parked request so
 drifts toward what the workload shows and eventually drafts again; if its acceptance is
 still low, that round's evidence sends it back. The controller notices untested rounds
 itself: a request passed to choose_k that reports no drafted position before its next
 choose_k (k = 0, no n-gram match, k clamped by the engine) gets one such step, whether or
 not the engine reports drafted = 0 (which is accepted and records nothing).
 
-Each request starts from its proposer's global estimate, worth `prior_weight_tokens`
-trials, and every observation also feeds that global estimate (with a longer half-life), so
-new requests start from what the workload has shown rather than from a constant.
+Each request starts from its proposer's global estimate, and every observation also feeds
+that global estimate (with a longer half-life), so new requests start from what the
+workload has shown rather than from a constant.
+
+Prior (how much the global estimate is worth to a request)
+----------------------------------------------------------
+How many trials the global estimate counts for in a new request (and in a parked one's
+relaxation) is a question of how alike the requests are, so it is measured, as empirical
+Bayes does: over the proposer's finished requests (decayed, half-life
+`spread_half_life_requests`), the variance of their acceptance rates (accepted / tested
+positions) less the part their own binomial noise explains, p (1 - p) / n_i on average,
+leaves tau^2, the spread between requests; the prior is worth p (1 - p) / tau^2 trials (the
+sample size at which a request's own estimate is as uncertain as the spread), within
+[`prior_weight_tokens`, `prior_weight_max`], and `prior_weight_tokens` until 3 requests have
+finished. Alike requests (math prompts, all near 0.45) then lean on the global estimate for
+most of a short answer instead of steering by their first dozen trials: at batch 1, with a
+coin-toss first draft and drafting worth ~1.15x, each request's own estimate ranged 0.28-0.55
+(deciles) around a true 0.45, and the noise alone cost 3-4% against the best fixed k
+(bench/controller_sim.py, "alike short requests": 0.961 -> 0.971 of the best fixed k with
+a warm-up that read low, 0.969 -> 0.975 with one that read right). Requests unlike each
+other (quoting at 0.9 beside chat at 0.2) keep the minimum, so each still finds its own
+acceptance within a few rounds.
 
 First draft and continuation
 ----------------------------
@@ -343,7 +362,10 @@ class ControllerConfig:
     prior_alpha: dict[str, float] = field(
         default_factory=lambda: {"ngram": 0.5, "draft": 0.7}, hash=False)
     alpha_half_life_tokens: float = 20.0   # per-request window, in tested draft positions
-    prior_weight_tokens: float = 8.0       # trials a new request's prior is worth
+    prior_weight_tokens: float = 8.0       # trials a new request's prior is worth, at least
+    prior_weight_max: float = 64.0         # ... and at most, when its proposer's finished
+                                           # requests show alike acceptance (docstring "Prior")
+    spread_half_life_requests: float = 32.0  # finished requests that show how requests differ
     prior_half_life_tokens: float = 1024.0 # window of the per-proposer global estimate
     idle_half_life_rounds: float = 32.0    # untested rounds for a request to forget halfway
     cost_window: int = 16                  # timings a cost cell keeps (its robust mean's window)
@@ -372,9 +394,12 @@ class ControllerConfig:
             if not 0.0 <= a < 1.0:
                 raise ValueError(f"prior_alpha[{name!r}] must be in [0, 1), got {a}")
         for name in ("alpha_half_life_tokens", "prior_weight_tokens", "prior_half_life_tokens",
-                     "idle_half_life_rounds"):
+                     "idle_half_life_rounds", "spread_half_life_requests"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        if not self.prior_weight_max >= self.prior_weight_tokens:
+            raise ValueError(f"prior_weight_max must be >= prior_weight_tokens={self.prior_weight_tokens}, "
+                             f"got {self.prior_weight_max}")
         if not isinstance(self.cost_min_samples, int) or self.cost_min_samples < 1:
             raise ValueError(f"cost_min_samples must be an int >= 1, got {self.cost_min_samples!r}")
         if not isinstance(self.cost_window, int) or self.cost_window < 1:
@@ -404,7 +429,8 @@ class AcceptanceEstimator:
         self._decay = 0.5 ** (1.0 / half_life_tokens)  # per tested position
         self.successes = prior_alpha * prior_weight
         self.trials = prior_weight
-        self.observed_tokens = 0  # tested positions seen, undecayed (for logs)
+        self.observed_tokens = 0  # tested positions seen, undecayed
+        self.observed_successes = 0  # ... and accepted of them
 
     def observe(self, drafted: int, accepted: int, clock: int | None = None) -> None:
         """Fold in one round: `accepted` of `drafted` accepted, then one rejection if short.
@@ -417,6 +443,7 @@ class AcceptanceEstimator:
         self.successes = self.successes * keep + accepted
         self.trials = self.trials * keep + trials
         self.observed_tokens += trials
+        self.observed_successes += accepted
 
     def relax(self, prior_alpha: float, prior_weight: float, keep: float) -> None:
         """One untested round: with probability 1 - keep acceptance changed to a prior draw."""
@@ -690,6 +717,42 @@ class CostTable:
                 for (b, n), c in sorted(self._cells.items())]
 
 
+class _Spread:
+    """How alike a proposer's requests are in acceptance, from the finished ones: the weight
+    a new request's prior deserves (empirical Bayes; see the module docstring, "Prior")."""
+
+    MIN_REQUESTS = 3.0  # (decayed) finished requests before the spread is read at all
+
+    def __init__(self, half_life_requests: float):
+        self._keep = 0.5 ** (1.0 / half_life_requests)
+        self._w = self._w2 = self._x = self._x2 = self._inv_n = 0.0  # decayed sums over requests
+
+    def observe(self, successes: int, trials: int) -> None:
+        """A finished request that tested `trials` positions and accepted `successes` of them."""
+        if trials < 1:
+            return  # it never drafted: it says nothing about acceptance
+        keep, x = self._keep, successes / trials
+        self._w = self._w * keep + 1.0
+        self._w2 = self._w2 * keep * keep + 1.0
+        self._x = self._x * keep + x
+        self._x2 = self._x2 * keep + x * x
+        self._inv_n = self._inv_n * keep + 1.0 / trials
+
+    def prior_weight(self, least: float, most: float) -> float:
+        """p (1 - p) / tau^2, in [least, most]: tau^2 the variance of requests' acceptance
+        beyond their own binomial noise, p their mean; `least` until enough have finished."""
+        w = self._w
+        effective = w * w / self._w2 if w > 0.0 else 0.0  # (decayed weights: fewer than w)
+        if w < self.MIN_REQUESTS or effective <= 1.0:
+            return least
+        mean = self._x / w
+        spread = max(self._x2 / w - mean * mean, 0.0) * effective / (effective - 1.0)
+        between = spread - mean * (1.0 - mean) * self._inv_n / w
+        if between <= 0.0:
+            return most
+        return min(most, max(least, mean * (1.0 - mean) / between))
+
+
 class _Speed:
     """The machine's pace shared by the cost tables: stored timings are divided by `factor`
     when measured and estimates multiplied by its current value (see "Drift")."""
@@ -832,6 +895,7 @@ class AdaptiveController:
         self._requests: dict[str, _Request] = {}
         self._global = {p: self.estimator_cls(a, cfg.prior_weight_tokens, cfg.prior_half_life_tokens)
                         for p, a in cfg.prior_alpha.items()}
+        self._spread = {p: _Spread(cfg.spread_half_life_requests) for p in cfg.prior_alpha}
         # A speculative round does more per token than a plain one (drafts to verify, rejection
         # sampling, KV rollback), so only plain rounds bound a plain one (see the docstring).
         self._speed = _Speed(cfg.cost_drift)  # shared: a slowdown hits every pass alike
@@ -864,15 +928,24 @@ class AdaptiveController:
             raise ValueError(f"proposer must be one of {sorted(self._global)}, got {proposer!r}")
         cfg = self.config
         prior = self._global[proposer].value
-        est = self.estimator_cls(prior, cfg.prior_weight_tokens, cfg.alpha_half_life_tokens)
+        est = self.estimator_cls(prior, self.prior_weight(proposer), cfg.alpha_half_life_tokens)
         # the parts hold their data only: their prior is the request's pooled alpha (_parts)
         first, cont = (self.estimator_cls(prior, _NO_WEIGHT, cfg.alpha_half_life_tokens) for _ in range(2))
         self._requests[request_id] = _Request(proposer, est, first, cont)
 
     def finish(self, request_id: str) -> None:
         """Stop tracking a request (finished or aborted)."""
-        self._request(request_id)
+        req = self._request(request_id)
         del self._requests[request_id]
+        est = req.estimator
+        self._spread[req.proposer].observe(est.observed_successes, est.observed_tokens)
+
+    def prior_weight(self, proposer: str) -> float:
+        """Trials of the proposer's global estimate a request's own estimate starts from (and
+        relaxes toward): `prior_weight_tokens` up to `prior_weight_max`, as alike as its
+        finished requests have been (see "Prior")."""
+        cfg = self.config
+        return self._spread[proposer].prior_weight(cfg.prior_weight_tokens, cfg.prior_weight_max)
 
     def _request(self, request_id: str) -> _Request:
         req = self._requests.get(request_id)
@@ -1034,7 +1107,7 @@ class AdaptiveController:
     def _relax_untested(self, req: _Request) -> None:
         """The request's last round tested nothing: its acceptance may have changed since."""
         keep = 0.5 ** (1.0 / self.config.idle_half_life_rounds)
-        req.estimator.relax(self._global[req.proposer].value, self.config.prior_weight_tokens, keep)
+        req.estimator.relax(self._global[req.proposer].value, self.prior_weight(req.proposer), keep)
         req.first.fade(keep)  # their data fades: back toward the pooled alpha
         req.cont.fade(keep)
 
@@ -1271,6 +1344,7 @@ class AdaptiveController:
             "elapsed_s": self._elapsed,
             "k_counts": list(self._k_counts),
             "global_alpha": {p: e.value for p, e in self._global.items()},
+            "prior_weight": {p: self.prior_weight(p) for p in self._global},
             "requests": {rid: {"proposer": r.proposer, "alpha": r.estimator.value, "alpha_first": r.first.value,
                                "alpha_cont": r.cont.value,
                                "observed_tokens": r.estimator.observed_tokens}
