@@ -66,11 +66,15 @@ class Scenario:
     coverage: float = 1.0            # n-gram: chance a row has a match this round (k_max drafts, else 0)
     first_alpha: float | None = None  # position 1's acceptance, alpha the later ones' (None: alpha,
                                       # geometric); n-gram lookups: a coin toss, then mostly right
+    # n-gram: a matched round's suffix length n drawn by share, with its own acceptance
+    # ((n, share, first, later positions), ...), reported to the controller; () = none
+    match_kinds: tuple[tuple[int, float, float, float], ...] = ()
 
-    def yield_of(self, alpha: float, k: int) -> float:
+    def yield_of(self, alpha: float, k: int, first: float | None = None) -> float:
         """Expected committed tokens of one row's round of k drafts: 1 + p (1 + alpha + ...
-        + alpha^(k - 1)), p the first draft's acceptance."""
-        first = alpha if self.first_alpha is None else self.first_alpha
+        + alpha^(k - 1)), p the first draft's acceptance (`first`, else the scenario's)."""
+        if first is None:
+            first = alpha if self.first_alpha is None else self.first_alpha
         return 1.0 + (first * expected_tokens(alpha, k - 1) if k else 0.0)
 
     def alpha_at(self, committed: int) -> float:
@@ -87,6 +91,9 @@ class Scenario:
 
     def expected_yield(self, alpha: float, k: int) -> float:
         """Expected committed tokens of a row asked for k drafts (one common k for all rows)."""
+        if self.match_kinds:
+            return 1.0 + self.coverage * sum(share * (self.yield_of(a, k, first) - 1.0)
+                                             for _, share, first, a in self.match_kinds)
         return 1.0 + self.coverage * (self.yield_of(alpha, k) - 1.0)
 
 
@@ -154,26 +161,43 @@ class Simulation:
         # model always delivers what it is asked.
         available = ([ctl.config.k_max if sc.coverage >= 1.0 or self.rng.random() < sc.coverage else 0
                       for _ in self.ids] if free else None)
-        ks = ctl.choose_k(self.ids, sc.batch_size, available)
+        kinds = [self._match_kind() if available and available[i] else None for i in range(len(self.ids))]
+        matches = [kind[0] if kind else None for kind in kinds]
+        ks = ctl.choose_k(self.ids, sc.batch_size, available, matches=matches if sc.match_kinds else None)
         drafted_total, deepest, drafting_rows = 0, 0, 0
         for i, rid in enumerate(self.ids):
             alpha, k = sc.alpha_at(self.committed[i]), ks[rid]
+            first = sc.first_alpha
+            if kinds[i]:
+                _, _, first, alpha = kinds[i]
             if available is not None:  # a proposer delivers no more than it has
                 k = min(k, available[i])
-            a = accepted_prefix(self.rng, alpha, k, sc.first_alpha)
-            ctl.observe_acceptance(rid, k, a)
+            a = accepted_prefix(self.rng, alpha, k, first)
+            ctl.observe_acceptance(rid, k, a, matches[i] if k else None)
             drafted_total += k
             drafting_rows += k > 0
             res.drafted += k
             deepest = max(deepest, k)
             self.committed[i] += a + 1
             res.tokens += a + 1
-            res.expected += sc.yield_of(alpha, k)
+            res.expected += sc.yield_of(alpha, k, first)
         res.seconds += self._play_passes(drafted_total, deepest, drafting_rows)
         res.rounds += 1
         res.ks.append(ks[self.ids[0]])
         res.alpha_hat.append(ctl.alpha(self.ids[0]))
         res.committed.append(self.committed[0])
+
+    def _match_kind(self) -> tuple[int, float, float, float] | None:
+        """A matched round's kind, drawn by share (None without match kinds)."""
+        kinds = self.scenario.match_kinds
+        if not kinds:
+            return None
+        u = self.rng.random() * sum(k[1] for k in kinds)
+        for kind in kinds:
+            u -= kind[1]
+            if u <= 0.0:
+                return kind
+        return kinds[-1]
 
     def _play_passes(self, drafted: int, deepest: int, drafting_rows: int) -> float:
         """Time the round's passes, report them to the controller as the engine does (the

@@ -1254,7 +1254,7 @@ def test_exploration_skips_a_neighbour_far_behind(explore_within, probed):
 class GeometricController(AdaptiveController):
     """Bug (the model before session 13): one alpha for every position, the first included."""
 
-    def _parts(self, reqs):
+    def _parts(self, reqs, matches):
         alphas = self._pooled_alphas(reqs)
         return alphas, alphas
 

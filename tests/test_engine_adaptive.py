@@ -129,8 +129,9 @@ def test_a_resting_controllers_rows_are_neither_looked_up_nor_chosen_for_and_pla
     engine = tiny_engine(PAIR[0], method="ngram", k=4, adaptive=True)
     ctl = engine.controller
     looked_up, chosen = [], []
-    lookup, choose = engine.ngram.lookup, ctl.choose_k
-    engine.ngram.lookup = lambda histories, ks: (looked_up.extend(h.seq_id for h in histories), lookup(histories, ks))[1]
+    lookup, choose = engine.ngram.lookup_matches, ctl.choose_k
+    engine.ngram.lookup_matches = lambda histories, ks: (looked_up.extend(h.seq_id for h in histories),
+                                                         lookup(histories, ks))[1]
     ctl.choose_k = lambda *a, **kw: (chosen.append(a[0]), choose(*a, **kw))[1]
     ctl.rest = lambda ids, batch_size: True
     fixed = SpecOverride(num_tokens=2, adaptive=False)

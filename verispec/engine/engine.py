@@ -98,6 +98,7 @@ class LLMEngine:
                                            config.scheduler.max_num_batched_tokens) if draft else None)
         self.scheduler = Scheduler(config.scheduler, self.kv, self.max_model_len, OutOfBlocks)
         self.ngram = NgramProposer(max_n=config.spec.ngram_max, min_n=config.spec.ngram_min)
+        self._matches: dict[str, int] = {}  # this round's n-gram match lengths, by request (0: left out)
         self.controller = AdaptiveController(ControllerConfig(
             k_max=config.spec.num_spec_tokens, adaptive=config.spec.adaptive,
             fixed_k=config.spec.num_spec_tokens))
@@ -234,8 +235,11 @@ class LLMEngine:
         most it may draft, looked up before k is chosen: the controller then knows which rows
         have drafts and how many."""
         ngram_rows = [r for r in rows if r.spec_method == "ngram"]
-        found = self.ngram.lookup([_History(r) for r in ngram_rows], [self.scheduler.spec_budget(r) for r in ngram_rows])
-        return {r.request_id: tokens for r, tokens in zip(ngram_rows, found)}
+        found = self.ngram.lookup_matches([_History(r) for r in ngram_rows],
+                                          [self.scheduler.spec_budget(r) for r in ngram_rows])
+        # each lookup's match length, for the controller (see controller "Match length")
+        self._matches = {r.request_id: n for r, (_, n) in zip(ngram_rows, found) if n}
+        return {r.request_id: tokens for r, (tokens, _) in zip(ngram_rows, found)}
 
     def _choose_k(self, rows: list[Request], drafting: list[Request], adaptive: list[Request],
                   lookups: dict[str, list[int]]) -> dict[str, int]:
@@ -247,7 +251,8 @@ class LLMEngine:
         chosen = self.controller.choose_k(
             [r.request_id for r in adaptive], len(rows), [limit[r.request_id] for r in adaptive],
             catch_up=[self.drafter.missing(r) if r.spec_method == "draft" else 0 for r in adaptive],
-            remaining=[r.remaining_tokens for r in adaptive]) if adaptive else {}
+            remaining=[r.remaining_tokens for r in adaptive],
+            matches=[self._matches.get(r.request_id) for r in adaptive]) if adaptive else {}
         return {r.request_id: chosen.get(r.request_id, limit.get(r.request_id, 0)) for r in rows}
 
     def _propose(self, rows: list[Request], ks: dict[str, int], lookups: dict[str, list[int]]) -> tuple[dict, float]:
@@ -341,7 +346,7 @@ class LLMEngine:
             else:
                 self.kv.commit(r.request_id, base + 1)
             if k:  # drafted (a row without speculation never does)
-                self.controller.observe_acceptance(r.request_id, k, accepted)
+                self.controller.observe_acceptance(r.request_id, k, accepted, self._matches.get(r.request_id))
             self._rollback(r, base, accepted, k)
             r.stats.record_round(k, accepted)
             r.stats.target_forwards += 1

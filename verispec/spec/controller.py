@@ -870,6 +870,8 @@ class _Request:
     first: AcceptanceEstimator      # position 1's acceptance (see "First draft and continuation")
     cont: AcceptanceEstimator       # positions 2.. given 1 accepted
     awaiting_test: bool = False  # chosen for a round that has not reported a tested position
+    # match length -> (first, cont) of the rounds whose lookup matched that long (data only)
+    by_match: dict[int, tuple[AcceptanceEstimator, AcceptanceEstimator]] = field(default_factory=dict)
 
 
 @dataclass
@@ -896,6 +898,9 @@ class AdaptiveController:
         self._global = {p: self.estimator_cls(a, cfg.prior_weight_tokens, cfg.prior_half_life_tokens)
                         for p, a in cfg.prior_alpha.items()}
         self._spread = {p: _Spread(cfg.spread_half_life_requests) for p in cfg.prior_alpha}
+        # (proposer, match length) -> (first, cont) over all requests (see "Match length")
+        self._by_match: dict[tuple[str, int], tuple[AcceptanceEstimator, AcceptanceEstimator]] = {}
+        self._top_match = 0  # the longest match reported so far
         # A speculative round does more per token than a plain one (drafts to verify, rejection
         # sampling, KV rollback), so only plain rounds bound a plain one (see the docstring).
         self._speed = _Speed(cfg.cost_drift)  # shared: a slowdown hits every pass alike
@@ -955,18 +960,22 @@ class AdaptiveController:
 
     # ---- observations ------------------------------------------------------------------
 
-    def observe_acceptance(self, request_id: str, drafted: int, accepted: int) -> None:
+    def observe_acceptance(self, request_id: str, drafted: int, accepted: int, match: int | None = None) -> None:
         """Record one verify round of a request.
 
         drafted: draft tokens actually proposed and verified for this row (0 tests nothing:
             no trial, no rejection; reporting it is optional).
         accepted: length of the accepted prefix of those drafts, as the rejection sampler
             decided it (before any stop-string truncation), 0 <= accepted <= drafted.
+        match: the length of the suffix the n-gram lookup matched for these drafts (None:
+            not a lookup; see "Match length").
         """
         if not isinstance(drafted, int) or drafted < 0:
             raise ValueError(f"drafted must be an int >= 0, got {drafted!r}")
         if not isinstance(accepted, int) or not 0 <= accepted <= drafted:
             raise ValueError(f"accepted must be an int in [0, drafted={drafted}], got {accepted!r}")
+        if match is not None and (not isinstance(match, int) or match < 1):
+            raise ValueError(f"match must be an int >= 1 or None, got {match!r}")
         req = self._request(request_id)
         if self._round is not None:
             self._round.tokens += accepted
@@ -976,9 +985,35 @@ class AdaptiveController:
         req.estimator.observe(drafted, accepted)
         self._global[req.proposer].observe(drafted, accepted)
         clock = accepted + (accepted < drafted)  # the round's tested positions
+        tested_cont = accepted >= 1 and drafted >= 2  # the continuation is tested past an accepted first draft
         req.first.observe(1, min(accepted, 1), clock)
-        if accepted >= 1 and drafted >= 2:  # the continuation is tested past an accepted first draft
+        if tested_cont:
             req.cont.observe(drafted - 1, accepted - 1, clock)
+        if match is None:
+            return
+        self._top_match = max(self._top_match, match)
+        shared = self._match_estimates(req.proposer, match)
+        own = req.by_match.get(match)
+        if own is None:
+            own = req.by_match[match] = self._data_only_pair()
+        for (first, cont), step in ((shared, None), (own, clock)):  # (the shared ones: own clock)
+            first.observe(1, min(accepted, 1), step)
+            if tested_cont:
+                cont.observe(drafted - 1, accepted - 1, step)
+
+    def _data_only_pair(self) -> tuple[AcceptanceEstimator, AcceptanceEstimator]:
+        half_life = self.config.alpha_half_life_tokens
+        return (self.estimator_cls(0.0, _NO_WEIGHT, half_life), self.estimator_cls(0.0, _NO_WEIGHT, half_life))
+
+    def _match_estimates(self, proposer: str, match: int) -> tuple[AcceptanceEstimator, AcceptanceEstimator]:
+        """The proposer's (first, cont) over every request's rounds of this match length,
+        started at its global estimate worth `prior_weight_tokens` trials."""
+        pair = self._by_match.get((proposer, match))
+        if pair is None:
+            cfg, prior = self.config, self._global[proposer].value
+            pair = self._by_match[(proposer, match)] = tuple(
+                self.estimator_cls(prior, cfg.prior_weight_tokens, cfg.prior_half_life_tokens) for _ in range(2))
+        return pair
 
     def observe_cost(self, kind: str, batch_size: int, size: int, seconds: float) -> None:
         """Record the measured seconds of one steady-state pass (exclude warm-up/compile).
@@ -1046,7 +1081,7 @@ class AdaptiveController:
 
     def choose_k(self, request_ids: list[str], batch_size: int,
                  available: list[int | None] | None = None, catch_up: list[int] | None = None,
-                 remaining: list[int] | None = None) -> dict[str, int]:
+                 remaining: list[int] | None = None, matches: list[int | None] | None = None) -> dict[str, int]:
         """k in [0, k_max] for each request of this step's batch. Call once per engine step.
 
         batch_size: rows in the step's verify pass (these requests and any others).
@@ -1056,6 +1091,9 @@ class AdaptiveController:
         catch_up: per request, the tokens a draft model must catch up on before it drafts
             (None: none for any request); remaining: per request, its output budget left
             (None: unknown, the catch-up is then charged as if to a one-token budget).
+        matches: per request, the length of the suffix its n-gram lookup matched (None: not
+            a lookup, or no match); a row's acceptance is then that of its match length
+            (see "Match length"). Report the same with the round's acceptance.
         """
         _check_batch_size(request_ids, batch_size)
         if available is None:
@@ -1068,6 +1106,9 @@ class AdaptiveController:
         for name, values in (("catch_up", catch_up), ("remaining", remaining)):
             if values is not None and (len(values) != n or any(not isinstance(v, int) or v < 0 for v in values)):
                 raise ValueError(f"{name} must give an int >= 0 for each of the {n} requests, got {values!r}")
+        if matches is not None and (len(matches) != n or any(
+                m is not None and (not isinstance(m, int) or m < 0) for m in matches)):
+            raise ValueError(f"matches must give an int >= 0 or None for each of the {n} requests, got {matches!r}")
         reqs = self._begin_round(request_ids)
         if not reqs:
             return {}
@@ -1076,7 +1117,8 @@ class AdaptiveController:
         if not self.config.adaptive:
             ks = [min(self.config.fixed_k, c) for c in caps]
         else:
-            ks = self._adaptive_ks(reqs, batch_size, caps, catch_up or [0] * n, remaining or [1] * n)
+            ks = self._adaptive_ks(reqs, batch_size, caps, catch_up or [0] * n, remaining or [1] * n,
+                                   matches or [None] * n)
         for k in ks:
             self._k_counts[k] += 1
         return dict(zip(request_ids, ks))
@@ -1110,9 +1152,12 @@ class AdaptiveController:
         req.estimator.relax(self._global[req.proposer].value, self.prior_weight(req.proposer), keep)
         req.first.fade(keep)  # their data fades: back toward the pooled alpha
         req.cont.fade(keep)
+        for first, cont in req.by_match.values():
+            first.fade(keep)
+            cont.fade(keep)
 
     def _adaptive_ks(self, reqs: list[_Request], batch_size: int, caps: list[int],
-                     catch_up: list[int], remaining: list[int]) -> list[int]:
+                     catch_up: list[int], remaining: list[int], matches: list[int | None]) -> list[int]:
         """Each row's k: the D largest marginal gains, for the D (and depth) with the best rate."""
         self._rounds += 1
         verify, draft = self._costs["verify"], self._costs["draft"]
@@ -1121,7 +1166,7 @@ class AdaptiveController:
             return [0] * len(reqs)  # nothing measured: plain decoding, measured by this round
         bucket = batch_bucket(batch_size)
         limit = batch_size + 2 * verify.widest(bucket)  # at most double the tokens measured
-        firsts, conts = self._parts(reqs)
+        firsts, conts = self._parts(reqs, matches)
         charge = self._catch_up_charges(caps, catch_up, remaining)
         caps = [0 if c is None else cap for cap, c in zip(caps, charge)]
         # (gain, row, position): the position-th draft of a row adds first * cont ** (position - 1)
@@ -1243,7 +1288,8 @@ class AdaptiveController:
             ks[row] += 1
         if options[i][1]:  # drafting: choose every round again
             self._rest_next = 1
-        elif gains and plain_is_best:  # plain the best with drafts at hand: rest, longer each time
+        elif gains and plain_is_best and self._match_was_strongest(matches, caps):
+            # plain the best with drafts at hand, the best-matched ones too: rest, longer each time
             self._rest_left = min(self._rest_next, self.config.rest_max)
             self._rest_next = min(2 * self._rest_next, max(self.config.rest_max, 1))
         return ks
@@ -1261,15 +1307,31 @@ class AdaptiveController:
             return [None if c and i != first else 0.0 for i, c in enumerate(catch_up)]
         return [c * s / n / max(rem, 1) if c else 0.0 for c, rem in zip(catch_up, remaining)]
 
-    def _parts(self, reqs: list[_Request]) -> tuple[list[float], list[float]]:
+    def _match_was_strongest(self, matches: list[int | None], caps: list[int]) -> bool:
+        """Whether this round's rows with drafts included a match as long as any seen (a
+        plain choice then says drafting does not pay even at its best; after a plain choice
+        on short matches only, the next round may bring a long one, so no rest)."""
+        known = [m for m, cap in zip(matches, caps) if m is not None and cap]
+        return not known or max(known) >= self._top_match
+
+    def _parts(self, reqs: list[_Request], matches: list[int | None]) -> tuple[list[float], list[float]]:
         """Each row's first-draft and continuation acceptance (see "First draft and
         continuation"): a part's data with the row's pooled alpha worth `prior_weight_tokens`
         trials as its prior, relative to that pooled alpha, times the row's pooled alpha as
         shrunk across the batch (`_pooled_alphas`). A part with no data of its own is the
-        pooled alpha: the geometric model."""
+        pooled alpha: the geometric model. A row with a match length (see "Match length"):
+        its rounds of that length with the proposer's estimate for the length worth
+        `prior_weight_tokens` trials as the prior."""
         w = self.config.prior_weight_tokens
         firsts, conts = [], []
-        for r, shrunk in zip(reqs, self._pooled_alphas(reqs)):
+        for r, shrunk, match in zip(reqs, self._pooled_alphas(reqs), matches):
+            shared = self._by_match.get((r.proposer, match)) if match else None
+            if shared is not None:
+                own = r.by_match.get(match)
+                for i, out in ((0, firsts), (1, conts)):
+                    part, prior = (own[i] if own else None), shared[i].value
+                    out.append(prior if part is None else (part.successes + w * prior) / (part.trials + w))
+                continue
             raw = r.estimator.value
             for part, out in ((r.first, firsts), (r.cont, conts)):
                 own = (part.successes + w * raw) / (part.trials + w)
