@@ -163,7 +163,7 @@ class Simulation:
                       for _ in self.ids] if free else None)
         kinds = [self._match_kind() if available and available[i] else None for i in range(len(self.ids))]
         matches = [kind[0] if kind else None for kind in kinds]
-        ks = ctl.choose_k(self.ids, sc.batch_size, available, matches=matches if sc.match_kinds else None)
+        ks = ctl.choose_k(self.ids, sc.batch_size, available, **({"matches": matches} if sc.match_kinds else {}))
         drafted_total, deepest, drafting_rows = 0, 0, 0
         for i, rid in enumerate(self.ids):
             alpha, k = sc.alpha_at(self.committed[i]), ks[rid]
@@ -302,6 +302,12 @@ SCENARIOS = {sc.name: sc for sc in (
     # An n-gram lookup's first token is a coin toss, its continuation mostly right
     # (bench/acceptance_profile.py: a1 0.32-0.51, a3+ 0.67-1.0 on every task): best k = 3.
     Scenario("ngram first=0.4 a=0.85", (0.85,), NGRAM_CPU, proposer="ngram", tokens=3000, first_alpha=0.4),
+    # MT-bench at batch 1 by match length (default model, n-gram, k = 4: 70% of matched rounds
+    # are 1-token matches, first draft accepted 0.21, 16% 4-token ones at 0.98, then 0.82):
+    # a 4-token match is worth drafting deep, a 1-token one hardly at all.
+    Scenario("ngram chat match lengths", (0.5,), NGRAM_CPU_MATH, proposer="ngram", tokens=3000, coverage=0.7,
+             match_kinds=((1, 0.70, 0.21, 0.38), (2, 0.13, 0.38, 0.42), (3, 0.02, 0.40, 0.40),
+                          (4, 0.16, 0.98, 0.82))),
 )}
 
 

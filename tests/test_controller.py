@@ -448,6 +448,58 @@ def test_the_prior_weighs_as_much_as_requests_are_alike(spread_cls, passes):
     assert (one_trial.prior_weight(8.0, 64.0) >= 16.0) == passes
 
 
+# ---- match length: what the lookup says about this round's drafts ------------------------
+
+class MatchBlindController(AdaptiveController):
+    """Bug (before session 19): the lookup's match length is ignored, one estimate a request."""
+
+    def _parts(self, reqs, matches):
+        return super()._parts(reqs, [None] * len(reqs))
+
+
+@pytest.mark.parametrize("controller_cls,passes", [(AdaptiveController, True), (MatchBlindController, False)],
+                         ids=["priced by match length", "broken: match length ignored"])
+def test_rows_are_priced_at_their_match_lengths_acceptance(controller_cls, passes):
+    """MT-bench's shape at batch 1: most matches are 1-token ones, accepted ~0.2 (not worth
+    a verified token), some 4-token ones, accepted ~0.98 then ~0.82 (worth 4+). Drafting
+    each as its match deserves beats every fixed k by far; one estimate for all, not."""
+    assert (throughput_ratio(controller_cls, sim.SCENARIOS["ngram chat match lengths"]) >= 1.05) == passes
+
+
+class RestsAfterShortMatches(AdaptiveController):
+    """Bug: rests after any plain choice with drafts at hand, short matches only included."""
+
+    def _match_was_strongest(self, matches, caps):
+        return True
+
+
+@pytest.mark.parametrize("controller_cls,passes", [(AdaptiveController, True), (RestsAfterShortMatches, False)],
+                         ids=["no rest after short matches", "broken: rests"])
+def test_plain_on_a_short_match_does_not_rest_through_the_next_long_one(controller_cls, passes):
+    ctl = controller_cls(ControllerConfig(explore=0.0))
+    for n in range(0, 9):
+        ctl.observe_cost("verify", 1, n, 1.0 + (0.5 + 0.01 * n if n else 0.0))  # drafting: +50%
+    ctl.start("r", "ngram")
+    for _ in range(60):
+        ctl.observe_acceptance("r", 4, 4, match=4)   # 4-token matches: all accepted
+        ctl.observe_acceptance("r", 4, 0, match=1)   # 1-token matches: none
+    assert ctl.choose_k(["r"], 1, [4], matches=[1]) == {"r": 0}
+    assert ctl.rest(["r"], 1) is not passes
+    if passes:  # (a resting controller is not asked)
+        assert ctl.choose_k(["r"], 1, [4], matches=[4]) == {"r": 4}
+
+
+def test_match_lengths_are_checked():
+    ctl = AdaptiveController()
+    ctl.start("r", "ngram")
+    with pytest.raises(ValueError, match="matches"):
+        ctl.choose_k(["r"], 1, [4], matches=[1, 2])
+    with pytest.raises(ValueError, match="matches"):
+        ctl.choose_k(["r"], 1, [4], matches=[-1])
+    with pytest.raises(ValueError, match="match"):
+        ctl.observe_acceptance("r", 2, 1, match=0)
+
+
 class FixedPriorController(AdaptiveController):
     """Bug (before session 19): a request's prior is worth `prior_weight_tokens`, however
     alike the finished requests were."""

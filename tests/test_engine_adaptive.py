@@ -26,27 +26,35 @@ GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
 
 
 def record(engine):
-    """Wrap the controller: log (available, chosen) per choose_k and each verify cost size."""
-    log = {"choices": [], "verify_sizes": []}
+    """Wrap the controller: log (available, chosen, found) per choose_k, the match lengths
+    it was given and those a fresh lookup finds, each verify cost size, and the match length
+    each acceptance report names, by request."""
+    log = {"choices": [], "verify_sizes": [], "matches": [], "accepted_matches": []}
     ctl = engine.controller
-    choose, observe = ctl.choose_k, ctl.observe_cost
+    choose, observe, accept = ctl.choose_k, ctl.observe_cost, ctl.observe_acceptance
 
     def choose_k(ids, batch_size, available=None, **kw):
         out = choose(ids, batch_size, available, **kw)
         # What a fresh lookup over each request's history finds, clipped to its budget.
         reqs = [engine.requests[r] for r in ids]
-        found = NgramProposer(engine.ngram.max_n, engine.ngram.min_n).lookup(
+        found = NgramProposer(engine.ngram.max_n, engine.ngram.min_n).lookup_matches(
             [_History(r) for r in reqs], [engine.scheduler.spec_budget(r) for r in reqs])
         log["choices"].append((dict(zip(ids, available)), dict(out),
-                               {r: len(f) for r, f in zip(ids, found)}))
+                               {r: len(f) for r, (f, _) in zip(ids, found)}))
+        log["matches"].append((dict(zip(ids, kw.get("matches") or [None] * len(ids))),
+                               {r: n or None for r, (_, n) in zip(ids, found)}, dict(out)))
         return out
+
+    def observe_acceptance(rid, drafted, accepted, match=None):
+        log["accepted_matches"].append((rid, drafted, match))
+        return accept(rid, drafted, accepted, match)
 
     def observe_cost(kind, batch_size, size, seconds):
         if kind == "verify":
             log["verify_sizes"].append(size)
         return observe(kind, batch_size, size, seconds)
 
-    ctl.choose_k, ctl.observe_cost = choose_k, observe_cost
+    ctl.choose_k, ctl.observe_cost, ctl.observe_acceptance = choose_k, observe_cost, observe_acceptance
     return log
 
 
@@ -80,6 +88,13 @@ def test_ngram_availability_reaches_the_controller_and_rows_draft_what_was_chose
     assert any(k > 0 for _, chosen, _ in log["choices"] for k in chosen.values())
     # Every timed round reports the draft tokens its pass verified (steps with prefill are not timed).
     assert log["verify_sizes"] and set(log["verify_sizes"]) <= set(drafted["sizes"])
+    # The controller hears each row's match length with its lookup, and again with its acceptance.
+    given_then = []
+    for given, found, chosen in log["matches"]:
+        assert given == found
+        given_then += [(r, given[r]) for r in chosen if chosen[r]]
+    assert any(n for n, _, _ in log["matches"] for n in n.values())
+    assert [(r, m) for r, d, m in log["accepted_matches"] if d] == given_then
 
 
 def test_an_engine_that_chooses_k_before_the_lookup_is_caught():

@@ -16,14 +16,19 @@ class Seq:
 
 def brute_force(tokens: list[int], k: int, min_n: int, max_n: int) -> list[int]:
     """The spec by exhaustive scan: longest suffix first, then latest earlier start."""
+    return brute_force_match(tokens, k, min_n, max_n)[0]
+
+
+def brute_force_match(tokens: list[int], k: int, min_n: int, max_n: int) -> tuple[list[int], int]:
+    """`brute_force` and the length of the suffix it matched (0: none)."""
     for n in range(max_n, min_n - 1, -1):
         if len(tokens) < n + 1:
             continue
         suffix = tokens[len(tokens) - n:]
         for start in range(len(tokens) - n - 1, -1, -1):
             if tokens[start:start + n] == suffix:
-                return tokens[start + n:start + n + k]
-    return []
+                return tokens[start + n:start + n + k], n
+    return [], 0
 
 
 def propose_one(proposer: NgramProposer, seq: Seq, k: int) -> list[int]:
@@ -38,6 +43,10 @@ def test_longest_suffix_match_wins_over_a_more_recent_shorter_one():
     assert propose_one(NgramProposer(max_n=3), Seq(0, history), 3) == [7, 8, 9]
     # Limited to 1-grams, the most recent earlier 3 (position 6) wins: followed by 5 1 2.
     assert propose_one(NgramProposer(max_n=1), Seq(1, history), 3) == [5, 1, 2]
+    # With the length of the suffix each matched (what the adaptive controller keys on).
+    assert NgramProposer(max_n=3).lookup_matches([Seq(2, history)], [3]) == [([7, 8, 9], 3)]
+    assert NgramProposer(max_n=1).lookup_matches([Seq(3, history)], [3]) == [([5, 1, 2], 1)]
+    assert NgramProposer(max_n=3).lookup_matches([Seq(4, [1, 2, 3])], [3]) == [([], 0)]
 
 
 def test_most_recent_occurrence_and_up_to_k_tokens():
@@ -84,9 +93,12 @@ def test_incremental_index_equals_brute_force_scan_on_random_histories(min_n, ma
             seq.token_ids.extend(rng.randrange(4) for _ in range(rng.randrange(0, 4)))
         ks = [rng.randrange(0, 6) for _ in seqs]
         draft = proposer.propose_for(seqs, ks)
+        matched = proposer.lookup_matches(seqs, ks)
         for row, (seq, k) in enumerate(zip(seqs, ks)):
             got = draft.tokens[row, :int(draft.num_tokens[row])].tolist()
             assert got == brute_force(seq.token_ids, k, min_n, max_n), (seq.token_ids, k)
+            if k:  # (k = 0 looks nothing up)
+                assert matched[row] == brute_force_match(seq.token_ids, k, min_n, max_n), (seq.token_ids, k)
 
 
 def test_index_is_incremental_not_a_rescan():

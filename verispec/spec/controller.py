@@ -93,6 +93,27 @@ Simulated: first 0.4, then 0.85, n-gram costs of this CPU at batch 1: 0.974x the
 k, against 0.953x with one alpha (k = 1 throughout); geometric workloads within 0.5% of
 before. `alpha()` and the 0.02 accuracy claim above stay the pooled estimate.
 
+Match length (what the lookup says about this round's drafts)
+-------------------------------------------------------------
+How long a suffix an n-gram lookup matched predicts its first draft better than anything
+the request's past rounds show: on the default model, every task, a 1-token match's first
+draft is accepted 0.17-0.28 of the time, a 2-token match's 0.37-0.57 and a 4-token match's
+0.71-0.98, with its continuation 0.64-0.87 (bench: /tmp scratch `byn.py`, session 19; most
+matched rounds, 50-70%, are 1-token ones). One estimate per request averages them: it drafts
+on 1-token matches that do not pay and too shallowly on 4-token ones that would. So the
+engine passes each row's match length with the lookup (`matches`) and with the round's
+acceptance, and the controller keeps first-draft and continuation estimates per proposer
+and match length over all requests (on the global estimate's clock, started at it) and per
+request and match length (data only, on the request's clock, fading with its other parts
+when untested). A row with a match length is priced at its request's data for that length
+with the proposer's estimate for it worth `prior_weight_tokens` trials as the prior. Rows
+without one (a draft model) keep the pooled model below. Resting (see "Rest") follows: a
+round that chose plain decoding while its best match was shorter than the longest seen says
+nothing about the next round's long match, so it does not rest.
+Simulated (bench/controller_sim.py, match lengths drawn per round with the measured shares
+and acceptance of GSM8K, MT-bench, HumanEval and CNN at batch 1 and 4): 1.00-1.18x the best
+fixed k, against 0.96-0.985x with the match length ignored.
+
 Availability (how many drafts a row can get this round)
 ------------------------------------------------------
 A proposer may deliver fewer drafts than asked: n-gram lookup finds no match in most rounds
