@@ -6,7 +6,10 @@ This measures, per task, the conditional acceptance at each position, alpha_i = 
 that accepted position i) / (rounds that tested it: drafted it, with 1..i-1 accepted), from
 every round's (drafted, accepted) as the engine reports it to the controller, with a fixed
 k so that every position is offered. A flat profile is the geometric model; a rising one
-means deep drafts are worth more than one alpha says (and the first one less).
+means deep drafts are worth more than one alpha says (and the first one less). The same per
+length of the suffix the n-gram lookup matched (what the controller keys its estimates on,
+controller docstring "Match length"): each length's share of the drafting rounds and its
+profile.
 
     .venv/bin/python bench/acceptance_profile.py --k 8 --tasks chat,code,math
 """
@@ -49,6 +52,15 @@ def profile(rounds: list[tuple[int, int]], k: int) -> dict:
             "pooled_alpha": sum(accepted) / sum(tested) if sum(tested) else None}
 
 
+def by_match(rounds: list[tuple[int, int, int]], k: int) -> dict[int, dict]:
+    """`profile` per match length of (drafted, accepted, match length) rounds, with each
+    length's count and share of the rounds."""
+    lengths = sorted({m for _, _, m in rounds})
+    return {m: {**profile([(d, a) for d, a, n in rounds if n == m], k),
+                "rounds": sum(n == m for _, _, n in rounds),
+                "share": sum(n == m for _, _, n in rounds) / len(rounds)} for m in lengths}
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="smollm2-135m-instruct")
@@ -68,12 +80,12 @@ def main(argv: list[str] | None = None) -> int:
     engine = LLMEngine.from_config(EngineConfig(model=args.model, spec=SpecConfig(method="ngram", adaptive=False,
                                                                                   num_spec_tokens=args.k),
                                                 cache=CacheConfig(num_kv_tokens=16384)))
-    rounds: list[tuple[int, int]] = []
+    rounds: list[tuple[int, int, int | None]] = []
     real = engine.controller.observe_acceptance
 
-    def record(request_id: str, drafted: int, accepted: int) -> None:
-        rounds.append((drafted, accepted))
-        real(request_id, drafted, accepted)
+    def record(request_id: str, drafted: int, accepted: int, match: int | None = None) -> None:
+        rounds.append((drafted, accepted, match))
+        real(request_id, drafted, accepted, match)
 
     engine.controller.observe_acceptance = record
     results = {}
@@ -85,11 +97,13 @@ def main(argv: list[str] | None = None) -> int:
                                SpecOverride(method="ngram", num_tokens=args.k, adaptive=False))
             while engine.has_unfinished_requests():
                 engine.step()
-        drafted = [(d, a) for d, a in rounds if d > 0]
+        drafted = [(d, a) for d, a, _ in rounds if d > 0]
         if not drafted:
             raise SystemExit(f"{task}: no round drafted anything (no n-gram match in {len(rounds)} rounds)")
+        if any(m is None for d, _, m in rounds if d > 0):
+            raise SystemExit(f"{task}: a drafting round was reported without its match length")
         results[task] = {**profile(drafted, args.k), "rounds": len(rounds), "drafting_rounds": len(drafted),
-                         "sources": sources}
+                         "by_match": by_match([r for r in rounds if r[0] > 0], args.k), "sources": sources}
     out = {"script": "bench/acceptance_profile.py", "argv": sys.argv[1:], "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
            "config": engine.config.to_dict(), "machine": machine_info(), "software": software_versions(),
            "git": git_info(), "tasks": results}
@@ -101,6 +115,11 @@ def main(argv: list[str] | None = None) -> int:
     for task, r in results.items():
         cells = " ".join(f"{a:5.2f}" if a is not None else "    -" for a in r["alpha"])
         print(f"{task:14s} {r['drafting_rounds']:6d} {r['pooled_alpha']:6.2f}  {cells}")
+    print("the same by the length of the suffix the lookup matched (share of the drafting rounds):")
+    for task, r in results.items():
+        for m, p in r["by_match"].items():
+            cells = " ".join(f"{a:5.2f}" if a is not None else "    -" for a in p["alpha"])
+            print(f"{task + ' n=' + str(m):14s} {p['rounds']:6d} {p['share']:6.2f}  {cells}")
     print(f"wrote {args.out}")
     return 0
 

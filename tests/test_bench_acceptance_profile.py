@@ -40,3 +40,12 @@ def test_a_geometric_source_gives_a_flat_profile_and_a_rising_one_does_not():
 def test_an_impossible_round_is_rejected():
     with pytest.raises(ValueError, match="accepted <= drafted"):
         acceptance_profile.profile([(2, 3)], k=4)
+
+
+def test_rounds_are_profiled_per_match_length():
+    rounds = [(3, 3, 4), (3, 0, 1), (3, 2, 4), (2, 0, 1), (2, 2, 2)]
+    got = acceptance_profile.by_match(rounds, k=3)
+    assert sorted(got) == [1, 2, 4]
+    assert got[1]["rounds"] == 2 and got[1]["alpha"][0] == 0.0 and got[1]["share"] == 0.4
+    assert got[4]["tested"] == [2, 2, 2] and got[4]["accepted"] == [2, 2, 1]
+    assert got[2]["alpha"] == [1.0, 1.0, None]

@@ -97,9 +97,9 @@ Match length (what the lookup says about this round's drafts)
 -------------------------------------------------------------
 How long a suffix an n-gram lookup matched predicts its first draft better than anything
 the request's past rounds show: on the default model, every task, a 1-token match's first
-draft is accepted 0.17-0.28 of the time, a 2-token match's 0.37-0.57 and a 4-token match's
-0.71-0.98, with its continuation 0.64-0.87 (bench: /tmp scratch `byn.py`, session 19; most
-matched rounds, 50-70%, are 1-token ones). One estimate per request averages them: it drafts
+draft is accepted 0.15-0.26 of the time, a 2-token match's 0.35-0.60 and a 4-token match's
+0.68-0.92, its second draft 0.69-0.96 (bench/acceptance_profile.py --k 4; most matched
+rounds, 46-77%, are 1-token ones). One estimate per request averages them: it drafts
 on 1-token matches that do not pay and too shallowly on 4-token ones that would. So the
 engine passes each row's match length with the lookup (`matches`) and with the round's
 acceptance, and the controller keeps first-draft and continuation estimates per proposer
