@@ -59,17 +59,17 @@ class Tracer:
         self.ctl.choose_k, self.ctl.observe_cost, engine.step = self.choose_k, self.observe_cost, self.step
         engine._choose_k = self.engine_choose_k
 
-    def engine_choose_k(self, rows, lookups):
+    def engine_choose_k(self, rows, drafting, adaptive, lookups):
         """Every round's batch, k and n-gram availability per row, fixed k included (it
         never asks the controller)."""
-        ks = self._engine_choose(rows, lookups)
+        ks = self._engine_choose(rows, drafting, adaptive, lookups)
         ids = [r.request_id for r in rows]
         self.cur.update(batch=len(rows), ks=[ks[r] for r in ids],
                         available=[len(lookups[r]) if r in lookups else None for r in ids])
         return ks
 
-    def choose_k(self, ids, batch_size, available=None, catch_up=None, remaining=None):
-        ks = self._choose(ids, batch_size, available, catch_up, remaining)
+    def choose_k(self, ids, batch_size, available=None, catch_up=None, remaining=None, matches=None):
+        ks = self._choose(ids, batch_size, available, catch_up, remaining, matches)
         ctl, k = self.ctl, [ks[r] for r in ids]
         alphas = ctl._pooled_alphas([ctl._request(r) for r in ids])  # noqa: SLF001 (a diagnostic)
         drafts, rows = sum(k), sum(1 for x in k if x)

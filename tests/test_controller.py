@@ -498,6 +498,8 @@ def test_match_lengths_are_checked():
         ctl.choose_k(["r"], 1, [4], matches=[-1])
     with pytest.raises(ValueError, match="match"):
         ctl.observe_acceptance("r", 2, 1, match=0)
+    ctl.observe_acceptance("r", 2, 1, match=2)
+    assert set(ctl.snapshot()["alpha_by_match"]) == {"ngram/2"}
 
 
 class FixedPriorController(AdaptiveController):

@@ -151,13 +151,14 @@ def test_the_controller_is_told_each_rows_catch_up_and_budget(monkeypatch, broke
     seen, wrong = [], []
     choose = eng.controller.choose_k
 
-    def logged(ids, batch_size, available=None, catch_up=None, remaining=None):
+    def logged(ids, batch_size, available=None, catch_up=None, remaining=None, matches=None):
         for rid, c, rem in zip(ids, catch_up, remaining):
             req = eng.requests[rid]
             lacking = req.num_tokens - 1 - req.draft_computed
             seen.append(c)
             wrong.append(c != (lacking if lacking > 1 else 0) or rem != req.params.max_tokens - len(req.output_ids))
-        return choose(ids, batch_size, available, catch_up, remaining)
+        assert matches == [None] * len(ids)  # a draft model's rows have no lookup
+        return choose(ids, batch_size, available, catch_up, remaining, matches)
     eng.controller.choose_k = logged
     run_all(eng, [PROMPT, PROMPT[6:]], GREEDY, spec=DRAFT)
     # Every row's count was exact, and a prompt's catch-up was announced.

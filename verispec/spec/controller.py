@@ -1428,6 +1428,8 @@ class AdaptiveController:
             "k_counts": list(self._k_counts),
             "global_alpha": {p: e.value for p, e in self._global.items()},
             "prior_weight": {p: self.prior_weight(p) for p in self._global},
+            "alpha_by_match": {f"{p}/{m}": {"first": first.value, "cont": cont.value}
+                               for (p, m), (first, cont) in sorted(self._by_match.items())},
             "requests": {rid: {"proposer": r.proposer, "alpha": r.estimator.value, "alpha_first": r.first.value,
                                "alpha_cont": r.cont.value,
                                "observed_tokens": r.estimator.observed_tokens}
