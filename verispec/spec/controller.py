@@ -111,9 +111,11 @@ with the proposer's estimate for it worth `prior_weight_tokens` trials as the pr
 without one (a draft model) keep the pooled model below. Resting (see "Rest") follows: a
 round that chose plain decoding while its best match was shorter than the longest seen says
 nothing about the next round's long match, so it does not rest.
-Simulated (bench/controller_sim.py, match lengths drawn per round with the measured shares
-and acceptance of GSM8K, MT-bench, HumanEval and CNN at batch 1 and 4): 1.00-1.18x the best
-fixed k, against 0.96-0.985x with the match length ignored.
+Simulated (bench/controller_sim.py's "ngram chat match lengths", MT-bench's measured shares
+and acceptance per length at batch 1): 1.14x the best fixed k, where ignoring the length
+stays below it (test_rows_are_priced_at_their_match_lengths_acceptance); with GSM8K's,
+HumanEval's and CNN's shares too, at batch 1 and 4 (scratch runs): 1.00-1.18x against
+0.96-0.985x.
 
 Availability (how many drafts a row can get this round)
 ------------------------------------------------------
