@@ -335,6 +335,7 @@ import math
 from bisect import bisect_left, bisect_right
 from collections import deque
 from dataclasses import asdict, dataclass, field
+from functools import lru_cache
 from operator import itemgetter
 
 # Proposers whose drafting is a CPU lookup: no draft pass, no draft cost.
@@ -1348,8 +1349,11 @@ class AdaptiveController:
         `prior_weight_tokens` trials as the prior."""
         w = self.config.prior_weight_tokens
         firsts, conts = [], []
-        for r, shrunk, match in zip(reqs, self._pooled_alphas(reqs), matches):
-            shared = self._by_match.get((r.proposer, match)) if match else None
+        shared_by_row = [self._by_match.get((r.proposer, m)) if m else None for r, m in zip(reqs, matches)]
+        # (the batch's shrunk alphas only where a row has no match length: an n-gram batch
+        # at 1 in flight rarely needs them, and every microsecond here is on the hot path)
+        pooled = self._pooled_alphas(reqs) if None in shared_by_row else [None] * len(reqs)
+        for r, shrunk, match, shared in zip(reqs, pooled, matches, shared_by_row):
             if shared is not None:
                 own = r.by_match.get(match)
                 for i, out in ((0, firsts), (1, conts)):
@@ -1461,12 +1465,14 @@ def _subset_sizes(n: int) -> list[int]:
     return out + [n] if n else out
 
 
-def _sizes_upto(n: int) -> list[int]:
-    """0 and the largest member of every size bucket up to n, then n itself."""
+@lru_cache(maxsize=1024)
+def _sizes_upto(n: int) -> tuple[int, ...]:
+    """0 and the largest member of every size bucket up to n, then n itself (memoised: every
+    plan of every round asks)."""
     out = [0]
     m = 1
     while m <= n:
         b = size_bucket(m)
         out.append(min(b, n))
         m = b + 1
-    return out
+    return tuple(out)
