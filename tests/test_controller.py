@@ -529,6 +529,43 @@ def test_alike_short_requests_lean_on_what_the_finished_ones_showed(controller_c
     assert (workload_ratio(controller_cls, sim.ALIKE_REQUESTS, 4) >= 0.970) == passes
 
 
+class FixedMatchPriorController(AdaptiveController):
+    """Bug (before session 20): a request's data for a match length weighed against the
+    proposer's estimate for that length at `prior_weight_tokens`, however alike requests were."""
+
+    def _parts(self, reqs, matches):
+        weight = self.prior_weight
+        self.prior_weight = lambda proposer: self.config.prior_weight_tokens
+        try:
+            return super()._parts(reqs, matches)
+        finally:
+            self.prior_weight = weight
+
+
+@pytest.mark.parametrize("controller_cls,drafts", [(AdaptiveController, True), (FixedMatchPriorController, False)],
+                         ids=["prior weighed by the spread", "broken: fixed prior weight"])
+def test_a_request_leans_on_its_match_length_estimate_as_much_as_requests_are_alike(controller_cls, drafts):
+    """Twelve finished requests each accepted a 1-token match's draft a quarter of the time
+    (GSM8K's rate), alike, so the prior is worth the most. A new request's first three such
+    drafts are rejected: with one draft costing 1.21 plain rounds, drafting on a 1-token
+    match pays above 0.21, and three rejections weighed against 8 trials (0.19) would stop
+    it, against 64 (0.24) they do not: the request drafts, as its peers' record says it should."""
+    ctl = controller_cls(ControllerConfig(explore=0.0))
+    for _ in range(20):
+        ctl.observe_cost("verify", 1, 0, 1.0)
+        ctl.observe_cost("verify", 1, 1, 1.21)
+    for i in range(12):
+        ctl.start(f"done{i}", "ngram")
+        for j in range(40):
+            ctl.observe_acceptance(f"done{i}", 1, int(j % 4 == 0), match=1)
+        ctl.finish(f"done{i}")
+    assert AdaptiveController.prior_weight(ctl, "ngram") == ControllerConfig().prior_weight_max
+    ctl.start("new", "ngram")
+    for _ in range(3):
+        ctl.observe_acceptance("new", 1, 0, match=1)
+    assert (ctl.choose_k(["new"], 1, [1], matches=[1]) == {"new": 1}) == drafts
+
+
 def test_requests_unlike_each_other_keep_the_least_prior_weight():
     """Quoting at 0.9 beside chat at 0.2: a request must find its own acceptance in a few
     rounds, so the prior stays at its least, and the run is the fixed-weight one's."""

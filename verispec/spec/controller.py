@@ -107,7 +107,12 @@ acceptance, and the controller keeps first-draft and continuation estimates per 
 and match length over all requests (on the global estimate's clock, started at it) and per
 request and match length (data only, on the request's clock, fading with its other parts
 when untested). A row with a match length is priced at its request's data for that length
-with the proposer's estimate for it worth `prior_weight_tokens` trials as the prior. Rows
+with the proposer's estimate for it as the prior, worth as many trials as a new request's
+prior (see "Prior": more where finished requests were alike). With 8 trials, a request's
+first few rejections on 1-token matches stopped its drafting there while its peers' record
+said those drafts pay (GSM8K at batch 1, a trace: plain chosen with 8 drafts at hand in 27 of
+678 rounds; 5 of 690 with the prior's weight; see
+test_a_request_leans_on_its_match_length_estimate_as_much_as_requests_are_alike). Rows
 without one (a draft model) keep the pooled model below. Resting (see "Rest") follows: a
 round that chose plain decoding while its best match was shorter than the longest seen says
 nothing about the next round's long match, so it does not rest.
@@ -1345,8 +1350,8 @@ class AdaptiveController:
         trials as its prior, relative to that pooled alpha, times the row's pooled alpha as
         shrunk across the batch (`_pooled_alphas`). A part with no data of its own is the
         pooled alpha: the geometric model. A row with a match length (see "Match length"):
-        its rounds of that length with the proposer's estimate for the length worth
-        `prior_weight_tokens` trials as the prior."""
+        its rounds of that length with the proposer's estimate for the length as the prior,
+        worth `prior_weight(proposer)` trials."""
         w = self.config.prior_weight_tokens
         firsts, conts = [], []
         shared_by_row = [self._by_match.get((r.proposer, m)) if m else None for r, m in zip(reqs, matches)]
@@ -1356,9 +1361,10 @@ class AdaptiveController:
         for r, shrunk, match, shared in zip(reqs, pooled, matches, shared_by_row):
             if shared is not None:
                 own = r.by_match.get(match)
+                wm = self.prior_weight(r.proposer)  # as alike as the finished requests were ("Prior")
                 for i, out in ((0, firsts), (1, conts)):
                     part, prior = (own[i] if own else None), shared[i].value
-                    out.append(prior if part is None else (part.successes + w * prior) / (part.trials + w))
+                    out.append(prior if part is None else (part.successes + wm * prior) / (part.trials + wm))
                 continue
             raw = r.estimator.value
             for part, out in ((r.first, firsts), (r.cont, conts)):
