@@ -503,8 +503,9 @@ def test_match_lengths_are_checked():
 
 
 class FixedPriorController(AdaptiveController):
-    """Bug (before session 19): a request's prior is worth `prior_weight_tokens`, however
-    alike the finished requests were."""
+    """Bug (before session 19; for match lengths, before session 20): a request's prior, and
+    the proposer's estimate its data per match length meets, are worth `prior_weight_tokens`,
+    however alike the finished requests were."""
 
     def prior_weight(self, proposer):
         return self.config.prior_weight_tokens
@@ -529,20 +530,7 @@ def test_alike_short_requests_lean_on_what_the_finished_ones_showed(controller_c
     assert (workload_ratio(controller_cls, sim.ALIKE_REQUESTS, 4) >= 0.970) == passes
 
 
-class FixedMatchPriorController(AdaptiveController):
-    """Bug (before session 20): a request's data for a match length weighed against the
-    proposer's estimate for that length at `prior_weight_tokens`, however alike requests were."""
-
-    def _parts(self, reqs, matches):
-        weight = self.prior_weight
-        self.prior_weight = lambda proposer: self.config.prior_weight_tokens
-        try:
-            return super()._parts(reqs, matches)
-        finally:
-            self.prior_weight = weight
-
-
-@pytest.mark.parametrize("controller_cls,drafts", [(AdaptiveController, True), (FixedMatchPriorController, False)],
+@pytest.mark.parametrize("controller_cls,drafts", [(AdaptiveController, True), (FixedPriorController, False)],
                          ids=["prior weighed by the spread", "broken: fixed prior weight"])
 def test_a_request_leans_on_its_match_length_estimate_as_much_as_requests_are_alike(controller_cls, drafts):
     """Twelve finished requests each accepted a 1-token match's draft a quarter of the time

@@ -1358,10 +1358,11 @@ class AdaptiveController:
         # (the batch's shrunk alphas only where a row has no match length: an n-gram batch
         # at 1 in flight rarely needs them, and every microsecond here is on the hot path)
         pooled = self._pooled_alphas(reqs) if None in shared_by_row else [None] * len(reqs)
+        weights = {p: self.prior_weight(p) for p in {r.proposer for r in reqs}}  # ("Prior"), once a proposer
         for r, shrunk, match, shared in zip(reqs, pooled, matches, shared_by_row):
             if shared is not None:
                 own = r.by_match.get(match)
-                wm = self.prior_weight(r.proposer)  # as alike as the finished requests were ("Prior")
+                wm = weights[r.proposer]
                 for i, out in ((0, firsts), (1, conts)):
                     part, prior = (own[i] if own else None), shared[i].value
                     out.append(prior if part is None else (part.successes + wm * prior) / (part.trials + wm))
