@@ -27,7 +27,11 @@ interleaved), summarisation (CNN stories), math (GSM8K).
 Target (issue 6): adaptive >= 0.97 x the best fixed k and >= 0.97 x plain in every cell.
 Each cell is scored twice: on whole-run rates, and on sustained ones (the steps run with
 all C requests in flight; `common.ClosedLoop`), which leave out the drain at the end of the
-finite closed loop, a tail whose length speculation itself sets by moving rows apart.
+finite closed loop, a tail whose length speculation itself sets by moving rows apart. The
+drain's own ratio (adaptive over plain) and its share of each one's seconds are reported
+beside them: rows that drafted finish early and their slots stay empty while the longest
+ones drain, so a drafted token saves less there than the controller's rate credits it with
+(docs/benchmarks.md, session 21).
 
     .venv/bin/python bench/adaptive.py --quick
     .venv/bin/python bench/adaptive.py                                   # n-gram, default model
@@ -163,6 +167,9 @@ def _contender(runs: list) -> dict:
             "sustained_seconds": sum(r.sustained_seconds for r in runs),
             "sustained_tokens_per_s": (statistics.median(r.sustained_tokens_per_s for r in runs)
                                        if all(r.sustained_tokens_per_s for r in runs) else None),
+            "drain_tokens_per_s": (statistics.median(r.drain_tokens_per_s for r in runs)
+                                   if all(r.drain_tokens_per_s for r in runs) else None),
+            "drain_share": 1.0 - sum(r.sustained_seconds for r in runs) / sum(r.seconds for r in runs),
             "others_cpu_share": max((r.others_cpu_share for r in runs if r.others_cpu_share is not None), default=None),
             "chosen_k_histogram": [sum(h) for h in zip(*(r.chosen_k for r in runs))]}
 
@@ -182,11 +189,25 @@ def _cell_result(runs: dict[str, list], task, c, measured, warm, sources, orders
         "warmup_prompt_ids": [f"{p.dataset}:{p.prompt_id}" for p in warm], "datasets": sources,
         **_score(rate),
         "sustained": _score(sustained) if all(sustained.values()) else None,
+        "drain": _drain(summaries),
         "max_others_cpu_share": max(v["others_cpu_share"] or 0.0 for v in summaries.values()),
         "adaptive_mean_k": sum(k * n for k, n in enumerate(hist)) / sum(hist) if sum(hist) else None,
         "contenders": {name: {**v, "identical_to_plain": common.same_outputs(runs[name][0], runs["plain"][0])}
                        for name, v in summaries.items()},
     }
+
+
+def _drain(summaries: dict[str, dict]) -> dict | None:
+    """Adaptive's rate over plain's in the drain (the steps after the last request was added,
+    with fewer than C in flight; None unless both drained), and the drain's share of each
+    one's seconds; None if neither drained. Next to the sustained ratio it says where a
+    whole-run loss was made."""
+    a, p = summaries["adaptive"], summaries["plain"]
+    if not (a["drain_tokens_per_s"] or p["drain_tokens_per_s"]):
+        return None
+    both = a["drain_tokens_per_s"] and p["drain_tokens_per_s"]
+    return {"adaptive_vs_plain": a["drain_tokens_per_s"] / p["drain_tokens_per_s"] if both else None,
+            "share": {"plain": p["drain_share"], "adaptive": a["drain_share"]}}
 
 
 def _score(rate: dict[str, float]) -> dict:
@@ -245,12 +266,21 @@ def table(cells: list[dict], pooled: list[dict]) -> str:
                      cell["best_fixed"], cell["adaptive_vs_best_fixed"], cell["adaptive_vs_plain"],
                      acc, cell.get("adaptive_mean_k"), _verdict(cell), cell.get("control_vs_plain"),
                      sus and sus["best_fixed"], sus and sus["adaptive_vs_best_fixed"],
-                     sus and sus["adaptive_vs_plain"], _verdict(sus), cell.get("max_others_cpu_share")])
+                     sus and sus["adaptive_vs_plain"], _verdict(sus), _drain_text(cell.get("drain")),
+                     cell.get("max_others_cpu_share")])
     headers = ["task", "C", *[f"{n} tok/s" for n in names], "best fixed", "adaptive / best fixed",
                "adaptive / plain", "adaptive acceptance", "adaptive mean k", "target 0.97", "control / plain",
                "sustained: best fixed", "sustained: adaptive / best fixed", "sustained: adaptive / plain",
-               "sustained: target 0.97", "others' CPU (max)"]
+               "sustained: target 0.97", "drain: adaptive / plain (share of seconds: plain, adaptive)",
+               "others' CPU (max)"]
     return common.markdown_table(headers, rows)
+
+
+def _drain_text(drain: dict | None) -> str:
+    if drain is None:
+        return "n/a"
+    share = drain["share"]
+    return f"{_fmt(drain['adaptive_vs_plain'])} ({share['plain']:.0%}, {share['adaptive']:.0%})"
 
 
 def _fmt(x):

@@ -186,6 +186,13 @@ class RunResult:
         return self.sustained_tokens / self.sustained_seconds if self.sustained_seconds > 0 else None
 
     @property
+    def drain_tokens_per_s(self) -> float | None:
+        """Tokens per second over the other steps: the drain, fewer than `concurrency` in
+        flight with nothing left to add (None: none was)."""
+        seconds = self.seconds - self.sustained_seconds
+        return (self.tokens - self.sustained_tokens) / seconds if seconds > 0 else None
+
+    @property
     def drafted(self) -> int:
         return sum(r.drafted for r in self.requests)
 
@@ -207,6 +214,7 @@ class RunResult:
                                             else None),
                 "sustained_tokens": self.sustained_tokens, "sustained_seconds": self.sustained_seconds,
                 "sustained_tokens_per_s": self.sustained_tokens_per_s,
+                "drain_tokens_per_s": self.drain_tokens_per_s,
                 "steps": self.steps, "mean_in_flight": self.mean_in_flight,
                 "median_ttft_s": ttfts[len(ttfts) // 2] if ttfts else None,
                 "chosen_k_histogram": self.chosen_k, "load_after": self.load_after,

@@ -151,6 +151,7 @@ def test_the_sustained_rate_counts_only_the_steps_with_every_slot_busy(monkeypat
     r = loop.result(None)
     assert r.tokens == 20 and r.seconds == 15.0 and r.steps == 15
     assert (r.sustained_tokens, r.sustained_seconds, r.sustained_tokens_per_s) == (10, 5.0, 2.0)
+    assert r.drain_tokens_per_s == 1.0  # the other 10 steps: one row left, 10 tokens
 
 
 def test_a_cell_is_scored_on_sustained_rates_too():
@@ -169,6 +170,28 @@ def test_a_cell_is_scored_on_sustained_rates_too():
     assert row["sustained"]["tokens_per_s"]["plain"] == 100.0
     assert "sustained: adaptive / plain" in adaptive.table([cell], [row])
     assert _cell({n: [_run(1.0)] for n in runs})["sustained"] is None  # no sustained steps: no verdict
+
+
+def test_the_drain_is_reported_beside_the_sustained_verdict():
+    """Adaptive loses overall while meeting plain in the sustained steps: the cell says the
+    loss is in the drain (its rate there, 20 tokens in 0.5 s against plain's 20 in 0.2 s,
+    and the drain's share of each one's seconds)."""
+    from dataclasses import replace
+
+    def run(seconds, sustained_seconds):
+        return replace(_run(seconds), sustained_tokens=80, sustained_seconds=sustained_seconds)
+    runs = {"plain": [run(1.0, 0.8)], "k=1": [run(1.2, 0.9)], "adaptive": [run(1.2, 0.7)]}
+    cell = _cell(runs)
+    assert cell["sustained"]["adaptive_vs_plain"] == pytest.approx(0.8 / 0.7)
+    assert cell["drain"]["adaptive_vs_plain"] == pytest.approx(0.2 / 0.5)
+    assert cell["drain"]["share"] == {"plain": pytest.approx(0.2), "adaptive": pytest.approx(0.5 / 1.2)}
+    (row,) = adaptive.overall([cell])
+    assert "0.40 (20%, 42%)" in adaptive.table([cell], [row])
+    no_drain = {n: [run(1.0, 1.0)] for n in runs}
+    assert _cell(no_drain)["drain"] is None
+    plain_in_step = _cell({**no_drain, "adaptive": [run(1.2, 0.7)]})  # only adaptive drained
+    assert plain_in_step["drain"]["adaptive_vs_plain"] is None
+    assert "n/a (0%, 42%)" in adaptive.table([plain_in_step], [row])
 
 
 def test_the_control_is_reported_beside_the_verdict_and_takes_no_part_in_it():
