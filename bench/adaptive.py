@@ -325,7 +325,7 @@ def main(argv=None) -> int:
         print(f"control ({CONTROL} / plain, whole runs): {spread['min']:.3f} - {spread['max']:.3f} over "
               f"{spread['cells']} cells, at most {spread['max_deviation']:.1%} from 1.0")
     header = common.finish_run(header, t0)
-    payload = {"benchmark": "adaptive", "schema": "verispec.bench.engine-adaptive/v3", **header,
+    payload = {"benchmark": "adaptive", "schema": "verispec.bench.engine-adaptive/v4", **header,
                "settings": {"model": args.model, "draft_model": args.draft_model, "method": method,
                             "dtype": args.dtype, "temperature": 0.0, "tasks": {t: TASKS[t] for t in args.tasks},
                             "concurrency": args.concurrency, "num_prompts": args.num_prompts,
