@@ -169,7 +169,6 @@ def _contender(runs: list) -> dict:
                                        if all(r.sustained_tokens_per_s for r in runs) else None),
             "drain_tokens_per_s": (statistics.median(r.drain_tokens_per_s for r in runs)
                                    if all(r.drain_tokens_per_s for r in runs) else None),
-            "drain_share": 1.0 - sum(r.sustained_seconds for r in runs) / sum(r.seconds for r in runs),
             "others_cpu_share": max((r.others_cpu_share for r in runs if r.others_cpu_share is not None), default=None),
             "chosen_k_histogram": [sum(h) for h in zip(*(r.chosen_k for r in runs))]}
 
@@ -207,7 +206,7 @@ def _drain(summaries: dict[str, dict]) -> dict | None:
         return None
     both = a["drain_tokens_per_s"] and p["drain_tokens_per_s"]
     return {"adaptive_vs_plain": a["drain_tokens_per_s"] / p["drain_tokens_per_s"] if both else None,
-            "share": {"plain": p["drain_share"], "adaptive": a["drain_share"]}}
+            "share": {name: 1.0 - v["sustained_seconds"] / v["seconds"] for name, v in (("plain", p), ("adaptive", a))}}
 
 
 def _score(rate: dict[str, float]) -> dict:
