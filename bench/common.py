@@ -22,6 +22,7 @@ import hashlib
 import json
 import os
 import random
+import statistics
 import subprocess
 import sys
 import time
@@ -193,6 +194,12 @@ class RunResult:
         return (self.tokens - self.sustained_tokens) / seconds if seconds > 0 else None
 
     @property
+    def mean_latency_s(self) -> float | None:
+        """A request's seconds from add_request to finished, averaged over the run's
+        requests (on the loop's own clock; None: no request)."""
+        return statistics.fmean(r.latency_s for r in self.requests) if self.requests else None
+
+    @property
     def drafted(self) -> int:
         return sum(r.drafted for r in self.requests)
 
@@ -217,6 +224,7 @@ class RunResult:
                 "drain_tokens_per_s": self.drain_tokens_per_s,
                 "steps": self.steps, "mean_in_flight": self.mean_in_flight,
                 "median_ttft_s": ttfts[len(ttfts) // 2] if ttfts else None,
+                "mean_latency_s": self.mean_latency_s,
                 "chosen_k_histogram": self.chosen_k, "load_after": self.load_after,
                 "others_cpu_share": self.others_cpu_share}
 

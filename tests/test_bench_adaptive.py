@@ -194,6 +194,19 @@ def test_the_drain_is_reported_beside_the_sustained_verdict():
     assert "n/a (0%, 42%)" in adaptive.table([plain_in_step], [row])
 
 
+def test_a_cell_reports_adaptives_mean_request_latency_over_plains():
+    """Requests' own waits, averaged: adaptive's 3 requests of 1, 2 and 6 s (mean 3) against
+    plain's 2, 2 and 2; the mean, not the median (2, a ratio of 1) or the run's seconds."""
+    def run(latencies):
+        reqs = [RequestResult(f"p{i}", 10, list(range(10)), "length", 0.1, s, 0, 0, 1, 1)
+                for i, s in enumerate(latencies)]
+        return RunResult(3, 9.0, reqs, 30, 3.0, [], 0.5, 0.0)
+    cell = _cell({"plain": [run([2.0, 2.0, 2.0])], "k=1": [run([2.0, 2.0, 2.0])], "adaptive": [run([1.0, 2.0, 6.0])]})
+    assert cell["latency_vs_plain"] == pytest.approx(1.5)
+    (row,) = adaptive.overall([cell])
+    assert "mean request latency: adaptive / plain" in adaptive.table([cell], [row])
+
+
 def test_the_control_is_reported_beside_the_verdict_and_takes_no_part_in_it():
     """plain-control is a second plain engine: its rate over plain's is the noise of the
     measurement, reported per cell, pooled, and as a spread over cells; it is neither the
