@@ -34,6 +34,9 @@ ones drain, so a drafted token saves less there than the controller's rate credi
 (docs/benchmarks.md, session 21). And each cell reports adaptive's mean request latency
 (submission to last token) over plain's: what a request waits, the objective the
 controller's per-round rate also serves, where a finite job's whole-run rate is its makespan.
+At 1 in flight, where each request runs alone and so is a pair across the contenders, a
+cell also carries a paired bootstrap interval over its prompts for both ratios
+(`paired_interval`): whether its verdict would survive another draw of prompts.
 
     .venv/bin/python bench/adaptive.py --quick
     .venv/bin/python bench/adaptive.py                                   # n-gram, default model
@@ -43,6 +46,7 @@ controller's per-round rate also serves, where a finite job's whole-run rate is 
 from __future__ import annotations
 
 import argparse
+import random
 import statistics
 import sys
 import time
@@ -64,6 +68,8 @@ TASKS = {
 FIXED_KS = (1, 2, 4, 8)
 TARGET = 0.97
 CONTROL = "plain-control"  # plain decoding again: the A/A control (module docstring)
+INTERVAL = 0.90     # the paired bootstrap interval's coverage (cells at 1 in flight)
+RESAMPLES = 2000
 
 
 def contenders(method: str, adaptive_k_max: int, control: bool = True) -> dict[str, SpecConfig]:
@@ -194,11 +200,62 @@ def _cell_result(runs: dict[str, list], task, c, measured, warm, sources, orders
         "drain": _drain(summaries),
         # below 1: adaptive's requests finish sooner (module docstring)
         "latency_vs_plain": summaries["adaptive"]["mean_latency_s"] / summaries["plain"]["mean_latency_s"],
+        "paired": paired_interval(runs),
         "max_others_cpu_share": max(v["others_cpu_share"] or 0.0 for v in summaries.values()),
         "adaptive_mean_k": sum(k * n for k, n in enumerate(hist)) / sum(hist) if sum(hist) else None,
         "contenders": {name: {**v, "identical_to_plain": common.same_outputs(runs[name][0], runs["plain"][0])}
                        for name, v in summaries.items()},
     }
+
+
+def paired_interval(runs: dict[str, list], seed: int = 0) -> dict | None:
+    """At 1 in flight each request runs alone, so its seconds are its own and every prompt
+    is a pair across the contenders (the same prompt, the same greedy output). Resampling
+    the prompts (with replacement, `RESAMPLES` times, the best fixed k chosen again in each
+    resample) gives a `INTERVAL` interval for adaptive over the best fixed k and over plain,
+    each contender's rate its tokens over its seconds summed over the resampled prompts and
+    the repeats. It says how far the cell's verdict rests on which prompts were drawn: "met"
+    when both lower ends reach the target, "missed" when either upper end falls short,
+    else "undecided". None above 1 in flight (rows share steps: no request's seconds are
+    its own) or without plain, adaptive and a fixed k."""
+    fixed = [f"k={k}" for k in FIXED_KS if f"k={k}" in runs]
+    if not fixed or not {"plain", "adaptive"} <= set(runs):
+        return None
+    names = ["plain", "adaptive", *fixed]
+    if any(r.concurrency != 1 for n in names for r in runs[n]):
+        return None
+    tokens, seconds = ({n: {} for n in names} for _ in range(2))
+    for n in names:
+        for run in runs[n]:
+            for req in run.requests:
+                tokens[n][req.prompt_id] = tokens[n].get(req.prompt_id, 0) + len(req.token_ids)
+                seconds[n][req.prompt_id] = seconds[n].get(req.prompt_id, 0.0) + req.latency_s
+    prompts = sorted(seconds["plain"])
+    if any(sorted(seconds[n]) != prompts for n in names):
+        raise ValueError(f"paired interval: the contenders ran different prompts: "
+                         f"{ {n: sorted(seconds[n]) for n in names} }")
+    rng = random.Random(seed)
+    vs_best, vs_plain = [], []
+    for _ in range(RESAMPLES):
+        draw = [rng.choice(prompts) for _ in prompts]
+        rate = {n: sum(tokens[n][p] for p in draw) / sum(seconds[n][p] for p in draw) for n in names}
+        best = max(rate[n] for n in fixed)
+        vs_best.append(rate["adaptive"] / best)
+        vs_plain.append(rate["adaptive"] / rate["plain"])
+
+    def ends(xs: list[float]) -> list[float]:
+        xs = sorted(xs)
+        tail = (1.0 - INTERVAL) / 2
+        return [xs[int(tail * (len(xs) - 1))], xs[int((1.0 - tail) * (len(xs) - 1))]]
+    best_ends, plain_ends = ends(vs_best), ends(vs_plain)
+    if min(best_ends[0], plain_ends[0]) >= TARGET:
+        verdict = "met"
+    elif min(best_ends[1], plain_ends[1]) < TARGET:
+        verdict = "missed"
+    else:
+        verdict = "undecided"
+    return {"prompts": len(prompts), "level": INTERVAL, "resamples": RESAMPLES,
+            "adaptive_vs_best_fixed": best_ends, "adaptive_vs_plain": plain_ends, "verdict": verdict}
 
 
 def _drain(summaries: dict[str, dict]) -> dict | None:
@@ -270,14 +327,24 @@ def table(cells: list[dict], pooled: list[dict]) -> str:
                      cell["best_fixed"], cell["adaptive_vs_best_fixed"], cell["adaptive_vs_plain"],
                      acc, cell.get("adaptive_mean_k"), _verdict(cell), cell.get("control_vs_plain"),
                      sus and sus["best_fixed"], sus and sus["adaptive_vs_best_fixed"],
-                     sus and sus["adaptive_vs_plain"], _verdict(sus), _drain_text(cell.get("drain")),
+                     sus and sus["adaptive_vs_plain"], _verdict(sus), _paired_text(cell.get("paired")),
+                     _drain_text(cell.get("drain")),
                      cell.get("latency_vs_plain"), cell.get("max_others_cpu_share")])
     headers = ["task", "C", *[f"{n} tok/s" for n in names], "best fixed", "adaptive / best fixed",
                "adaptive / plain", "adaptive acceptance", "adaptive mean k", "target 0.97", "control / plain",
                "sustained: best fixed", "sustained: adaptive / best fixed", "sustained: adaptive / plain",
-               "sustained: target 0.97", "drain: adaptive / plain (share of seconds: plain, adaptive)",
+               "sustained: target 0.97",
+               f"1 in flight, paired {INTERVAL:.0%} interval over prompts: adaptive / best fixed; / plain",
+               "drain: adaptive / plain (share of seconds: plain, adaptive)",
                "mean request latency: adaptive / plain", "others' CPU (max)"]
     return common.markdown_table(headers, rows)
+
+
+def _paired_text(paired: dict | None) -> str:
+    if paired is None:
+        return "n/a"
+    (b0, b1), (p0, p1) = paired["adaptive_vs_best_fixed"], paired["adaptive_vs_plain"]
+    return f"{b0:.2f}-{b1:.2f}; {p0:.2f}-{p1:.2f} ({paired['verdict']}, {paired['prompts']} prompts)"
 
 
 def _drain_text(drain: dict | None) -> str:
@@ -324,12 +391,17 @@ def main(argv=None) -> int:
                         if not (c["sustained"] or {}).get("meets_target")]
     print(f"cells missing the target: {misses or 'none'}")
     print(f"cells missing the target on sustained rates: {sustained_misses or 'none'}")
+    paired = {v: [f"{c['task']}/C={c['concurrency']}" for c in cells if (c.get("paired") or {}).get("verdict") == v]
+              for v in ("met", "undecided", "missed")}
+    if any(paired.values()):
+        print(f"1 in flight, paired {INTERVAL:.0%} intervals over prompts: "
+              + "; ".join(f"{v}: {names or 'none'}" for v, names in paired.items()))
     spread = control_spread(cells)
     if spread:
         print(f"control ({CONTROL} / plain, whole runs): {spread['min']:.3f} - {spread['max']:.3f} over "
               f"{spread['cells']} cells, at most {spread['max_deviation']:.1%} from 1.0")
     header = common.finish_run(header, t0)
-    payload = {"benchmark": "adaptive", "schema": "verispec.bench.engine-adaptive/v5", **header,
+    payload = {"benchmark": "adaptive", "schema": "verispec.bench.engine-adaptive/v6", **header,
                "settings": {"model": args.model, "draft_model": args.draft_model, "method": method,
                             "dtype": args.dtype, "temperature": 0.0, "tasks": {t: TASKS[t] for t in args.tasks},
                             "concurrency": args.concurrency, "num_prompts": args.num_prompts,

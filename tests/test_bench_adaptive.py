@@ -232,3 +232,48 @@ def test_unknown_contenders_are_refused_by_name():
     with pytest.raises(SystemExit):
         adaptive.parse_args(["--contenders", "plain,k=3,adaptive"])
     assert "plain-control" not in adaptive.contenders("ngram", 8, control=False)
+
+
+def _paired_runs(rates: dict[str, list[float]], concurrency: int = 1) -> dict[str, list]:
+    """One run per contender of 100-token requests, prompt i at rates[name][i] tokens/s."""
+    def run(rs):
+        reqs = [RequestResult(f"p{i}", 10, list(range(100)), "length", 0.1, 100 / r, 0, 0, 1, 1)
+                for i, r in enumerate(rs)]
+        return RunResult(concurrency, sum(100 / r for r in rs), reqs, 100 * len(rs), 1.0, [], 0.5, 0.0)
+    return {name: [run(rs)] for name, rs in rates.items()}
+
+
+def test_a_cell_at_one_in_flight_carries_a_paired_interval_over_its_prompts():
+    """Adaptive 5% behind k=1 on every prompt is a miss whatever prompts are drawn; a 3%
+    point miss made of one bad prompt among good ones is undecided, and 1-2% ahead on
+    every prompt is met. With k=1 swapped for one 5% faster (an injected bug that would
+    score against the wrong contender) the met cell reads missed."""
+    plain = [100.0, 80.0, 120.0, 90.0, 110.0, 100.0, 95.0, 105.0]
+    k1 = [1.2 * r for r in plain]
+    behind = adaptive.paired_interval(_paired_runs({"plain": plain, "k=1": k1, "adaptive": [0.95 * r for r in k1]}))
+    assert behind["verdict"] == "missed" and behind["prompts"] == 8
+    assert behind["adaptive_vs_best_fixed"][1] < 0.97
+    assert behind["adaptive_vs_plain"][0] > 1.1
+    one_bad = [r * (0.80 if i == 0 else 1.0) for i, r in enumerate(k1)]
+    undecided = adaptive.paired_interval(_paired_runs({"plain": plain, "k=1": k1, "adaptive": one_bad}))
+    lo, hi = undecided["adaptive_vs_best_fixed"]
+    assert undecided["verdict"] == "undecided" and lo < 0.97 <= hi
+    ahead = [r * (1.01 + 0.01 * (i % 2)) for i, r in enumerate(k1)]
+    runs = _paired_runs({"plain": plain, "k=1": k1, "k=2": [0.9 * r for r in k1], "adaptive": ahead})
+    assert adaptive.paired_interval(runs)["verdict"] == "met"
+    faster = _paired_runs({"k=1": [1.05 * r for r in ahead]})
+    assert adaptive.paired_interval({**runs, **faster})["verdict"] == "missed"
+    cell = _cell(runs)
+    assert cell["paired"]["verdict"] == "met"
+    (row,) = adaptive.overall([cell])
+    assert "(met, 8 prompts)" in adaptive.table([cell], [row])
+
+
+def test_no_paired_interval_above_one_in_flight_or_over_different_prompts():
+    rates = {"plain": [100.0, 90.0], "k=1": [110.0, 99.0], "adaptive": [112.0, 100.0]}
+    assert adaptive.paired_interval(_paired_runs(rates, concurrency=4)) is None
+    assert adaptive.paired_interval({n: r for n, r in _paired_runs(rates).items() if n != "k=1"}) is None
+    runs = _paired_runs(rates)
+    other = _paired_runs({"adaptive": [112.0, 100.0, 50.0]})
+    with pytest.raises(ValueError, match="different prompts"):
+        adaptive.paired_interval({**runs, **other})
