@@ -56,8 +56,27 @@ class Tracer:
         self.engine, self.ctl, self.log, self.cur = engine, engine.controller, [], {}
         self._choose, self._observe, self._step = self.ctl.choose_k, self.ctl.observe_cost, engine.step
         self._engine_choose = engine._choose_k  # noqa: SLF001 (a diagnostic)
+        self._parts, self._accept = self.ctl._parts, self.ctl.observe_acceptance  # noqa: SLF001
         self.ctl.choose_k, self.ctl.observe_cost, engine.step = self.choose_k, self.observe_cost, self.step
+        self.ctl._parts, self.ctl.observe_acceptance = self.parts, self.observe_acceptance
         engine._choose_k = self.engine_choose_k
+
+    def parts(self, reqs, matches):
+        """The (first draft, continuation) acceptance each row is priced at this round."""
+        firsts, conts = self._parts(reqs, matches)
+        self.cur["priced"] = dict(zip([id(r) for r in reqs], zip(firsts, conts, matches)))
+        return firsts, conts
+
+    def observe_acceptance(self, request_id, drafted, accepted, match=None):
+        """Per drafting row: what it was priced to accept (the sum of its k gains) and did."""
+        priced = self.cur.get("priced", {}).get(id(self.ctl._request(request_id)))  # noqa: SLF001
+        if drafted and priced is not None:
+            first, cont, m = priced
+            expect = first * (1.0 - cont ** drafted) / (1.0 - cont) if cont < 1.0 else first * drafted
+            self.cur.setdefault("calibration", []).append(
+                {"k": drafted, "match": m, "first": round(first, 4), "cont": round(cont, 4),
+                 "expected": round(expect, 4), "accepted": accepted})
+        return self._accept(request_id, drafted, accepted, match)
 
     def engine_choose_k(self, rows, drafting, adaptive, lookups):
         """Every round's batch, k and n-gram availability per row, fixed k included (it
@@ -93,6 +112,7 @@ class Tracer:
         t0 = time.perf_counter()
         outputs = self._step()
         self.cur.update(step_s=time.perf_counter() - t0, tokens=sum(len(o.new_token_ids) for o in outputs))
+        self.cur.pop("priced", None)  # (object ids: in "calibration" per drafting row)
         self.log.append(self.cur)
         return outputs
 
@@ -107,6 +127,21 @@ def summary(log: list[dict]) -> list[dict]:
              "mean_step_s": sum(e["step_s"] for e in es) / len(es),
              "tokens_per_s": sum(e["tokens"] for e in es) / sum(e["step_s"] for e in es)}
             for (b, d), es in sorted(groups.items())]
+
+
+def calibration(log: list[dict]) -> list[dict]:
+    """Drafting rows grouped by the first-draft acceptance they were priced at (tenths):
+    rows, mean priced and realised first-draft acceptance, expected and accepted drafts."""
+    groups = defaultdict(list)
+    for e in log:
+        for c in e.get("calibration", ()):
+            groups[min(int(c["first"] * 10), 9)].append(c)
+    return [{"priced_first": f"{b / 10:.1f}-{(b + 1) / 10:.1f}", "rows": len(cs),
+             "mean_priced_first": sum(c["first"] for c in cs) / len(cs),
+             "realised_first": sum(min(c["accepted"], 1) for c in cs) / len(cs),
+             "expected": sum(c["expected"] for c in cs), "accepted": sum(c["accepted"] for c in cs),
+             "drafted": sum(c["k"] for c in cs)}
+            for b, cs in sorted(groups.items())]
 
 
 def main(argv=None) -> int:
@@ -134,6 +169,11 @@ def main(argv=None) -> int:
     print(common.markdown_table(["batch", "draft tokens", "rounds", "mean step s", "tokens/s"],
                                 [[r["batch"], r["draft_tokens"], r["rounds"], f"{r['mean_step_s']:.3f}",
                                   f"{r['tokens_per_s']:.2f}"] for r in rounds]))
+    calib = calibration(tracer.log)
+    print(common.markdown_table(
+        ["priced first", "rows", "mean priced first", "realised first", "expected", "accepted", "drafted"],
+        [[c["priced_first"], c["rows"], f"{c['mean_priced_first']:.3f}", f"{c['realised_first']:.3f}",
+          f"{c['expected']:.1f}", c["accepted"], c["drafted"]] for c in calib]))
     header = common.finish_run(header, t0)
     payload = {"benchmark": "controller-trace", "schema": "verispec.bench.controller-trace/v1", **header,
                "settings": {"model": args.model, "draft_model": args.draft_model, "task": args.task,
@@ -141,7 +181,7 @@ def main(argv=None) -> int:
                             "num_warmup": args.num_warmup, "warmup_tokens": args.warmup_tokens},
                "engine_config": common.resolved(models, config).to_dict(),
                "tokens": run.tokens, "seconds": run.seconds, "tokens_per_s": run.tokens_per_s,
-               "rounds": rounds, "steps": tracer.log, "controller": engine.controller.snapshot()}
+               "rounds": rounds, "calibration": calib, "steps": tracer.log, "controller": engine.controller.snapshot()}
     stem = f"controller-trace-{args.task}-c{c}-{args.draft_model or 'ngram'}"
     stem += "" if args.fixed_k is None else f"-k{args.fixed_k}"
     common.write_json(args.out or common.RESULTS_DIR / f"{stem}.json", payload)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import random
 import statistics
 import subprocess
 import sys
@@ -511,13 +512,20 @@ class FixedPriorController(AdaptiveController):
         return self.config.prior_weight_tokens
 
 
+def _workload_rate(make, workload, measure_from, seeds) -> float:
+    return statistics.mean(sim.simulate_requests(make(), workload, s, measure_from).expected_rate for s in seeds)
+
+
+@lru_cache(maxsize=None)
+def _best_fixed_rate(workload: tuple, measure_from: int, seeds: range) -> float:
+    return max(_workload_rate(lambda: AdaptiveController(ControllerConfig(adaptive=False, fixed_k=k)),
+                              list(workload), measure_from, seeds) for k in range(5))
+
+
 def workload_ratio(controller_cls, workload, measure_from, seeds=range(20)) -> float:
     """Mean over seeds of a run of requests' expected_rate, over the best fixed k's."""
-    def rate(make):
-        return statistics.mean(sim.simulate_requests(make(), workload, s, measure_from).expected_rate
-                               for s in seeds)
-    best = max(rate(lambda: AdaptiveController(ControllerConfig(adaptive=False, fixed_k=k))) for k in range(5))
-    return rate(controller_cls) / best
+    return (_workload_rate(controller_cls, workload, measure_from, seeds)
+            / _best_fixed_rate(tuple(workload), measure_from, seeds))
 
 
 @pytest.mark.parametrize("controller_cls,passes", [(AdaptiveController, True), (FixedPriorController, False)],
@@ -526,8 +534,9 @@ def test_alike_short_requests_lean_on_what_the_finished_ones_showed(controller_c
     """Four 123-token answers at batch 1 after four 16-token warm-ups that read low (GSM8K's
     shape, bench/controller_sim.py): k = 2 is best, k = 1 and 3 ~2.6% behind. Steering by
     each request's first dozen trials costs 3-4%; the global estimate weighed as much as the
-    finished requests were alike, ~1% of that back."""
-    assert (workload_ratio(controller_cls, sim.ALIKE_REQUESTS, 4) >= 0.970) == passes
+    finished requests were alike, ~0.7% of that back (100 seeds: 0.969 against 0.962; the
+    difference moves by ~0.5% from one set of 20 seeds to another, so 20 do not show it)."""
+    assert (workload_ratio(controller_cls, sim.ALIKE_REQUESTS, 4, range(100)) >= 0.966) == passes
 
 
 @pytest.mark.parametrize("controller_cls,drafts", [(AdaptiveController, True), (FixedPriorController, False)],
@@ -899,6 +908,34 @@ def test_a_slow_stretch_does_not_price_a_cell_it_visited_out(cost_drift):
     ok = abs(plain - 1.0) < 0.03 and abs(drafting / plain - 1.2) < 0.06
     assert ok == (cost_drift > 0)
     assert (ctl.choose_k(["a"], 1)["a"] == 1) == (cost_drift > 0)
+
+
+def _whole_mean_reference(self, cell, key):
+    """Bug (before session 24): a timing was evidence of the pace against its cell's whole
+    mean, whatever pass (batch size, drafts) it was and the run of evidence included, and
+    10% was the only bar."""
+    return cell.seconds, 0.0
+
+
+@pytest.mark.parametrize("broken", [False, True], ids=["earlier timings of the pass", "broken: whole mean"])
+def test_noise_on_a_steady_machine_seldom_moves_the_shared_speed(broken, monkeypatch):
+    """A steady machine with 10% noise, plain rounds every round and 1-draft rounds in a
+    quarter of them: a move of f is a false one. Against the same pass's earlier timings and
+    beyond 3 standard errors of their scatter, f moves ~9 times in 600 rounds; against the
+    whole mean at a fixed 10%, ~38."""
+    if broken:
+        monkeypatch.setattr(CostTable, "_pace_reference", _whole_mean_reference)
+    moves = 0
+    for seed in range(10):
+        rng = random.Random(seed)
+        ctl, f = AdaptiveController(ControllerConfig(explore=0.0)), 1.0
+        for i in range(600):
+            ctl.observe_cost("verify", 1, 0, rng.lognormvariate(0.0, 0.1))
+            if i < 16 or rng.random() < 0.25:
+                ctl.observe_cost("verify", 1, 1, 1.2 * rng.lognormvariate(0.0, 0.1))
+            moves += ctl.snapshot()["speed_factor"] != f
+            f = ctl.snapshot()["speed_factor"]
+    assert (moves <= 150) != broken
 
 
 def test_the_shared_speed_stays_bounded_and_folding_it_changes_no_estimate():

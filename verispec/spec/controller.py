@@ -203,19 +203,29 @@ plain rounds then refreshed the plain cell and nothing refreshed the drafting on
 drafting stayed priced out for the rest of the run (0.90x the best fixed k). So the tables
 share one speed factor f. Every cell stores its timings divided by f (speed-free seconds)
 and every estimate is its stored mean times the current f. An established cell's timing t
-(a full window, estimate c) within `cost_outlier` of c f either way is evidence of the
-pace, log(t / (c f)); when the median of the last 5 such is beyond 10% either way (a
-change that several passes agree on, not one pass's noise), f moves by that median
-(times `cost_drift`) and the timings that showed it, stored at the old pace, are restated
-at the new one. A slow stretch then raises f instead of the one cell visited, and when it
-ends f comes back and the cells visited during it read at the normal speed. Decisions
-compare rates, which a common factor does not change; only timings of different moments
-are made comparable. Noise inside the deadband never moves f (an f that followed every
-timing, f r^0.5, took on the noise: with batch 1 and 16 alternating in 25-round chunks,
-5% noise, the modal k at 16 went from the oracle's 2 to 3). Simulated (tests): 8 rounds
-at 1.6x visiting both cells, then 16 plain ones: the drafting cell ends 30% high without
-f, 4.5% with it. Young cells do not move f: a cell that spans several sizes, filled in one
-sweep of rising sizes, would read as a machine slowing down.
+(a full window) is evidence of the pace against c, the robust mean of the cell's earlier
+timings of the same pass (exact batch size and draft tokens: a bucket mixes 15- and 16-row
+rounds) from before the run of evidence not yet acted on: log(t / (c f)), if t is within
+`cost_outlier` of c f either way. When the median of the last 5 such is beyond 10% either
+way and beyond 3 standard errors of such a median on the cells' own scatter (a change that
+several passes agree on, not noise), f moves by that median (times `cost_drift`) and the
+timings that showed it, stored at the old pace, are restated at the new one. A slow stretch
+then raises f instead of the one cell visited, and when it ends f comes back and the cells
+visited during it read at the normal speed. Decisions compare rates, which a common factor
+does not change; only timings of different moments are made comparable. Noise never moves f
+by design (an f that followed every timing, f r^0.5, took on the noise: with batch 1 and 16
+alternating in 25-round chunks, 5% noise, the modal k at 16 went from the oracle's 2 to 3).
+Simulated (tests): 8 rounds at 1.6x visiting both cells, then 16 plain ones: the drafting
+cell ends 30% high without f, 4.5% with it. Young cells do not move f: a cell that spans
+several sizes, filled in one sweep of rising sizes, would read as a machine slowing down.
+(Before session 24 the reference was the cell's whole mean, the run of evidence included,
+and 10% the only bar. On the Intel VM, whose 16-row rounds wander by 15% in stretches of a
+few rounds, f then moved on that wander, down 12-14% in two traced runs of math at 16 in
+flight, and the plain cell, visited every round, took the way back into its own mean while f
+stayed: every drafting cell read 6-13% cheap for the rest of the run (the traced drafting
+rounds took a median 1.06x and 1.13x their estimate; replayed with this reference, 1.006x and
+1.005x), and the controller drafted at a loss. Simulated on a steady machine with 10% noise,
+f moved 38 times in 600 rounds; now 9.)
 
 Stale cells
 -----------
@@ -527,21 +537,38 @@ class CostTable:
         self._widest[bucket] = max(self._widest.get(bucket, 0), size)
         cell = self._cells.get(key)
         if cell is None:
-            cell = self._cells[key] = _Cell(deque(maxlen=self._window))
+            cell = self._cells[key] = _Cell(deque(maxlen=self._window), deque(maxlen=self._window))
         # Unvisited for more than two windows of passes: its timings are of another stretch of
         # the run, and the fresh one replaces them (see "Stale cells").
         stale = cell.count > 0 and stamp - cell.stamp > self.STALE_AFTER_WINDOWS * self._window
         if stale:
             cell.samples.clear()
+            cell.passes.clear()
         speed = self._speed
+        # established cells only, and not a stale one (its old mean is not this moment's pace)
+        earlier = self._pace_reference(cell, (batch_size, size)) if cell.count >= self._window and not stale else None
         cell.samples.append(seconds / speed.factor)
+        cell.passes.append((batch_size, size))
         cell.count += 1
         cell.stamp = stamp
-        # established cells only, and not a stale one (its old mean is not this moment's pace)
-        expected = cell.seconds * speed.factor if cell.count > self._window and not stale else 0.0
         self._refresh(cell)
-        if expected > 0.0 and seconds > 0.0 and 1.0 / self._outlier <= seconds / expected <= self._outlier:
-            speed.observe(seconds / expected, self, cell)  # (a stall is not the machine's pace)
+        if earlier is not None and seconds > 0.0:
+            expected, scatter = earlier[0] * speed.factor, earlier[1]
+            if 1.0 / self._outlier <= seconds / expected <= self._outlier:  # (a stall is not the machine's pace)
+                speed.observe(seconds / expected, self, cell, scatter)
+
+    def _pace_reference(self, cell: "_Cell", key: tuple[int, int]) -> tuple[float, float] | None:
+        """What a timing of pass `key` (exact batch size and size) is evidence of the machine's
+        pace against (see "Drift"): the robust mean of the cell's earlier timings of that same
+        pass, before the run of evidence not yet acted on, with the scatter of their logs (a
+        standard deviation); None with fewer than half a window of them."""
+        older = len(cell.samples) - self._speed.pending(cell)
+        alike = [t for t, p in list(zip(cell.samples, cell.passes))[:older] if p == key]
+        if len(alike) < self._window // 2:
+            return None
+        mean = _robust_mean(alike, self._outlier)[0]
+        logs = [math.log(t / mean) for t in alike if 0.0 < t <= self._outlier * mean]
+        return mean, math.sqrt(sum(x * x for x in logs) / max(len(logs) - 1, 1))
 
     def _view(self) -> list[tuple]:
         """The cells as (b, n, seconds, count, work, cell), work = max(1, tokens(b, n)): made
@@ -556,13 +583,7 @@ class CostTable:
         """The cell's robust mean of its stored timings, and that mean's error."""
         self._cells_view = None
         self._prepared.clear()
-        ordered = sorted(cell.samples)
-        m = len(ordered)
-        median = 0.5 * (ordered[(m - 1) // 2] + ordered[m // 2])
-        kept = [t for t in ordered if t <= self._outlier * median]
-        cell.seconds = mean = sum(kept) / len(kept)
-        n = len(kept)
-        cell.error = 2.0 * math.sqrt(sum((t - mean) ** 2 for t in kept) / (n - 1) / n) if n > 1 else mean
+        cell.seconds, cell.error = _robust_mean(cell.samples, self._outlier)
 
     @property
     def empty(self) -> bool:
@@ -747,6 +768,18 @@ class CostTable:
                 for (b, n), c in sorted(self._cells.items())]
 
 
+def _robust_mean(samples, outlier: float) -> tuple[float, float]:
+    """The mean of the timings within `outlier` times their median (a stall is not the
+    pass's cost), and two standard errors of it (its whole value from one timing)."""
+    ordered = sorted(samples)
+    m = len(ordered)
+    median = 0.5 * (ordered[(m - 1) // 2] + ordered[m // 2])
+    kept = [t for t in ordered if t <= outlier * median]
+    n = len(kept)
+    mean = sum(kept) / n
+    return mean, (2.0 * math.sqrt(sum((t - mean) ** 2 for t in kept) / (n - 1) / n) if n > 1 else mean)
+
+
 class _Spread:
     """How alike a proposer's requests are in acceptance, from the finished ones: the weight
     a new request's prior deserves (empirical Bayes; see the module docstring, "Prior")."""
@@ -789,27 +822,35 @@ class _Speed:
 
     span = 5          # recent ratios whose median is the evidence of a change of pace
     deadband = 0.10   # |log median| at or below this is noise: the factor stays
+    z = 3.0           # ... and at or below this many standard errors of it (the cells' own scatter)
 
     def __init__(self, weight: float):
         self.weight = weight
         self.factor = 1.0
-        self._recent: list = []  # (log ratio, table, cell) since the factor last moved
+        self._recent: list = []  # (log ratio, table, cell, scatter) since the factor last moved
 
-    def observe(self, ratio: float, table: "CostTable", cell: "_Cell") -> None:
-        """An established cell's timing (just stored) came in `ratio` times its estimate."""
+    def pending(self, cell: "_Cell") -> int:
+        """How many of the evidence timings not yet acted on are the cell's (its latest)."""
+        return sum(1 for _, _, c, _ in self._recent if c is cell)
+
+    def observe(self, ratio: float, table: "CostTable", cell: "_Cell", scatter: float = 0.0) -> None:
+        """An established cell's timing (just stored) came in `ratio` times its earlier ones
+        of the same pass, whose log timings scatter by `scatter` (a standard deviation)."""
         if self.weight <= 0.0:
             return
-        self._recent.append((math.log(ratio), table, cell))
+        self._recent.append((math.log(ratio), table, cell, scatter))
         if len(self._recent) < self.span:
             return
-        shift = sorted(r for r, _, _ in self._recent)[self.span // 2]
-        if abs(shift) > self.deadband:  # a sustained change of pace, not noise
+        shift = sorted(r for r, _, _, _ in self._recent)[self.span // 2]
+        # the median of `span` timings scattering by sd moves by ~1.25 sd / sqrt(span) on noise alone
+        noise = 1.25 * sorted(e[3] for e in self._recent)[self.span // 2] / math.sqrt(self.span)
+        if abs(shift) > max(self.deadband, self.z * noise):  # a sustained change of pace, not noise
             move = math.exp(self.weight * shift)
             self.factor *= move
             # the timings that showed it (not those from before it began) were stored at the
             # old pace: restate each cell's latest that many
             counts: dict[int, list] = {}
-            for r, t, c in self._recent:
+            for r, t, c, _ in self._recent:
                 if abs(r - shift) < abs(r):
                     counts.setdefault(id(c), [t, c, 0])[2] += 1
             for t, c, n in counts.values():
@@ -832,6 +873,7 @@ class _Cell:
     """One cost cell: its last timings, their robust mean, its sample count, last stamp."""
 
     samples: deque
+    passes: deque  # each timing's exact (batch size, size)
     seconds: float = 0.0
     error: float = 0.0  # two standard errors of that mean (its whole value from one timing)
     count: int = 0
