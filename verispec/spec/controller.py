@@ -212,8 +212,8 @@ several passes agree on, not noise), f moves by that median (times `cost_drift`)
 timings that showed it, stored at the old pace, are restated at the new one. A slow stretch
 then raises f instead of the one cell visited, and when it ends f comes back and the cells
 visited during it read at the normal speed. Decisions compare rates, which a common factor
-does not change; only timings of different moments are made comparable. Noise never moves f
-by design (an f that followed every timing, f r^0.5, took on the noise: with batch 1 and 16
+does not change; only timings of different moments are made comparable. Noise is kept from moving f
+as far as it can be (an f that followed every timing, f r^0.5, took on the noise: with batch 1 and 16
 alternating in 25-round chunks, 5% noise, the modal k at 16 went from the oracle's 2 to 3).
 Simulated (tests): 8 rounds at 1.6x visiting both cells, then 16 plain ones: the drafting
 cell ends 30% high without f, 4.5% with it. Young cells do not move f: a cell that spans
