@@ -351,6 +351,7 @@ from bisect import bisect_left, bisect_right
 from collections import deque
 from dataclasses import asdict, dataclass, field
 from functools import lru_cache
+from itertools import islice
 from operator import itemgetter
 
 # Proposers whose drafting is a CPU lookup: no draft pass, no draft cost.
@@ -560,15 +561,15 @@ class CostTable:
     def _pace_reference(self, cell: "_Cell", key: tuple[int, int]) -> tuple[float, float] | None:
         """What a timing of pass `key` (exact batch size and size) is evidence of the machine's
         pace against (see "Drift"): the robust mean of the cell's earlier timings of that same
-        pass, before the run of evidence not yet acted on, with the scatter of their logs (a
-        standard deviation); None with fewer than half a window of them."""
-        older = len(cell.samples) - self._speed.pending(cell)
-        alike = [t for t, p in list(zip(cell.samples, cell.passes))[:older] if p == key]
+        pass, before the run of evidence not yet acted on, with their scatter (the relative
+        standard deviation); None with fewer than half a window of them. (Every round's
+        timing comes here: ~10 us a round; logs of each timing cost as much again.)"""
+        older = max(0, len(cell.samples) - self._speed.pending(cell))  # (a restarted cell: fewer)
+        alike = [t for t, p in zip(islice(cell.samples, older), cell.passes) if p == key]
         if len(alike) < self._window // 2:
             return None
-        mean = _robust_mean(alike, self._outlier)[0]
-        logs = [math.log(t / mean) for t in alike if 0.0 < t <= self._outlier * mean]
-        return mean, math.sqrt(sum(x * x for x in logs) / max(len(logs) - 1, 1))
+        mean, sd, _ = _robust_stats(alike, self._outlier)
+        return mean, sd / mean
 
     def _view(self) -> list[tuple]:
         """The cells as (b, n, seconds, count, work, cell), work = max(1, tokens(b, n)): made
@@ -583,7 +584,8 @@ class CostTable:
         """The cell's robust mean of its stored timings, and that mean's error."""
         self._cells_view = None
         self._prepared.clear()
-        cell.seconds, cell.error = _robust_mean(cell.samples, self._outlier)
+        cell.seconds, sd, n = _robust_stats(cell.samples, self._outlier)
+        cell.error = 2.0 * sd / math.sqrt(n) if n > 1 else cell.seconds
 
     @property
     def empty(self) -> bool:
@@ -768,16 +770,16 @@ class CostTable:
                 for (b, n), c in sorted(self._cells.items())]
 
 
-def _robust_mean(samples, outlier: float) -> tuple[float, float]:
-    """The mean of the timings within `outlier` times their median (a stall is not the
-    pass's cost), and two standard errors of it (its whole value from one timing)."""
+def _robust_stats(samples, outlier: float) -> tuple[float, float, int]:
+    """(mean, standard deviation, count) of the timings within `outlier` times their median
+    (a stall is not the pass's cost); the deviation is 0 for one timing."""
     ordered = sorted(samples)
     m = len(ordered)
     median = 0.5 * (ordered[(m - 1) // 2] + ordered[m // 2])
     kept = [t for t in ordered if t <= outlier * median]
     n = len(kept)
     mean = sum(kept) / n
-    return mean, (2.0 * math.sqrt(sum((t - mean) ** 2 for t in kept) / (n - 1) / n) if n > 1 else mean)
+    return mean, (math.sqrt(sum((t - mean) ** 2 for t in kept) / (n - 1)) if n > 1 else 0.0), n
 
 
 class _Spread:
@@ -835,7 +837,7 @@ class _Speed:
 
     def observe(self, ratio: float, table: "CostTable", cell: "_Cell", scatter: float = 0.0) -> None:
         """An established cell's timing (just stored) came in `ratio` times its earlier ones
-        of the same pass, whose log timings scatter by `scatter` (a standard deviation)."""
+        of the same pass, whose timings scatter by `scatter` (a relative standard deviation)."""
         if self.weight <= 0.0:
             return
         self._recent.append((math.log(ratio), table, cell, scatter))
