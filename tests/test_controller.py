@@ -921,7 +921,7 @@ def _whole_mean_reference(self, cell, key):
 def test_noise_on_a_steady_machine_seldom_moves_the_shared_speed(broken, monkeypatch):
     """A steady machine with 10% noise, plain rounds every round and 1-draft rounds in a
     quarter of them: a move of f is a false one. Against the same pass's earlier timings and
-    beyond 3 standard errors of their scatter, f moves ~9 times in 600 rounds; against the
+    beyond 3 standard errors of their scatter, f moves ~10 times in 600 rounds; against the
     whole mean at a fixed 10%, ~38."""
     if broken:
         monkeypatch.setattr(CostTable, "_pace_reference", _whole_mean_reference)

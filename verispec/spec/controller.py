@@ -225,7 +225,7 @@ flight, and the plain cell, visited every round, took the way back into its own 
 stayed: every drafting cell read 6-13% cheap for the rest of the run (the traced drafting
 rounds took a median 1.06x and 1.13x their estimate; replayed with this reference, 1.006x and
 1.005x), and the controller drafted at a loss. Simulated on a steady machine with 10% noise,
-f moved 38 times in 600 rounds; now 9.)
+f moved 38 times in 600 rounds; now 10.)
 
 Stale cells
 -----------
