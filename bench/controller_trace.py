@@ -72,7 +72,7 @@ class Tracer:
         priced = self.cur.get("priced", {}).get(id(self.ctl._request(request_id)))  # noqa: SLF001
         if drafted and priced is not None:
             first, cont, m = priced
-            expect = first * (1.0 - cont ** drafted) / (1.0 - cont) if cont < 1.0 else first * drafted
+            expect = first * expected_tokens(cont, drafted - 1)  # first * (1 + cont + ... + cont^(k-1))
             self.cur.setdefault("calibration", []).append(
                 {"k": drafted, "match": m, "first": round(first, 4), "cont": round(cont, 4),
                  "expected": round(expect, 4), "accepted": accepted})
