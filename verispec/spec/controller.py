@@ -527,6 +527,7 @@ class CostTable:
         self._plain_by_plain = plain_by_plain
         self._cells_view: list[tuple] | None = None
         self._prepared: dict[int, _Bucket] = {}  # bucket -> its view of the cells (`_bucket`)
+        self._uppers: dict[int, tuple[list, list]] = {}  # bucket -> its upper bounds (`_upper`)
         self._min_samples = min_samples
         self._cells: dict[tuple[int, int], _Cell] = {}  # (bucket, size bucket) -> cell
         self._widest: dict[int, int] = {}               # bucket -> largest size measured
@@ -565,7 +566,10 @@ class CostTable:
         standard deviation); None with fewer than half a window of them. (Every round's
         timing comes here: ~10 us a round; logs of each timing cost as much again.)"""
         older = max(0, len(cell.samples) - self._speed.pending(cell))  # (a restarted cell: fewer)
-        alike = [t for t, p in zip(islice(cell.samples, older), cell.passes) if p == key]
+        if cell.passes.count(key) == len(cell.passes):  # (most cells hold one exact pass)
+            alike = list(islice(cell.samples, older))
+        else:
+            alike = [t for t, p in zip(islice(cell.samples, older), cell.passes) if p == key]
         if len(alike) < self._window // 2:
             return None
         mean, sd, _ = _robust_stats(alike, self._outlier)
@@ -584,6 +588,7 @@ class CostTable:
         """The cell's robust mean of its stored timings, and that mean's error."""
         self._cells_view = None
         self._prepared.clear()
+        self._uppers.clear()
         cell.seconds, sd, n = _robust_stats(cell.samples, self._outlier)
         cell.error = 2.0 * sd / math.sqrt(n) if n > 1 else cell.seconds
 
@@ -634,14 +639,17 @@ class CostTable:
 
         The controller prices every plan of every round with this (its inner loop), so each
         bucket's view of the cells is made once after any cell changes (`_bucket`) and a call
-        is a few binary searches."""
+        is a few binary searches. A trusted cell needs only the upper bounds (`_upper`); the
+        lower bounds (`_bucket`) are made when an untrusted one is priced."""
         size = size_bucket(size)
         cell = self._cells.get((bucket, size))
-        f, prep = self._speed.factor, self._bucket(bucket)
-        i = bisect_left(prep.upper_sizes, size)
-        upper = prep.upper_min[i] * f if i < len(prep.upper_sizes) else None
+        f = self._speed.factor
+        upper_sizes, upper_min = self._uppers.get(bucket) or self._upper(bucket)
+        i = bisect_left(upper_sizes, size)
+        upper = upper_min[i] * f if i < len(upper_sizes) else None
         if cell is not None and cell.count >= self._min_samples:
             return cell.seconds * f, upper, True
+        prep = self._bucket(bucket)
         work = self._tokens(bucket, size)
         plain_only = self._plain_by_plain and size == 0
         if plain_only and prep.plain is None:  # (rarely needed: the plain cell is young)
@@ -676,17 +684,23 @@ class CostTable:
         if prep is not None:
             return prep
         view, least = self._view(), self._min_samples
-        ups = sorted((n, seconds) for b, n, seconds, count, _, _ in view if count >= least and b >= bucket)
+        scaled = [(w, seconds * (bucket / b if bucket < b else 1.0), n, c) for b, n, seconds, _, w, c in view]
+        below = sorted((n, c) for b, n, _, count, _, c in view if b == bucket and n >= 1 and count >= least)
+        lines, carried = self._secants(bucket, below, view)
+        prep = self._prepared[bucket] = _Bucket(scaled, _Bounds(scaled), None, [n for n, _ in below], lines, carried)
+        return prep
+
+    def _upper(self, bucket: int) -> tuple[list, list]:
+        """(sizes, least seconds from each index on) of the trusted cells of no fewer rows,
+        sizes ascending (see `estimates`), made once per change of any cell."""
+        least = self._min_samples
+        ups = sorted([(n, c.seconds) for (b, n), c in self._cells.items() if c.count >= least and b >= bucket])
         upper_min = [0.0] * len(ups)
         low = math.inf
         for i in range(len(ups) - 1, -1, -1):
             low = upper_min[i] = min(low, ups[i][1])
-        scaled = [(w, seconds * (bucket / b if bucket < b else 1.0), n, c) for b, n, seconds, _, w, c in view]
-        below = sorted((n, c) for b, n, _, count, _, c in view if b == bucket and n >= 1 and count >= least)
-        lines, carried = self._secants(bucket, below, view)
-        prep = self._prepared[bucket] = _Bucket(
-            [n for n, _ in ups], upper_min, scaled, _Bounds(scaled), None, [n for n, _ in below], lines, carried)
-        return prep
+        out = self._uppers[bucket] = ([n for n, _ in ups], upper_min)
+        return out
 
     def _secants(self, bucket: int, below: list, view: list) -> tuple[list, tuple | None]:
         """The convexity bounds of a bucket's drafting passes (speed-free), as lines
@@ -776,10 +790,11 @@ def _robust_stats(samples, outlier: float) -> tuple[float, float, int]:
     ordered = sorted(samples)
     m = len(ordered)
     median = 0.5 * (ordered[(m - 1) // 2] + ordered[m // 2])
-    kept = [t for t in ordered if t <= outlier * median]
+    top = outlier * median
+    kept = ordered if ordered[-1] <= top else [t for t in ordered if t <= top]
     n = len(kept)
     mean = sum(kept) / n
-    return mean, (math.sqrt(sum((t - mean) ** 2 for t in kept) / (n - 1)) if n > 1 else 0.0), n
+    return mean, (math.sqrt(sum([(t - mean) ** 2 for t in kept]) / (n - 1)) if n > 1 else 0.0), n
 
 
 class _Spread:
@@ -833,7 +848,7 @@ class _Speed:
 
     def pending(self, cell: "_Cell") -> int:
         """How many of the evidence timings not yet acted on are the cell's (its latest)."""
-        return sum(1 for _, _, c, _ in self._recent if c is cell)
+        return sum([e[2] is cell for e in self._recent])
 
     def observe(self, ratio: float, table: "CostTable", cell: "_Cell", scatter: float = 0.0) -> None:
         """An established cell's timing (just stored) came in `ratio` times its earlier ones
@@ -927,8 +942,6 @@ class _Bounds:
 class _Bucket:
     """One bucket's view of a table's cells (`CostTable._bucket`)."""
 
-    upper_sizes: list      # sizes of the trusted cells of no fewer rows, ascending
-    upper_min: list        # the least seconds among them from each index on
     scaled: list           # every cell as (w, s, n, cell) (see `_Bounds`)
     all: _Bounds           # lower bounds from every cell
     plain: _Bounds | None  # ... from cells of size 0 (made when first needed)
@@ -1239,6 +1252,12 @@ class AdaptiveController:
             self._round = _Round(float(batch_size), explores=False, safe_rate=0.0, seconds=0.0)
             return [0] * len(reqs)  # nothing measured: plain decoding, measured by this round
         bucket = batch_bucket(batch_size)
+        if not any(caps):  # no row can draft (no n-gram match): plain, the only plan
+            v = verify.priced(bucket, 0)[0]
+            rate = _rate(float(batch_size), v or 0.0)
+            self._round = _Round(float(batch_size), explores=False, safe_rate=rate, seconds=0.0,
+                                 priced=math.inf if v is None else v)
+            return [0] * len(reqs)
         limit = batch_size + 2 * verify.widest(bucket)  # at most double the tokens measured
         firsts, conts = self._parts(reqs, matches)
         charge = self._catch_up_charges(caps, catch_up, remaining)
@@ -1302,17 +1321,19 @@ class AdaptiveController:
                     if key not in draft_cost:
                         draft_cost[key] = self.estimated_range("draft", len(rows), depth)
                     d, d_hi = draft_cost[key]
+                    caught_up = catch_up_known or not rows & needy  # (no unmeasured catch-up)
                 else:
                     d = d_hi = 0.0
+                    caught_up = True
                 # a pass with no estimate at all is unmeasured, so optimistic (free); a plan
                 # with such a pass has no price to cap its round's charge (see "Exploration budget")
                 priced = math.inf if v is None or d is None else v + one_off + d
                 rate = _rate(total, (v or 0.0) + one_off + (d or 0.0))
-                trusted = n == 0 or (passes_trusted and (catch_up_known or not rows & needy))
+                trusted = n == 0 or (passes_trusted and caught_up)
                 safe = None
                 if trusted:
                     safe = rate
-                elif v_hi is not None and d_hi is not None and (catch_up_known or not rows & needy):
+                elif v_hi is not None and d_hi is not None and caught_up:
                     safe = _rate(total, v_hi + one_off + d_hi)  # (estimates are never above these)
                 out.append((rate, n, trusted, one_off, safe, priced))
             return out
@@ -1340,22 +1361,30 @@ class AdaptiveController:
                         plans.append((sub, plan(sub, depth)))
         else:
             plans = [(gains, plan(gains, 0))]
-        choices = [(pool, options, i) for pool, options in plans for i in range(len(options))]
-        best = lambda t: (t[1][t[2]][0], -t[1][t[2]][1])  # noqa: E731 (highest rate, then fewest drafts)
-        # The safe plan: the best rate at prices it cannot exceed. D = 0 is always there; an
+        # The best plan: the highest rate, then the fewest drafts (the first of equals). The
+        # safe plan: the best rate at prices it cannot exceed. D = 0 is always there; an
         # untrusted plan qualifies through upper bounds from trusted cells (see "Exploration
         # budget"), so a spent budget does not keep a batch size whose drafting passes are
         # unmeasured at plain decoding when a wider batch's measured passes show drafting pays.
-        safe = max((t for t in choices if t[1][t[2]][4] is not None), key=lambda t: (t[1][t[2]][4], -t[1][t[2]][1]))
+        best = safe = None  # (key, pool, options, index)
+        for pool, options in plans:
+            for i, o in enumerate(options):
+                key = (o[0], -o[1])
+                if best is None or key > best[0]:
+                    best = (key, pool, options, i)
+                if o[4] is not None:
+                    key = (o[4], -o[1])
+                    if safe is None or key > safe[0]:
+                        safe = (key, pool, options, i)
         may_explore = self._explore_debt <= self.config.explore_budget * self._elapsed
-        pool, options, i = max(choices, key=best) if may_explore else safe
+        _, pool, options, i = best if may_explore else safe
         plain_is_best = not options[i][1]  # (before a probe or a stale plain round moves i)
         if self._probe_due():
             probe = self._probe(options, i, bucket)
             i = probe if may_explore or options[probe][2] else i
         if options[i][1] and self._plain_is_stale(bucket, options[0][0], options[i][0]):
             i = 0  # a plain round: every drafting plan's reference, re-measured (see "Stale cells")
-        self._round = _Round(float(batch_size), explores=not options[i][2], safe_rate=safe[1][safe[2]][4],
+        self._round = _Round(float(batch_size), explores=not options[i][2], safe_rate=safe[0][0],
                              seconds=options[i][3], priced=options[i][5])
         ks = [0] * len(reqs)
         for _, row, _ in pool[: options[i][1]]:
@@ -1374,6 +1403,8 @@ class AdaptiveController:
         for a row that may not draft this round: while no catch-up has been measured,
         every row needing one but the one missing the fewest tokens (whose pass,
         optimistically free, measures the price)."""
+        if not any(catch_up):  # (an n-gram batch: none to charge)
+            return [0.0] * len(catch_up)
         s, n = self._catch_up
         if n == 0:
             needy = [i for i, (cap, c) in enumerate(zip(caps, catch_up)) if cap and c]
