@@ -632,16 +632,26 @@ def _estimates_cell_by_cell(table: CostTable, bucket: int, size: int):
     return (estimate if upper is None or estimate is None else min(estimate, upper)), upper
 
 
-@pytest.mark.parametrize("leave_out", [True, False], ids=["", "broken: a young cell bounds itself"])
-def test_estimates_from_cells_arranged_per_bucket_equal_the_cell_by_cell_definition(leave_out, monkeypatch):
+@pytest.mark.parametrize("broken", [None, "young", "stale"],
+                         ids=["", "broken: a young cell bounds itself", "broken: upper bounds kept past a new timing"])
+def test_estimates_from_cells_arranged_per_bucket_equal_the_cell_by_cell_definition(broken, monkeypatch):
     """Random tables (young and trusted cells, several batch buckets, a moved speed factor,
-    both tables' bound rules): every estimate and upper bound equals the reference's."""
+    both tables' bound rules): every estimate and upper bound equals the reference's, also
+    when asked between timings (the tables' cached views must follow every new one)."""
     import random
 
     from verispec.spec import controller as ctl_mod
-    if not leave_out:
+    if broken == "young":
         real = ctl_mod._Bounds.bound
         monkeypatch.setattr(ctl_mod._Bounds, "bound", lambda self, work, leave_out: real(self, work, None))
+    if broken == "stale":
+        refresh = ctl_mod.CostTable._refresh
+
+        def keep_uppers(self, cell):
+            uppers = dict(self._uppers)
+            refresh(self, cell)
+            self._uppers.update(uppers)
+        monkeypatch.setattr(ctl_mod.CostTable, "_refresh", keep_uppers)
     rng = random.Random(7)
     mismatches = 0
     for trial in range(60):
@@ -652,13 +662,16 @@ def test_estimates_from_cells_arranged_per_bucket_equal_the_cell_by_cell_definit
             ctl.observe_cost("verify", b, n, (0.004 + 0.001 * (b + n)) * rng.uniform(0.7, 1.6))
             if n:
                 ctl.observe_cost("draft", b, min(n, 8), 0.002 * min(n, 8) * rng.uniform(0.7, 3.0))
+            table, b = ctl._costs["verify"], rng.choice([1, 4, 16])
+            for n in (0, 2, 8, 24):  # (a round prices several sizes between timings)
+                mismatches += table.estimates(b, n) != _estimates_cell_by_cell(table, b, n)
         for kind in ("verify", "draft"):
             table = ctl._costs[kind]
             for b in (1, 3, 4, 6, 16, 20):
                 for n in range(0 if kind == "verify" else 1, 60, 3):
                     got, want = table.estimates(b, n), _estimates_cell_by_cell(table, b, n)
                     mismatches += got != want
-    assert (mismatches == 0) == leave_out, mismatches
+    assert (mismatches == 0) == (broken is None), mismatches
 
 
 def test_unmeasured_cost_is_the_tightest_lower_bound_from_neighbours():
