@@ -1,4 +1,5 @@
-"""bench/roofline.py's byte count: what one decode step streams, per weight format."""
+"""bench/roofline.py's byte count: what one decode step streams, per weight format; and
+bench/linear_widths.py's sums over the body."""
 from __future__ import annotations
 
 import pytest
@@ -46,3 +47,16 @@ def test_read_probe_and_paired_fractions():
                {"decode_tokens_per_s": None, "probe_read_gbps": 20.0},
                {"decode_tokens_per_s": 100.0, "probe_read_gbps": None}]
     assert roofline.paired_fractions(records, step_bytes=50_000_000) == [0.5, 0.25]
+
+
+def test_linear_widths_sums_each_width_over_the_body_by_layer_counts():
+    """bench/linear_widths.py: a width's body time is each shape's timing times its layer
+    count, summed (two shapes, 30 and 60 layers), and the ratio is int4 over bf16."""
+    widths = load("linear_widths", "bench_linear_widths")
+    rows = [{"width": 1, "count": 30, "int4_s": 1e-4, "torch_bf16_s": 2e-4},
+            {"width": 1, "count": 60, "int4_s": 2e-4, "torch_bf16_s": 2e-4},
+            {"width": 16, "count": 30, "int4_s": 8e-4, "torch_bf16_s": 2e-4}]
+    one, sixteen = widths.body_sums(rows, [1, 16])
+    assert one["int4_ms"] == pytest.approx(30 * 0.1 + 60 * 0.2) and one["torch_bf16_ms"] == pytest.approx(90 * 0.2)
+    assert one["int4_over_torch_bf16"] == pytest.approx(15 / 18)
+    assert sixteen["width"] == 16 and sixteen["int4_over_torch_bf16"] == pytest.approx(4.0)

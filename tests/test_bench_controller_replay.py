@@ -1,0 +1,54 @@
+"""bench/controller_replay.py: a recording of controller calls replays to the same decisions
+on the same controller file, and a changed controller is caught."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from bench_scripts import load
+from verispec.spec import controller as ctl_mod
+from verispec.spec.controller import AdaptiveController, ControllerConfig
+
+replay = load("controller_replay", "bench_controller_replay")
+SOURCE = Path(ctl_mod.__file__)
+
+
+def _recording(tmp_path: Path) -> Path:
+    """Two requests at batch 2 over 60 rounds, drafting paying (cheap verify passes, high
+    acceptance), recorded as the engine's calls would be."""
+    ctl = AdaptiveController(ControllerConfig())
+    calls = replay.tape(ctl)
+    ids = ["a", "b"]
+    for rid in ids:
+        ctl.start(rid, "ngram")
+    for _ in range(60):
+        ks = ctl.choose_k(ids, 2, available=[4, 4], matches=[3, 3])
+        for rid in ids:
+            ctl.observe_acceptance(rid, ks[rid], ks[rid] if ks[rid] < 3 else 2, match=3)
+        ctl.observe_cost("verify", 2, sum(ks.values()), 0.010 + 0.0005 * sum(ks.values()))
+    for rid in ids:
+        ctl.finish(rid)
+    assert any(k for name, _, _, answer in calls if name == "choose_k" for k in answer.values())
+    path = tmp_path / "rec.json"
+    path.write_text(json.dumps({"benchmark": "controller-replay", "calls": calls,
+                                "controller_config": ctl.config.to_dict()}))
+    return path
+
+
+def test_the_same_controller_replays_to_the_recorded_decisions(tmp_path, capsys):
+    rec = _recording(tmp_path)
+    assert replay.main(["compare", str(SOURCE), str(SOURCE), str(rec), "--reps", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "61 rounds" not in out and "60 rounds" in out and "old same, new same" in out
+
+
+def test_a_controller_that_decides_otherwise_is_reported(tmp_path, capsys):
+    """Broken: choose_k answers plain for every row: the replay says DIFFERENT and fails."""
+    rec = _recording(tmp_path)
+    text = SOURCE.read_text()
+    assert "        return dict(zip(request_ids, ks))\n" in text
+    broken = tmp_path / "controller_broken.py"
+    broken.write_text(text.replace("        return dict(zip(request_ids, ks))\n",
+                                   "        return dict(zip(request_ids, [0] * len(ks)))\n"))
+    assert replay.main(["compare", str(SOURCE), str(broken), str(rec), "--reps", "1"]) == 1
+    assert "old same, new DIFFERENT" in capsys.readouterr().out
