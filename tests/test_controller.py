@@ -674,6 +674,30 @@ def test_estimates_from_cells_arranged_per_bucket_equal_the_cell_by_cell_definit
     assert (mismatches == 0) == (broken is None), mismatches
 
 
+@pytest.mark.parametrize("explores", [False, True], ids=["", "broken: a round with no drafts at hand explores"])
+def test_a_round_with_no_drafts_at_hand_is_plain_and_never_charged_as_exploring(explores, monkeypatch):
+    """A round where no row can draft (no n-gram match) is decided without planning: every
+    k is 0 and the ledger enters it as the plain plan it is, priced at the plain cell, so
+    however long it takes it adds nothing to the exploration debt."""
+    from verispec.spec import controller as ctl_mod
+    if explores:
+        real = ctl_mod._Round
+
+        def exploring(*a, **k):
+            return real(*a, **{**k, "explores": True})
+        monkeypatch.setattr(ctl_mod, "_Round", exploring)
+    ctl = AdaptiveController()
+    _measured(ctl, 2, lambda n: 0.010 + 0.001 * n, [0, 2, 4])
+    for rid in "ab":
+        ctl.start(rid, "ngram")
+    for _ in range(20):
+        plain = ctl.estimated_cost("verify", 2, 0)
+        assert ctl.choose_k(["a", "b"], 2, available=[0, 0]) == {"a": 0, "b": 0}
+        assert ctl._round.priced == plain
+        ctl.observe_cost("verify", 2, 0, 0.020)  # a slow plain round: the machine, not a choice
+    assert (ctl._explore_debt == 0.0) != explores
+
+
 def test_unmeasured_cost_is_the_tightest_lower_bound_from_neighbours():
     assert AdaptiveController().estimated_cost("verify", 4, 3) is None
     untrusted = AdaptiveController()                   # cells need 3 samples to be trusted

@@ -1252,7 +1252,7 @@ class AdaptiveController:
             self._round = _Round(float(batch_size), explores=False, safe_rate=0.0, seconds=0.0)
             return [0] * len(reqs)  # nothing measured: plain decoding, measured by this round
         bucket = batch_bucket(batch_size)
-        if not any(caps):  # no row can draft (no n-gram match): plain, the only plan
+        if not any(caps):  # no row can draft (no n-gram match): plain, the only plan (what `plan` prices at D = 0)
             v = verify.priced(bucket, 0)[0]
             rate = _rate(float(batch_size), v or 0.0)
             self._round = _Round(float(batch_size), explores=False, safe_rate=rate, seconds=0.0,
