@@ -19,6 +19,7 @@ from bugs import keep_stale_draft_kv
 from tiny import run_all, tiny_engine, tiny_pair
 from verispec.cache.manager import KVCacheManager
 from verispec.engine.engine import LLMEngine
+from verispec.engine.scheduler import Scheduler
 from verispec.request import Request
 from verispec.sampling import SamplingParams
 
@@ -146,3 +147,52 @@ def test_the_property_catches_broken_variants(monkeypatch, variant):
         except (AssertionError, ValueError, RuntimeError):
             failures += 1
     assert failures > 0, f"{variant} went unnoticed"
+
+
+def _prefill_chunks(method: str, k: int, choose=None) -> tuple[list[int], list[int]]:
+    """Three rows decoding, then a 60-token prompt arrives under a 24-token step budget: the
+    prompt's chunk per step, and the tokens the decode rows verified in that step (1 + k each).
+    `choose(ks)` may rewrite the engine's chosen ks before they are used."""
+    engine = tiny_engine(PAIR[0], method=method, k=k, max_batched_tokens=24, prefix_cache=False)
+    real_choose = engine._choose_k
+    verified = []
+
+    def recording_choose(rows, *a):
+        ks = real_choose(rows, *a)
+        ks = choose(ks) if choose else ks
+        verified.append(len(rows) + sum(ks.values()))
+        return ks
+
+    engine._choose_k = recording_choose
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    for i in range(3):
+        engine.add_request(f"d{i}", [3, 4, 5, 3, 4, 5, 3, i], params)
+    while any(r.is_prefilling for r in engine.requests.values()):
+        engine.step()
+    engine.add_request("long", [7, 8, 9, 10] * 15, params)
+    long, chunks, seen = engine.requests["long"], [], 0
+    verified.clear()
+    while long.is_prefilling:
+        engine.step()
+        chunks.append(long.num_computed - seen)
+        seen = long.num_computed
+    return chunks, verified[: len(chunks)]
+
+
+def test_prefill_gets_the_step_budget_less_the_drafts_chosen_not_k_max():
+    plain, plain_verified = _prefill_chunks("none", 1)
+    assert plain_verified == [3] * len(plain) and plain[0] == 24 - 3
+    # a speculative engine that chose k = 0 for every row schedules prefill as a plain one
+    assert _prefill_chunks("ngram", 6, choose=lambda ks: dict.fromkeys(ks, 0))[0] == plain
+    # and one that drafts gives prefill what its drafts leave, step by step
+    chunks, verified = _prefill_chunks("ngram", 6)
+    assert any(v > 3 for v in verified), "the decode rows were meant to draft"
+    assert chunks[:-1] == [24 - v for v in verified[:-1]]
+
+
+def test_the_prefill_budget_test_catches_charging_k_max(monkeypatch):
+    real = Scheduler.schedule_prefill
+    monkeypatch.setattr(Scheduler, "schedule_prefill", lambda self, batch, verify_tokens: real(
+        self, batch, sum(1 + self.spec_budget(r) for r in batch.decode)))
+    with pytest.raises(AssertionError):
+        test_prefill_gets_the_step_budget_less_the_drafts_chosen_not_k_max()

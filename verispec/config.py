@@ -55,7 +55,7 @@ class CacheConfig:
 @dataclass(frozen=True)
 class SchedulerConfig:
     max_num_seqs: int = 32           # running requests at once
-    max_num_batched_tokens: int = 512  # target tokens per step (prefill chunks + verify rows)
+    max_num_batched_tokens: int = 512  # tokens per step: prefill chunks + verify rows (1 + chosen k each)
     max_model_len: int | None = None  # None: the model's context length
 
     def __post_init__(self):

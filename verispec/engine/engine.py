@@ -202,9 +202,7 @@ class LLMEngine:
     # ------------------------------------------------------------------ the step
     def step(self) -> list[RequestOutput]:
         t0 = time.perf_counter()
-        batch = self.scheduler.schedule()
-        if batch.empty:
-            return []
+        batch = self.scheduler.schedule_decode()
         rows = batch.decode
         try:
             adaptive = [r for r in rows if r.spec_method != "none" and r.adaptive]
@@ -213,21 +211,33 @@ class LLMEngine:
             drafting = [r for r in rows if r.spec_method != "none" and not (resting and r.adaptive)]
             lookups = self._lookup(drafting)
             ks = self._choose_k(rows, drafting, [] if resting else adaptive, lookups)
+        except Exception as exc:
+            return self._fail(exc, batch)
+        # prefill gets the step's token budget less what the decode rows verify (scheduler)
+        self.scheduler.schedule_prefill(batch, len(rows) + sum(ks.values()))
+        if batch.empty:
+            return []
+        try:
             drafts, draft_s = self._propose(rows, ks, lookups)
             outputs = self._verify_and_commit(batch, rows, drafts)
-        except Exception as exc:  # one failed pass fails its rows only, never the others
-            log.exception("engine step failed")
-            outputs = []
-            for req in {*rows, *(c.request for c in batch.prefill)}:
-                req.error = f"internal error: {type(exc).__name__}: {exc}"
-                outputs.append(self._finish(req, "abort", cache=False))
-            return outputs
+        except Exception as exc:
+            return self._fail(exc, batch)
         if rows and not batch.prefill:
             # The round's whole cost but the draft pass (timed on its own): scheduling, n-gram
             # lookup, the verify forward, sampling, KV bookkeeping and detokenizing all grow
             # with the batch and the drafts, and the controller must weigh all of it.
             drafted = sum(len(d[0]) for d in drafts.values())
             self.controller.observe_cost("verify", len(rows), drafted, time.perf_counter() - t0 - draft_s)
+        return outputs
+
+    def _fail(self, exc: Exception, batch: ScheduledBatch) -> list[RequestOutput]:
+        """One failed step fails its own rows only (decode rows and prefill chunks), never
+        the others'."""
+        log.exception("engine step failed")
+        outputs = []
+        for req in {*batch.decode, *(c.request for c in batch.prefill)}:
+            req.error = f"internal error: {type(exc).__name__}: {exc}"
+            outputs.append(self._finish(req, "abort", cache=False))
         return outputs
 
     def _lookup(self, rows: list[Request]) -> dict[str, list[int]]:

@@ -1,16 +1,25 @@
 """Continuous batching with admission by KV budget, chunked prefill and preemption.
 
 Pure Python over `Request` objects and a KV manager (`cache.manager.KVCacheManager`); it
-never touches tensors. Each step:
+never touches tensors. Each step is scheduled in two phases, with the draft lengths chosen
+between them:
 
-1. Decode rows first (latency-critical): every running request that has finished its
-   prefill reserves slots for its pending token plus its k_max draft tokens (the k+1
-   speculative slots). If the pool is out of blocks, the most recently arrived running
-   request is preempted (its provisional blocks evicted first, then everything freed; it
-   recomputes later) until the reservation fits.
-2. Prefill chunks with the remaining token budget: running requests still prefilling,
-   then waiting requests in arrival order (FCFS). The head of the queue is never skipped,
-   so no request starves: a request that cannot be admitted blocks later ones.
+1. `schedule_decode`: decode rows first (latency-critical). Every running request that has
+   finished its prefill reserves KV slots for its pending token plus its k_max draft tokens
+   (the k+1 speculative slots). If the pool is out of blocks, the most recently arrived
+   running request is preempted (its provisional blocks evicted first, then everything
+   freed; it recomputes later) until the reservation fits.
+2. `schedule_prefill(batch, verify_tokens)`: prefill chunks with what is left of the step's
+   token budget once the decode rows' verify tokens (one per row plus the drafts actually
+   chosen) are counted: running requests still prefilling, then waiting requests in
+   arrival order (FCFS). The head of the queue is never skipped, so no request starves: a
+   request that cannot be admitted blocks later ones.
+
+The budget is charged the drafts the step will verify, not the k_max it reserved slots for:
+charged at k_max, a speculative engine that chose k = 0 for most rows (as adaptive draft
+length does where drafting does not pay) cut every prefill chunk short by k_max tokens a
+row (128 of 512 at 16 rows and k_max = 8), and so scheduled prefill unlike a plain engine
+doing the same work.
 """
 from __future__ import annotations
 
@@ -68,15 +77,20 @@ class Scheduler:
         room = min(req.remaining_tokens - 1, self.max_model_len - req.num_tokens)
         return max(0, min(req.num_spec_tokens, room))
 
-    def schedule(self) -> ScheduledBatch:
+    def schedule_decode(self) -> ScheduledBatch:
+        """Phase 1: the decode rows, each with KV slots reserved for 1 + its spec budget."""
         batch = ScheduledBatch()
-        budget = self.cfg.max_num_batched_tokens
         for req in sorted(self.running, key=lambda r: r.arrival):
             if req.status is not Status.RUNNING or req.is_prefilling:
                 continue
             if self._reserve_decode(req, batch):
                 batch.decode.append(req)
-                budget -= 1 + self.spec_budget(req)
+        return batch
+
+    def schedule_prefill(self, batch: ScheduledBatch, verify_tokens: int) -> None:
+        """Phase 2: prefill chunks within the step's token budget less `verify_tokens`, the
+        tokens the decode rows will verify (one each plus their chosen drafts)."""
+        budget = self.cfg.max_num_batched_tokens - verify_tokens
         for req in sorted(self.running, key=lambda r: r.arrival):
             if budget <= 0:
                 break
@@ -95,7 +109,6 @@ class Scheduler:
             req.status = Status.RUNNING
             self.running.append(req)
             budget -= used
-        return batch
 
     def _reserve_decode(self, req: Request, batch: ScheduledBatch) -> bool:
         """Reserve slots for [pending token, k_max drafts]; preempt newer requests if needed."""
