@@ -95,7 +95,8 @@ class IgnoresAvailabilityController(AdaptiveController):
 class NoRelaxController(AdaptiveController):
     """Bug: untested rounds are ignored, so a request parked at k = 0 never drafts again."""
 
-    def _relax_untested(self, req):
+    @staticmethod
+    def _relax_untested(req, keep, prior):
         pass
 
 

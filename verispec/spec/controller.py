@@ -1227,16 +1227,23 @@ class AdaptiveController:
         """A round's rows; those whose last round tested nothing relax (see the docstring)."""
         reqs = [self._request(r) for r in request_ids]
         self._round = None  # a round whose verify pass went unreported (a prefill step) is not entered
+        keep, priors = 0.5 ** (1.0 / self.config.idle_half_life_rounds), {}
         for req in reqs:
             if req.awaiting_test:
-                self._relax_untested(req)
+                # the proposer's global estimate and prior weight hold for the whole round
+                prior = priors.get(req.proposer)
+                if prior is None:
+                    prior = priors[req.proposer] = (self._global[req.proposer].value,
+                                                    self.prior_weight(req.proposer))
+                self._relax_untested(req, keep, prior)
             req.awaiting_test = True
         return reqs
 
-    def _relax_untested(self, req: _Request) -> None:
-        """The request's last round tested nothing: its acceptance may have changed since."""
-        keep = 0.5 ** (1.0 / self.config.idle_half_life_rounds)
-        req.estimator.relax(self._global[req.proposer].value, self.prior_weight(req.proposer), keep)
+    @staticmethod
+    def _relax_untested(req: _Request, keep: float, prior: tuple[float, float]) -> None:
+        """The request's last round tested nothing: its acceptance may have changed since, to
+        a draw from `prior` (its proposer's global estimate and weight), with chance 1 - keep."""
+        req.estimator.relax(prior[0], prior[1], keep)
         req.first.fade(keep)  # their data fades: back toward the pooled alpha
         req.cont.fade(keep)
         for first, cont in req.by_match.values():
