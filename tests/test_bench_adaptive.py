@@ -234,6 +234,28 @@ def test_unknown_contenders_are_refused_by_name():
     assert "plain-control" not in adaptive.contenders("ngram", 8, control=False)
 
 
+def test_contenders_without_plain_or_adaptive_are_refused_before_the_run():
+    for subset in ("k=1,adaptive", "plain,k=1"):
+        with pytest.raises(SystemExit):
+            adaptive.parse_args(["--contenders", subset])
+    assert adaptive.parse_args(["--contenders", "plain,adaptive"]).contenders == "plain,adaptive"
+
+
+def test_a_cell_without_a_fixed_k_is_judged_against_plain_only_and_says_so():
+    """--contenders plain,adaptive (where every fixed k is known to lose, to save the time):
+    the cell is scored, tabled and written like any other (a run of such cells once printed
+    its rates and wrote nothing), its verdict on plain alone and marked as such."""
+    runs = {"plain": [_run(1.0)], "adaptive": [_run(1.02)], "plain-control": [_run(1.01)]}
+    cell = _cell(runs)
+    assert cell["best_fixed"] is None and cell["adaptive_vs_best_fixed"] is None
+    assert cell["adaptive_vs_plain"] == pytest.approx(1 / 1.02) and cell["meets_target"]
+    assert not _cell({**runs, "adaptive": [_run(1.1)]})["meets_target"]  # (the check bites: 0.91x plain)
+    (row,) = adaptive.overall([cell])
+    assert row["best_fixed"] is None and row["meets_target"]
+    text = adaptive.table([cell], [row])
+    assert "ok (plain only: no fixed k run)" in text
+
+
 def _paired_runs(rates: dict[str, list[float]], concurrency: int = 1) -> dict[str, list]:
     """One run per contender of 100-token requests, prompt i at rates[name][i] tokens/s."""
     def run(rs):
