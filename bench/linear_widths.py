@@ -1,5 +1,8 @@
 """The body's linear layers by pass width: verispec's int4 kernel against PyTorch's bf16 linear.
 
+(Where the int4 kernel has its AMX path, `kernels.int4_amx`, the same kernel with the tiles
+off runs beside them: its AVX-512 path, the speed-up at each width.)
+
 A verify pass over B rows with D drafts runs every linear on B + D tokens. verispec's int4
 kernel (`kernels.int4_linear`) streams 4-bit weights and multiplies on AVX-512 (or AVX2)
 vectors, so it is memory-bound at one token and compute-bound from a few on; PyTorch's bf16
@@ -70,13 +73,16 @@ def time_call(fn, calls: int) -> float:
 
 def body_sums(rows: list[dict], widths: list[int]) -> list[dict]:
     """Per width, each contender's time over the whole body: every shape's timing times the
-    number of layers of that shape."""
+    number of layers of that shape (int4_avx512_ms None where the kernel has no AMX path)."""
     body = []
     for width in widths:
         of = [r for r in rows if r["width"] == width]
         int4, bf16 = (sum(r[key] * r["count"] for r in of) for key in ("int4_s", "torch_bf16_s"))
+        avx512 = None if any(r.get("int4_avx512_s") is None for r in of) else \
+            sum(r["int4_avx512_s"] * r["count"] for r in of)
         body.append({"width": width, "int4_ms": int4 * 1e3, "torch_bf16_ms": bf16 * 1e3,
-                     "int4_over_torch_bf16": int4 / bf16})
+                     "int4_over_torch_bf16": int4 / bf16,
+                     "int4_avx512_ms": None if avx512 is None else avx512 * 1e3})
     return body
 
 
@@ -92,12 +98,24 @@ def main(argv=None) -> int:
     shapes = {}
     for m in layers:
         shapes.setdefault((m.out_features, m.in_features), m)
+    ops = layers[0].kernels
+    amx = bool(ops is not None and getattr(ops, "int4_amx", False))
+
+    def without_amx(fn):
+        ops.set_int4_amx(False)
+        try:
+            return fn()
+        finally:
+            ops.set_int4_amx(True)
+
     rows = []
     for (n, k), layer in shapes.items():
         dense = unpack_int4(layer.q4, layer.scale, layer.min, n).dequantize().to(torch.bfloat16)
         for width in args.widths:
             x = torch.randn(width, k, dtype=torch.bfloat16)
             contenders = {"int4": lambda: layer(x), "torch-bf16": lambda: F.linear(x, dense)}
+            if amx:  # the same kernel with its AMX tiles off: its AVX-512 path at every width
+                contenders["int4-avx512"] = lambda: without_amx(lambda: layer(x))
             for fn in contenders.values():
                 fn()  # first calls: packing, oneDNN's primitive cache
             best = dict.fromkeys(contenders, float("inf"))
@@ -106,18 +124,20 @@ def main(argv=None) -> int:
                 for name in names:
                     best[name] = min(best[name], time_call(contenders[name], args.calls))
             rows.append({"out_features": n, "in_features": k, "count": counts[(n, k)], "width": width,
-                         "int4_s": best["int4"], "torch_bf16_s": best["torch-bf16"]})
+                         "int4_s": best["int4"], "torch_bf16_s": best["torch-bf16"],
+                         "int4_avx512_s": best.get("int4-avx512")})
             print(f"[linear] {n}x{k} x{counts[(n, k)]} width {width:3d}: int4 {best['int4'] * 1e6:8.1f} us, "
-                  f"torch bf16 {best['torch-bf16'] * 1e6:8.1f} us", file=sys.stderr)
+                  f"torch bf16 {best['torch-bf16'] * 1e6:8.1f} us"
+                  + (f", int4 without AMX {best['int4-avx512'] * 1e6:8.1f} us" if amx else ""), file=sys.stderr)
     body = body_sums(rows, args.widths)
     table = common.markdown_table(
         ["tokens a pass", "int4 kernel ms (body)", "torch bf16 ms (body)", "int4 / torch bf16",
-         "int4 ms a token"],
+         "int4 ms a token", "int4 without AMX ms (body)"],
         [[b["width"], f"{b['int4_ms']:.2f}", f"{b['torch_bf16_ms']:.2f}", f"{b['int4_over_torch_bf16']:.2f}",
-          f"{b['int4_ms'] / b['width']:.3f}"] for b in body])
+          f"{b['int4_ms'] / b['width']:.3f}", b["int4_avx512_ms"]] for b in body])
     print(table)
     header = common.finish_run(header, t0)
-    payload = {"benchmark": "linear-widths", "schema": "verispec.bench.linear-widths/v1", **header,
+    payload = {"benchmark": "linear-widths", "schema": "verispec.bench.linear-widths/v2", **header,
                "settings": {"model": args.model, "widths": args.widths, "reps": args.reps, "calls": args.calls,
                             "torch_cpu_capability": torch.backends.cpu.get_cpu_capability(),
                             "cpu_flags": cpu_flags(), "layers": len(layers)},

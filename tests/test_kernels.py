@@ -8,6 +8,8 @@ matches the model without them, prefill and decode rows mixed in one pass.
 """
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -328,15 +330,15 @@ def test_int4_linear_on_the_8_bit_grid_computes_the_stored_weights(broken):
 
 def test_int4_linear_on_the_8_bit_grid_rows_do_not_depend_on_the_pass():
     """act_bits 8: each token's output bit for bit the same alone, in any pass width (tiles of
-    1..4 on AVX2, 1..8 on AVX-512), and on the portable loop."""
+    1..4 on AVX2, 1..8 on AVX-512; this grid has no AMX path), and on the portable loop."""
     layer = _int4_layer(n=72, k=160, seed=1, act_bits=8)
-    x = torch.randn(21, 160).bfloat16()
+    x = torch.randn(40, 160).bfloat16()
     full = OPS.int4_linear(x, layer.q4, layer.scale, layer.min, 72, layer.bias, act_bits=8)
     assert torch.equal(full, OPS.int4_linear(x, layer.q4, layer.scale, layer.min, 72, layer.bias, portable=True,
                                              act_bits=8))
-    for width in (1, 3, 5, 8):
+    for width in (1, 3, 5, 8, 16, 17, 32):
         parts = [OPS.int4_linear(x[i: i + width].contiguous(), layer.q4, layer.scale, layer.min, 72, layer.bias,
-                                 act_bits=8) for i in range(0, 21, width)]
+                                 act_bits=8) for i in range(0, 40, width)]
         assert torch.equal(torch.cat(parts), full), width
     q4 = layer.q4.clone()
     q4[0, 0, 0] ^= 1  # the check bites
@@ -374,20 +376,34 @@ def test_int4_linear_a_non_finite_activation_makes_its_rows_nan(act_bits):
 @pytest.mark.skipif(not OPS.int4_vector, reason="no AVX-512 or AVX2 here")
 def test_int4_linear_rows_do_not_depend_on_the_pass():
     """Bit for bit: each token's output is the same alone, in any pass width (the vector
-    path's tiles: 1..8 tokens on AVX-512, 1..4 on AVX2), and on the portable loop: a
-    verify pass and a plain step compute the same numbers."""
+    path's tiles: 1..8 tokens on AVX-512, 1..4 on AVX2, 16 on AMX from 16 tokens a pass with
+    the rest on AVX-512's), and on the portable loop: a verify pass and a plain step compute
+    the same numbers. An outlier channel puts some groups' activations at the 16-bit grid's
+    ends (|m| near 2^14: the AMX path's high byte plane at its widest)."""
     layer = _int4_layer(n=72, k=160, seed=1)
-    x = torch.randn(21, 160).bfloat16()
+    x = torch.randn(40, 160)
+    x[:, 0] *= 300
+    x = x.bfloat16()
     full = OPS.int4_linear(x, layer.q4, layer.scale, layer.min, 72, layer.bias)
     assert torch.equal(full, OPS.int4_linear(x, layer.q4, layer.scale, layer.min, 72, layer.bias, portable=True))
-    for width in (1, 3, 5, 8):
+    for width in (1, 3, 5, 8, 16, 17, 32):
         parts = [OPS.int4_linear(x[i: i + width].contiguous(), layer.q4, layer.scale, layer.min, 72, layer.bias)
-                 for i in range(0, 21, width)]
+                 for i in range(0, 40, width)]
         assert torch.equal(torch.cat(parts), full), width
     # the check bites: one weight changed moves outputs
     q4 = layer.q4.clone()
     q4[0, 0, 0] ^= 1
     assert not torch.equal(OPS.int4_linear(x, q4, layer.scale, layer.min, 72, layer.bias), full)
+
+
+def test_the_int4_kernel_uses_amx_tiles_where_the_cpu_has_them():
+    """A CPU with AMX-INT8 (and a kernel that grants it, Linux 5.16 on) runs wide int4 passes
+    on tiles, which test_int4_linear_rows_do_not_depend_on_the_pass compares with the
+    portable loop bit for bit (it caught a high plane weighed 128 instead of 256); without
+    it the AVX-512 tiles run and `int4_amx` says so."""
+    flags = next((line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags")), "")
+    assert OPS.int4_amx == (" amx_int8" in flags and " amx_tile" in flags and OPS.isa == "avx512")
+    assert OPS.set_int4_amx(False) is True and OPS.set_int4_amx(True) is False  # (the switch benchmarks use)
 
 
 @pytest.mark.skipif(not (OPS.int4_vector and OPS.bf16_vector), reason="no AVX-512 or AVX2 here")
