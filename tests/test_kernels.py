@@ -376,7 +376,7 @@ def test_int4_linear_a_non_finite_activation_makes_its_rows_nan(act_bits):
 @pytest.mark.skipif(not OPS.int4_vector, reason="no AVX-512 or AVX2 here")
 def test_int4_linear_rows_do_not_depend_on_the_pass():
     """Bit for bit: each token's output is the same alone, in any pass width (the vector
-    path's tiles: 1..8 tokens on AVX-512, 1..4 on AVX2, 16 on AMX from 16 tokens a pass with
+    path's tiles: 1..8 tokens on AVX-512, 1..4 on AVX2, 16 on AMX from 32 tokens a pass with
     the rest on AVX-512's), and on the portable loop: a verify pass and a plain step compute
     the same numbers. An outlier channel puts some groups' activations at the 16-bit grid's
     ends (|m| near 2^14: the AMX path's high byte plane at its widest)."""

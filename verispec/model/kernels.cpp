@@ -1474,7 +1474,8 @@ constexpr bool kInt4Act8Avx512 = false;
 
 // --- int4 linear on AMX tiles (the 16-bit activation grid) ----------------------------------
 //
-// Passes of 16 tokens or more, on CPUs with AMX-INT8 (Intel Sapphire Rapids on): the same
+// Passes of 32 tokens or more (kAmxMinTokens), on CPUs with AMX-INT8 (Intel Sapphire Rapids
+// on), in tiles of 16 tokens: the same
 // integer sums as the AVX-512 tiles, from tile dot products instead of VNNI ones. One tile
 // instruction multiplies 16 tokens' 32 activation bytes by 16 outputs' 32 codes: a group's
 // 16 x 16 dot products at once, where the AVX-512 tile spends a VNNI instruction and a
@@ -1491,13 +1492,20 @@ constexpr bool kInt4Act8Avx512 = false;
 // pass into tiles: a token's result still never depends on the others of its pass. A
 // pass's last tokens that fill no tile of 16 run on the AVX-512 tiles.
 // Measured (Intel Xeon VM, 2 threads, bench/linear_widths.py): the default model's body
-// 1.1x faster at 16 tokens, 1.2-1.35x at 32-64, 1.15x at 512; a 16-row engine step 3-4%
-// faster. What bounds it is not the tile products but the per-group float epilogue (four
+// 1.1x faster at 16 tokens, 1.2-1.35x at 32-64, 1.15x at 512. What bounds it is not the tile products but the per-group float epilogue (four
 // vector operations a token, as on AVX-512) and reading each group's sums back from the
 // tiles. The 8-bit grid gains nothing here (its VNNI form already multiplies 4 bytes a
 // lane) and keeps its AVX-512 tiles.
 // Whether wide passes may use the tiles (set_int4_amx: benchmarks and tests compare the paths).
 std::atomic<bool> g_int4_amx{true};
+// The narrowest pass that runs on them. Not 16, one tile: with a 16-token pass on tiles and a
+// 15-token one on AVX-512, a 16-row plain step got ~10% cheaper while every drafted token at
+// 16 rows (an AVX-512 tail) cost what it did, so the cost of a pass stopped growing evenly
+// with its tokens where the adaptive controller's bounds assume it does; the controller
+// explored more drafting at 16 in flight and lost the gain (chat, 0.95x plain where it read
+// 0.98x; adaptive engines with and without the tiles 0.99x). From 32 tokens on (prefill
+// chunks, wide verify passes) the tiles run, where the step is not a plain decode step.
+constexpr int64_t kAmxMinTokens = 32;
 
 #if defined(__AMX_TILE__) && defined(__AMX_INT8__) && defined(__AVX512F__) && defined(__AVX512BW__)
 constexpr int64_t kAmxTokens = 16;  // a tile's rows: tokens per tile pass
@@ -1707,8 +1715,8 @@ void int4_run(const c10::BFloat16* x, int64_t tokens, const at::Tensor& q4, cons
                       act8 ? nullptr : r.xq.data(), act8 ? r.xq8.data() : nullptr, r.step.data(), r.msum.data(), y,
                       K, out_features, groups};
   const bool vector = (act8 ? kInt4Act8Vector : kInt4Vector) && !portable;
-  // AMX tiles for passes of 16 tokens or more (see "int4 linear on AMX tiles")
-  const bool amx = vector && !act8 && kInt4Amx && tokens >= kAmxTokens &&
+  // AMX tiles for passes of 32 tokens or more, in tiles of 16 (see "int4 linear on AMX tiles")
+  const bool amx = vector && !act8 && kInt4Amx && tokens >= kAmxMinTokens &&
                    g_int4_amx.load(std::memory_order_relaxed) && amx_permitted();
   thread_local std::vector<int8_t> hi;
   thread_local std::vector<uint8_t> lo;
@@ -2207,9 +2215,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("x"), py::arg("q4"), py::arg("scale"), py::arg("min"), py::arg("out_features"),
         py::arg("bias") = py::none(), py::arg("portable") = false, py::arg("act_bits") = 16);
   m.attr("int4_vector") = kInt4Vector;
-  m.attr("int4_amx") = kInt4Amx && amx_permitted();  // passes of 16+ tokens on AMX tiles
+  m.attr("int4_amx") = kInt4Amx && amx_permitted();  // passes of 32+ tokens on AMX tiles
   m.def("set_int4_amx", [](bool on) { return g_int4_amx.exchange(on); },
-        "whether int4 passes of 16+ tokens may use AMX tiles (default yes); returns the previous setting");
+        "whether int4 passes of 32+ tokens may use AMX tiles (default yes); returns the previous setting");
   m.def("bf16_linear", &bf16_linear, "x @ W.T + bias with W bf16 (blocks of 16 outputs, k in pairs)",
         py::arg("x"), py::arg("w16"), py::arg("out_features"), py::arg("bias") = py::none(),
         py::arg("portable") = false);

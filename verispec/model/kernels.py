@@ -38,7 +38,7 @@ accumulation, one rounding to the activation dtype at the same points):
 The three linear kernels have a vector path for AVX-512 and one for AVX2 (with FMA and
 F16C); `isa` says which this build has ("avx512", "avx2" or "portable") and
 `int4_vector`, `bf16_vector`, `q8_vector` whether each kernel has one. On CPUs with
-AMX-INT8 the int4 kernel (16-bit activation grid) runs passes of 16 tokens or more on AMX
+AMX-INT8 the int4 kernel (16-bit activation grid) runs passes of 32 tokens or more on AMX
 tiles (`int4_amx`: built for them and granted them by the OS; `set_int4_amx(False)` turns
 them off, for comparisons), the same integers and float operations as its AVX-512 path, so
 the same outputs bit for bit (kernels.cpp, "int4 linear on AMX tiles"). Both vector paths
