@@ -1492,19 +1492,20 @@ constexpr bool kInt4Act8Avx512 = false;
 // pass into tiles: a token's result still never depends on the others of its pass. A
 // pass's last tokens that fill no tile of 16 run on the AVX-512 tiles.
 // Measured (Intel Xeon VM, 2 threads, bench/linear_widths.py): the default model's body
-// 1.1x faster at 16 tokens, 1.2-1.35x at 32-64, 1.15x at 512. What bounds it is not the tile products but the per-group float epilogue (four
-// vector operations a token, as on AVX-512) and reading each group's sums back from the
-// tiles. The 8-bit grid gains nothing here (its VNNI form already multiplies 4 bytes a
-// lane) and keeps its AVX-512 tiles.
+// 1.1x faster at 16 tokens, 1.2-1.35x at 32-64, 1.15x at 512. What bounds it is not the
+// tile products but the per-group float epilogue (four vector operations a token, as on
+// AVX-512) and reading each group's sums back from the tiles. The 8-bit grid gains nothing
+// here (its VNNI form already multiplies 4 bytes a lane) and keeps its AVX-512 tiles.
+
 // Whether wide passes may use the tiles (set_int4_amx: benchmarks and tests compare the paths).
 std::atomic<bool> g_int4_amx{true};
 // The narrowest pass that runs on them. Not 16, one tile: with a 16-token pass on tiles and a
 // 15-token one on AVX-512, a 16-row plain step got ~10% cheaper while every drafted token at
-// 16 rows (an AVX-512 tail) cost what it did, so the cost of a pass stopped growing evenly
-// with its tokens where the adaptive controller's bounds assume it does; the controller
-// explored more drafting at 16 in flight and lost the gain (chat, 0.95x plain where it read
-// 0.98x; adaptive engines with and without the tiles 0.99x). From 32 tokens on (prefill
-// chunks, wide verify passes) the tiles run, where the step is not a plain decode step.
+// 16 rows (an AVX-512 tail) cost what it did: a step in the cost of a pass at 16 tokens, which
+// the adaptive controller's bounds (cost convex in tokens) do not model. Plain engines at 16
+// in flight ran 3-4% faster, adaptive ones not (0.99x with and without the tiles, chat), so
+// adaptive's ratio to plain fell by that. From 32 tokens on (prefill chunks, wide verify
+// passes) 16-row decode steps run as before and prefill gains (docs/benchmarks.md, session 27).
 constexpr int64_t kAmxMinTokens = 32;
 
 #if defined(__AMX_TILE__) && defined(__AMX_INT8__) && defined(__AVX512F__) && defined(__AVX512BW__)
@@ -1609,7 +1610,6 @@ void int4_block_amx(const Int4Args& a, const int8_t* hi, const uint8_t* lo, int6
 }
 constexpr bool kInt4Amx = true;
 #else
-constexpr int64_t kAmxTokens = 16;
 bool amx_permitted() { return false; }
 void amx_configure() {}
 void split_activations(const int16_t*, int64_t, int8_t*, uint8_t*) {}
