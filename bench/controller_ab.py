@@ -7,7 +7,10 @@ adaptive contender `--repeats` times with the checked-out controller ("new") and
 with `verispec/spec/controller.py` as of `--baseline` ("old", loaded from git into its own
 module and swapped into an otherwise identical engine), alternating the order every
 repeat, and reports each cell's medians and their ratio. Same prompts, warm-up and
-settings as bench/adaptive.py.
+settings as bench/adaptive.py. With `--lockstep` each repeat instead steps both versions and
+plain decoding in turn, one engine step each (`common.run_lockstep`), so a slow stretch of
+the machine lands on all three alike; each cell then also reports both versions over plain
+(at 16 in flight a controller change moves a cell by ~1% and whole runs by 2-3%: session 28).
 
     .venv/bin/python bench/controller_ab.py --baseline 56908b1^ --concurrency 1,4 \\
         --repeats 3 --threads 2 --max-load 1.5
@@ -31,6 +34,7 @@ from verispec.config import SpecConfig  # noqa: E402
 from verispec.sampling import SamplingParams  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
+VERSIONS = ("new", "old")  # this checkout's controller, the baseline's
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -45,6 +49,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--warmup-tokens", type=int, default=16)
     p.add_argument("--k-max", type=int, default=8)
     p.add_argument("--repeats", type=int, default=3, help="runs per version per cell (order alternates)")
+    p.add_argument("--lockstep", action="store_true",
+                   help="step both versions and plain decoding in turn each repeat (common.run_lockstep)")
     common.add_common_args(p, "1,4")
     args = p.parse_args(argv)
     args.tasks = args.tasks.split(",")
@@ -73,6 +79,20 @@ def load_baseline(rev: str):
     return module, commit
 
 
+def run_repeat(engine_for, order: tuple[str, ...], items, concurrency: int, params, lockstep: bool, seed: int,
+               tag: str) -> dict:
+    """One repeat of every version in `order` ({version: RunResult}, in that order): one after
+    the other, each on a fresh engine from `engine_for(version)`, or with `lockstep` all at
+    once, stepped in turn (`common.run_lockstep`)."""
+    if lockstep:
+        loops = {v: common.ClosedLoop(engine_for(v), items, concurrency, params, f"{v}-{tag}") for v in order}
+        return common.run_lockstep(loops, seed=seed)
+    results = {}
+    for version in order:
+        results[version] = common.run_closed_loop(engine_for(version), items, concurrency, params, f"{version}-{tag}")
+    return results
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     t0 = time.perf_counter()
@@ -81,6 +101,7 @@ def main(argv=None) -> int:
     models = common.load_models(replace(common.base_config(args), spec=SpecConfig(method="ngram")))
     config = replace(common.base_config(args), spec=SpecConfig(method="ngram", num_spec_tokens=args.k_max,
                                                                adaptive=True))
+    plain_config = replace(config, spec=SpecConfig(method="none"))
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens)
     cells, rows = [], []
     for task in args.tasks:
@@ -89,36 +110,49 @@ def main(argv=None) -> int:
             measured, warm, sources = common.pick_prompts(adaptive.TASKS[task], n, args.num_warmup, seed=args.seed)
             items = common.encode(models.tokenizer, measured, task)
             warm_items = common.encode(models.tokenizer, warm, task)
-            runs = {"new": [], "old": []}
+            versions = VERSIONS + (("plain",) if args.lockstep else ())
+            runs = {version: [] for version in versions}
+
+            def engine_for(version: str):
+                engine = common.make_engine(models, plain_config if version == "plain" else config)
+                if version == "old":
+                    engine.controller = baseline.AdaptiveController(
+                        baseline.ControllerConfig(**engine.controller.config.to_dict()))
+                common.warm_up(engine, warm_items, min(c, len(warm_items)), args.warmup_tokens, f"{version}-{task}")
+                return engine
+
             for r in range(args.repeats):
-                for version in ("new", "old") if r % 2 == 0 else ("old", "new"):
-                    engine = common.make_engine(models, config)
-                    if version == "old":
-                        engine.controller = baseline.AdaptiveController(
-                            baseline.ControllerConfig(**engine.controller.config.to_dict()))
-                    common.warm_up(engine, warm_items, min(c, len(warm_items)), args.warmup_tokens, f"{version}-{task}")
-                    run = common.run_closed_loop(engine, items, c, params, f"{version}-{task}-c{c}")
-                    del engine
+                results = run_repeat(engine_for, versions if r % 2 == 0 else versions[::-1], items, c, params,
+                                     args.lockstep, args.seed + r, f"{task}-c{c}")
+                for version, run in results.items():
                     runs[version].append(run.tokens_per_s)
                     print(f"[controller_ab] {task:13s} C={c:2d} {version} {run.tokens_per_s:7.2f} tok/s "
                           f"load={common.load_average():.2f}", file=sys.stderr, flush=True)
-            new, old = statistics.median(runs["new"]), statistics.median(runs["old"])
-            cells.append({"task": task, "concurrency": c, "prompt_ids": [p.prompt_id for p in measured],
-                          "datasets": sources, "tokens_per_s_runs": runs, "new_tokens_per_s": new,
-                          "old_tokens_per_s": old, "new_vs_old": new / old})
-            rows.append([task, c, new, old, new / old])
+            medians = {version: statistics.median(v) for version, v in runs.items()}
+            new, old = medians["new"], medians["old"]
+            cell = {"task": task, "concurrency": c, "prompt_ids": [p.prompt_id for p in measured],
+                    "datasets": sources, "tokens_per_s_runs": runs, "new_tokens_per_s": new,
+                    "old_tokens_per_s": old, "new_vs_old": new / old}
+            row = [task, c, new, old, new / old]
+            if args.lockstep:
+                cell.update(plain_tokens_per_s=medians["plain"], new_vs_plain=new / medians["plain"],
+                            old_vs_plain=old / medians["plain"])
+                row += [new / medians["plain"], old / medians["plain"]]
+            cells.append(cell)
+            rows.append(row)
     ratios = [cell["new_vs_old"] for cell in cells]
-    text = common.markdown_table(["task", "C", "new tok/s (median)", "old tok/s (median)", "new / old"], rows)
+    head = ["task", "C", "new tok/s (median)", "old tok/s (median)", "new / old"]
+    text = common.markdown_table(head + (["new / plain", "old / plain"] if args.lockstep else []), rows)
     print(text)
     print(f"geometric mean new / old over {len(ratios)} cells: {statistics.geometric_mean(ratios):.3f}")
     header = common.finish_run(header, t0)
-    payload = {"benchmark": "controller-ab", "schema": "verispec.bench.controller-ab/v1", **header,
+    payload = {"benchmark": "controller-ab", "schema": "verispec.bench.controller-ab/v2", **header,
                "settings": {"model": args.model, "baseline": args.baseline, "baseline_commit": commit,
                             "tasks": {t: adaptive.TASKS[t] for t in args.tasks}, "concurrency": args.concurrency,
                             "num_prompts": args.num_prompts, "prompts_per_slot": args.prompts_per_slot,
                             "max_tokens": args.max_tokens, "num_warmup": args.num_warmup,
                             "warmup_tokens": args.warmup_tokens, "k_max": args.k_max, "repeats": args.repeats,
-                            "temperature": 0.0},
+                            "lockstep": args.lockstep, "temperature": 0.0},
                "engine_config": common.resolved(models, config).to_dict(),
                "cells": cells, "geometric_mean_new_vs_old": statistics.geometric_mean(ratios),
                "table_markdown": text}

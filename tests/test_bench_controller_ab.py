@@ -1,6 +1,8 @@
 """bench/controller_ab.py: the baseline controller comes from git, whole and on its own."""
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 
 from bench_scripts import load
@@ -24,3 +26,55 @@ def test_a_bad_baseline_or_repeats_is_refused_by_name(capsys):
     with pytest.raises(SystemExit):
         controller_ab.parse_args(["--baseline", "HEAD", "--repeats", "0"])
     assert "--repeats must be at least 1" in capsys.readouterr().err
+
+
+class _Clock:
+    """A fake time.perf_counter whose machine halves its speed at t = 30 (a slow stretch)."""
+
+    def __init__(self):
+        self.now = 0.0
+
+    def perf_counter(self):
+        return self.now
+
+    def work(self, units: float):
+        self.now += units * (1.0 if self.now < 30.0 else 2.0)
+
+
+class _Engine:
+    """One request at a time, each 10 steps of `cost` units of the fake clock, a token a step."""
+
+    def __init__(self, clock, cost):
+        self.clock, self.cost, self.live, self.left = clock, cost, None, 0
+        self.controller = SimpleNamespace(snapshot=lambda: {"k_counts": [0]})
+
+    def add_request(self, rid, ids, params):
+        self.live, self.left = rid, 10
+
+    def step(self):
+        self.clock.work(self.cost)
+        self.left -= 1
+        spec = SimpleNamespace(num_draft_tokens=0, num_accepted_tokens=0, num_drafts=0, target_forwards=10)
+        return [SimpleNamespace(request_id=self.live, new_token_ids=[1], token_ids=[1] * 10, finished=self.left == 0,
+                                error=None, finish_reason="length", spec=spec)]
+
+
+@pytest.mark.parametrize("lockstep", [True, False], ids=["lockstep", "one after the other"])
+def test_lockstep_steps_plain_beside_both_versions_against_the_machines_drift(lockstep, monkeypatch):
+    """'old' is truly 2x slower than 'new' and plain 1.5x. The machine halves its speed part-way:
+    one after the other, the later engines meet the slow stretch alone and the ratios drift;
+    with --lockstep every version (plain included) steps in turn and meets it alike."""
+    import common
+    clock = _Clock()
+    monkeypatch.setattr(common, "time", clock)
+    monkeypatch.setattr(common, "cpu_sample", lambda: None)
+    monkeypatch.setattr(common, "others_cpu_share", lambda a, b: None)
+    costs = {"new": 1.0, "old": 2.0, "plain": 1.5}
+    items = [common.WorkItem(f"p{i}", "chat", (1, 2, 3)) for i in range(2)]
+    results = controller_ab.run_repeat(lambda v: _Engine(clock, costs[v]), ("new", "old", "plain"), items, 1, None,
+                                       lockstep, seed=0, tag="t")
+    assert list(results) == ["new", "old", "plain"] and {r.tokens for r in results.values()} == {20}
+    new_vs_old = results["new"].tokens_per_s / results["old"].tokens_per_s
+    new_vs_plain = results["new"].tokens_per_s / results["plain"].tokens_per_s
+    assert (abs(new_vs_old - 2.0) < 0.15 and abs(new_vs_plain - 1.5) < 0.15) == lockstep, (new_vs_old, new_vs_plain)
+    assert controller_ab.parse_args(["--baseline", "HEAD", "--lockstep"]).lockstep
