@@ -18,6 +18,7 @@ the machine lands on all three alike; each cell then also reports both versions 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib.util
 import statistics
 import subprocess
@@ -35,6 +36,14 @@ from verispec.sampling import SamplingParams  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 VERSIONS = ("new", "old")  # this checkout's controller, the baseline's
+
+
+def baseline_controller(module, config):
+    """The baseline's controller with this run's settings, those the baseline knows (a
+    setting added since is the new version's own: the baseline runs as it was)."""
+    known = {f.name for f in dataclasses.fields(module.ControllerConfig)}
+    return module.AdaptiveController(module.ControllerConfig(
+        **{k: v for k, v in config.to_dict().items() if k in known}))
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -116,8 +125,7 @@ def main(argv=None) -> int:
             def engine_for(version: str):
                 engine = common.make_engine(models, plain_config if version == "plain" else config)
                 if version == "old":
-                    engine.controller = baseline.AdaptiveController(
-                        baseline.ControllerConfig(**engine.controller.config.to_dict()))
+                    engine.controller = baseline_controller(baseline, engine.controller.config)
                 common.warm_up(engine, warm_items, min(c, len(warm_items)), args.warmup_tokens, f"{version}-{task}")
                 return engine
 

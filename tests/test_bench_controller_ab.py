@@ -1,6 +1,7 @@
 """bench/controller_ab.py: the baseline controller comes from git, whole and on its own."""
 from __future__ import annotations
 
+import dataclasses
 from types import SimpleNamespace
 
 import pytest
@@ -15,9 +16,22 @@ def test_the_baseline_is_the_revisions_controller_in_a_module_of_its_own():
     module, commit = controller_ab.load_baseline("HEAD")
     assert len(commit) == 40 and module is not controller
     assert module.AdaptiveController is not controller.AdaptiveController
-    ctl = module.AdaptiveController(module.ControllerConfig(**controller.ControllerConfig().to_dict()))
+    ctl = controller_ab.baseline_controller(module, controller.ControllerConfig())
     ctl.start("r", "ngram")
     assert ctl.choose_k(["r"], 1, [4]) == {"r": 0}  # nothing measured yet: plain, as the engine expects
+
+
+def test_a_baseline_older_than_a_setting_runs_without_it():
+    """A setting added after the baseline is the new version's own: the baseline gets the
+    settings it knows, with this run's values."""
+    @dataclasses.dataclass(frozen=True)
+    class OldConfig:
+        k_max: int = 4
+        explore_budget: float = 0.0
+
+    old = SimpleNamespace(ControllerConfig=OldConfig, AdaptiveController=lambda config: config)
+    new = controller.ControllerConfig(k_max=6, explore_budget=0.02, rest_max=3)
+    assert controller_ab.baseline_controller(old, new) == OldConfig(k_max=6, explore_budget=0.02)
 
 
 def test_a_bad_baseline_or_repeats_is_refused_by_name(capsys):

@@ -170,8 +170,8 @@ its mean toward the other, so timing noise between close sizes does not read as 
 Without it a 4-row pass of 28 drafts was priced at its 12-draft neighbour's 26 ms, took
 50 ms, and was probed three times in one run (default model, code, 4 in flight). With one
 such pass the trusted plain round is the narrow end, at half the slope (a verifying round's
-fixed extra would otherwise read as slope). And the bucket's plain round continues at half
-the slope from a smaller bucket's plain round (an added row costs about what an added draft
+fixed extra would otherwise read as slope). And the bucket's plain round continues on the
+slope from a smaller bucket's plain round (an added row costs about what an added draft
 token does, and convexity makes the slope over fewer tokens a lower bound), so a bucket
 knows a slope before it has measured any drafting: 16 rows otherwise priced their first 16
 drafts at a plain round's 23 ms, on the flat bound, and paid 35-49 ms three times before
@@ -516,6 +516,7 @@ class CostTable:
     """
 
     PLAIN_SLOPE_SHARE = 0.5  # of the slope from a plain cell (see `_secants`)
+    CARRIED_SLOPE_SHARE = 1.0  # of the slope between two buckets' plain cells (see `_secants`)
     STALE_AFTER_WINDOWS = 2  # a cell unvisited for this many windows of passes restarts (`observe`)
 
     def __init__(self, window: int, tokens, min_samples: int = 1, plain_by_plain: bool = False,
@@ -735,15 +736,25 @@ class CostTable:
         out: next to a 1-draft cell the fixed extra is all of the difference (a simulated
         fixed 60% for any drafting then priced every wider pass out).
 
-        Carried (a table bounding plain by plain): the bucket's plain cell continued at the
-        same share of the slope from any smaller bucket's trusted plain cell. A row added to a
-        round costs about what a draft token added to a row does (a query over a context, a
-        token through the layers, one more position sampled; the row also its bookkeeping),
-        and a smaller bucket's rounds have fewer tokens, so by convexity their slope is no
-        steeper than the one past this bucket's plain round. Without it a bucket knows no
-        slope until it has trusted drafting cells: at 16 in flight (math) the first 16 drafts
-        were priced at a plain round's 23 ms and paid 35-49 ms three times (a young cell is
-        priced at its bound until trusted).
+        Carried (a table bounding plain by plain): the bucket's plain cell continued at
+        `CARRIED_SLOPE_SHARE` of the slope from any smaller bucket's trusted plain cell. A row
+        added to a round costs about what a draft token added to a row does (a query over a
+        context, a token through the layers, one more position sampled; the row also its
+        bookkeeping), and a smaller bucket's rounds have fewer tokens, so by convexity their
+        slope is no steeper than the one past this bucket's plain round. Without it a bucket
+        knows no slope until it has trusted drafting cells: at 16 in flight (math) the first
+        16 drafts were priced at a plain round's 23 ms and paid 35-49 ms three times (a young
+        cell is priced at its bound until trusted). Both ends are plain rounds, so no
+        verifying extra reads as slope, and the share is all of it: measured on the Zen 4 VM
+        (`bench/draft_cost.py`) a draft costs 1.23-1.36 ms at 16 rows against 1.23-1.38 ms a
+        plain row between the buckets, and at half the slope chat at 16 in flight probed 16
+        drafts priced 31-34 ms three times (they took 50 ms; with the whole slope its
+        exploration debt was 0.7% of the rounds' seconds, not 1.5%). Where a row costs more than a
+        draft (4 rows there: 0.63 ms a row between 1 and 4 rows, 0.41 ms a first draft) the
+        line prices the narrowest passes a few percent high (1 draft at 4 rows: 8.3 ms, took
+        8.0), so a bet on them needs that much more acceptance to be tried; on a memory-bound
+        device, where a row's KV reads dominate, that could price out drafts that pay: a
+        share to revisit there (issue 8).
         """
         tokens, share, least = self._tokens, self.PLAIN_SLOPE_SHARE, self._min_samples
 
@@ -764,7 +775,8 @@ class CostTable:
                 lines.append(line(plain_end, widest, share) if plain_end is not None else None)
         carried = None
         if plain_end is not None:
-            slope = max([line((tokens(b, 0), c), plain_end, share)[2] for b, n, _, count, _, c in view
+            carry = self.CARRIED_SLOPE_SHARE
+            slope = max([line((tokens(b, 0), c), plain_end, carry)[2] for b, n, _, count, _, c in view
                          if n == 0 and b < bucket and count >= least], default=0.0)
             if slope > 0.0:
                 carried = (plain_end[1].seconds - plain_end[1].error, plain_end[0], slope)
