@@ -749,12 +749,12 @@ class CostTable:
         (`bench/draft_cost.py`) a draft costs 1.23-1.36 ms at 16 rows against 1.23-1.38 ms a
         plain row between the buckets, and at half the slope chat at 16 in flight probed 16
         drafts priced 31-34 ms three times (they took 50 ms; with the whole slope its
-        exploration debt was 0.7% of the rounds' seconds, not 1.5%). Where a row costs more than a
-        draft (4 rows there: 0.63 ms a row between 1 and 4 rows, 0.41 ms a first draft) the
-        line prices the narrowest passes a few percent high (1 draft at 4 rows: 8.3 ms, took
-        8.0), so a bet on them needs that much more acceptance to be tried; on a memory-bound
-        device, where a row's KV reads dominate, that could price out drafts that pay: a
-        share to revisit there (issue 8).
+        exploration debt was 0.7% of the rounds' seconds, not 1.5%). Where a row costs more
+        than a draft (4 rows there: 0.63 ms a row between 1 and 4 rows, 0.41 ms a first
+        draft) the line prices the narrowest passes a few percent high (1 draft at 4 rows:
+        8.3 ms, took 8.0), so a bet on them needs that much more acceptance to be tried; on
+        a memory-bound device, where a row's KV reads dominate, that could price out drafts
+        that pay: a share to revisit there (issue 8).
         """
         tokens, share, least = self._tokens, self.PLAIN_SLOPE_SHARE, self._min_samples
 
