@@ -40,10 +40,36 @@ VERSIONS = ("new", "old")  # this checkout's controller, the baseline's
 
 def baseline_controller(module, config):
     """The baseline's controller with this run's settings, those the baseline knows (a
-    setting added since is the new version's own: the baseline runs as it was)."""
+    setting added since is the new version's own: the baseline runs as it was). A baseline
+    from before the engine timed the choice apart (no "choice" cost kind) is told the round's
+    choice inside its verify timing, as the engine of its day reported it."""
     known = {f.name for f in dataclasses.fields(module.ControllerConfig)}
-    return module.AdaptiveController(module.ControllerConfig(
+    ctl = module.AdaptiveController(module.ControllerConfig(
         **{k: v for k, v in config.to_dict().items() if k in known}))
+    if "choice" not in getattr(module, "COST_KINDS", ("choice",)):
+        _choice_into_verify(ctl)
+    return ctl
+
+
+def _choice_into_verify(ctl) -> None:
+    """Wrap `ctl` so that a round's "choice" report is added to its verify report instead
+    (a step that prefills reports no verify: its choice is dropped at the next step's rest)."""
+    observe, rest = ctl.observe_cost, ctl.rest
+    pending = [0.0]
+
+    def observe_cost(kind, batch_size, size, seconds):
+        if kind == "choice":
+            pending[0] = seconds
+            return None
+        if kind == "verify":
+            seconds, pending[0] = seconds + pending[0], 0.0
+        return observe(kind, batch_size, size, seconds)
+
+    def rest_(request_ids, batch_size):
+        pending[0] = 0.0  # (every step with adaptive rows asks first)
+        return rest(request_ids, batch_size)
+
+    ctl.observe_cost, ctl.rest = observe_cost, rest_
 
 
 def parse_args(argv=None) -> argparse.Namespace:

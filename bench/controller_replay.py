@@ -92,7 +92,8 @@ def record(args: argparse.Namespace) -> int:
                "tokens": run.tokens, "tokens_per_s": run.tokens_per_s, "calls": calls}
     out = args.out or common.RESULTS_DIR / f"controller-replay-{args.task}-c{c}.json"
     common.write_json(out, payload)
-    print(f"{len(calls)} controller calls, {sum(1 for m, *_ in calls if m == 'observe_cost')} rounds")
+    print(f"{len(calls)} controller calls, "
+          f"{sum(1 for m, a, *_ in calls if m == 'observe_cost' and a[0] == 'verify')} rounds")
     return 0
 
 
@@ -124,10 +125,12 @@ def replay(module, recording: dict) -> tuple[float, list]:
     decisions (JSON-normalised, as the recording stores them)."""
     ctl = module.AdaptiveController(module.ControllerConfig(**recording["controller_config"]))
     decisions = []
+    known = set(module.COST_KINDS)  # (an older controller knows no "choice" report: skipped)
+    calls = [c for c in recording["calls"] if c[0] != "observe_cost" or c[1][0] in known]
     gc.disable()  # (a collection inside one replay and not the other is not the code's cost)
     try:
         t0 = time.perf_counter()
-        for name, a, k, _ in recording["calls"]:
+        for name, a, k, _ in calls:
             answer = getattr(ctl, name)(*a, **k)
             if name in DECISIONS:
                 decisions.append(answer)
@@ -145,7 +148,7 @@ def compare(args: argparse.Namespace) -> int:
         if recording.get("benchmark") != "controller-replay":
             raise SystemExit(f"{path}: not a controller-replay recording")
         recorded = [answer for name, _, _, answer in recording["calls"] if name in DECISIONS]
-        rounds = sum(1 for name, *_ in recording["calls"] if name == "observe_cost")
+        rounds = sum(1 for name, a, *_ in recording["calls"] if name == "observe_cost" and a[0] == "verify")
         best, alike = dict.fromkeys(modules, float("inf")), {}
         for rep in range(args.reps):
             for name in (list(modules) if rep % 2 == 0 else list(reversed(modules))):

@@ -34,6 +34,38 @@ def test_a_baseline_older_than_a_setting_runs_without_it():
     assert controller_ab.baseline_controller(old, new) == OldConfig(k_max=6, explore_budget=0.02)
 
 
+def test_a_baseline_from_before_the_choice_was_timed_apart_gets_it_inside_verify():
+    """The engine reports the choice apart; a baseline that knows no "choice" kind is told it
+    inside the round's verify timing (as its engine did), and a choice of a step that
+    reported no verify (it prefilled) is not carried into the next round's."""
+    seen = []
+
+    class OldController:
+        def __init__(self, config):
+            pass
+
+        def observe_cost(self, kind, batch_size, size, seconds):
+            seen.append((kind, seconds))
+
+        def rest(self, ids, batch_size):
+            return False
+
+    old = SimpleNamespace(ControllerConfig=controller.ControllerConfig, AdaptiveController=OldController,
+                          COST_KINDS=("verify", "draft", "catch_up"))
+    ctl = controller_ab.baseline_controller(old, controller.ControllerConfig())
+    ctl.rest(["r"], 1)
+    ctl.observe_cost("choice", 1, 1, 0.25)
+    ctl.observe_cost("verify", 1, 2, 1.0)
+    ctl.rest(["r"], 1)
+    ctl.observe_cost("choice", 1, 1, 0.5)  # a step that prefilled: no verify report
+    ctl.rest(["r"], 1)
+    ctl.observe_cost("verify", 1, 0, 1.0)  # (a resting round: no choice)
+    assert seen == [("verify", 1.25), ("verify", 1.0)]
+    current = controller_ab.baseline_controller(controller, controller.ControllerConfig())
+    current.observe_cost("choice", 1, 1, 0.25)  # (knows the kind: told as is)
+    assert current.estimated_cost("choice", 1, 1) == 0.25
+
+
 def test_a_bad_baseline_or_repeats_is_refused_by_name(capsys):
     with pytest.raises(SystemExit, match="--baseline 'no-such-rev'"):
         controller_ab.load_baseline("no-such-rev")

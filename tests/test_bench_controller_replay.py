@@ -23,6 +23,7 @@ def _recording(tmp_path: Path) -> Path:
         ctl.start(rid, "ngram")
     for _ in range(60):
         ks = ctl.choose_k(ids, 2, available=[4, 4], matches=[3, 3])
+        ctl.observe_cost("choice", 2, 2, 1e-6)  # (too small to move a decision)
         for rid in ids:
             ctl.observe_acceptance(rid, ks[rid], ks[rid] if ks[rid] < 3 else 2, match=3)
         ctl.observe_cost("verify", 2, sum(ks.values()), 0.010 + 0.0005 * sum(ks.values()))
@@ -52,3 +53,19 @@ def test_a_controller_that_decides_otherwise_is_reported(tmp_path, capsys):
                                    "        return dict(zip(request_ids, [0] * len(ks)))\n"))
     assert replay.main(["compare", str(SOURCE), str(broken), str(rec), "--reps", "1"]) == 1
     assert "old same, new DIFFERENT" in capsys.readouterr().out
+
+
+def test_an_older_controller_replays_a_recording_with_choice_reports(tmp_path, capsys):
+    """A controller from before the engine timed the choice apart rejects kind "choice":
+    the replay leaves those reports out for it (without that, a ValueError)."""
+    rec = _recording(tmp_path)
+    text = SOURCE.read_text()
+    new_kinds = 'COST_KINDS = ("verify", "draft", "catch_up", "choice")\n'
+    assert new_kinds in text
+    older = tmp_path / "controller_older.py"
+    priced = 'choosing = self.estimated_cost("choice", batch_size, 1) or 0.0\n'
+    assert priced in text
+    older.write_text(text.replace(new_kinds, 'COST_KINDS = ("verify", "draft", "catch_up")\n')
+                     .replace(priced, "choosing = 0.0\n"))
+    assert replay.main(["compare", str(older), str(SOURCE), str(rec), "--reps", "1"]) == 0
+    assert "rec.json: 60 rounds;" in capsys.readouterr().out

@@ -863,6 +863,44 @@ def test_a_controller_choosing_plain_with_drafts_at_hand_rests_longer_each_time(
     assert later.startswith("d") and "p" in later and "r" not in later, later
 
 
+@pytest.mark.parametrize("price", ["drafting", "never", "every plan"],
+                         ids=["", "broken: the choice left out", "broken: plain charged it too"])
+def test_choosing_is_a_price_of_drafting_not_of_plain(price, monkeypatch):
+    """16 rows, plain 20 ms and 0.8 ms a draft (verify timings without the choice), 2 rows
+    with a draft at hand, first drafts accepted 0.7, and choosing (lookup + choose_k)
+    measured at 0.5 ms a round (16 rows on Zen 4: 0.5-0.55 ms). Drafting both is 17.4
+    tokens in 21.6 ms, 0.7% better than plain without its choice and 1.6% worse with it: a
+    drafting controller chooses every round, one that chooses plain here rests (see "Rest"),
+    so plain is the better plan. Charged to every plan alike, the choice favours drafting
+    as if it were not there."""
+    if price == "never":
+        monkeypatch.setattr(AdaptiveController, "_choice_price", staticmethod(lambda choosing, drafts: 0.0))
+    elif price == "every plan":
+        monkeypatch.setattr(AdaptiveController, "_choice_price", staticmethod(lambda choosing, drafts: choosing))
+    ctl = AdaptiveController(ControllerConfig(explore=0.0))
+    _measured(ctl, 16, lambda n: 0.020 + 0.0008 * n, (0, 1, 2, 4))
+    ids = [f"r{i}" for i in range(16)]
+    for rid in ids:
+        ctl.start(rid, "ngram")
+        for i in range(40):
+            ctl.observe_acceptance(rid, 1, int(i % 10 < 7))
+    for _ in range(4):
+        ctl.observe_cost("choice", 16, 16, 0.0005)
+    assert math.isclose(ctl.estimated_cost("choice", 16, 16), 0.0005)
+    assert ctl.estimated_cost("choice", 4, 4) is None  # (per batch bucket)
+    ks = ctl.choose_k(ids, 16, [1, 1] + [0] * 14)
+    assert (sum(ks.values()) == 0) == (price == "drafting"), ks
+
+
+def test_a_choice_is_timed_apart_and_a_stall_in_it_counts_at_cost_outlier_times_its_mean():
+    ctl = AdaptiveController(ControllerConfig(cost_outlier=2.0))
+    ctl.observe_cost("choice", 16, 16, 0.0005)
+    ctl.observe_cost("choice", 16, 16, 0.5)  # a stall: counted at 1 ms
+    assert 0.0005 < ctl.estimated_cost("choice", 16, 1) < 0.001
+    assert ctl.estimated_cost("verify", 16, 0) is None  # (no verify cell)
+    assert ctl.snapshot()["choice_s"] == {"16": ctl.estimated_cost("choice", 16, 1)}
+
+
 @pytest.mark.parametrize("refresh, restart", [(True, True), (False, True), (True, False)],
                          ids=["", "broken: plain never re-timed", "broken: old timings kept"])
 def test_a_plain_cell_timed_in_a_slow_stretch_is_re_timed_while_drafting(refresh, restart, monkeypatch):

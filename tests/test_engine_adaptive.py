@@ -11,6 +11,8 @@ Each is shown to fail on an engine that breaks it.
 """
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from tiny import run_all, tiny_engine, tiny_pair
@@ -162,3 +164,33 @@ def test_a_resting_controllers_rows_are_neither_looked_up_nor_chosen_for_and_pla
     assert final["fixed"].spec.num_draft_tokens > 0
     plain = run_all(tiny_engine(PAIR[0], method="none"), PROMPTS + [PROMPTS[0]], GREEDY)
     assert [final[r].token_ids for r in ("a0", "a1", "a2", "fixed")] == [o.token_ids for o in plain]
+
+
+@pytest.mark.parametrize("resting", [False, True])
+def test_the_choice_is_timed_apart_from_the_verify_round(resting):
+    """A round that chooses reports its lookup and choose_k as kind "choice" and leaves them
+    out of the verify timing (controller docstring "Rest"): with choose_k made 50 ms slow,
+    every choice report holds it and no verify report does (a decode round of this model
+    takes a few ms). A resting round reports no choice."""
+    engine = tiny_engine(PAIR[0], method="ngram", k=4, adaptive=True)
+    ctl = engine.controller
+    reports = {"choice": [], "verify": []}
+    choose, observe = ctl.choose_k, ctl.observe_cost
+
+    def slow_choose(*a, **kw):
+        time.sleep(0.05)
+        return choose(*a, **kw)
+
+    def observe_cost(kind, batch_size, size, seconds):
+        reports.setdefault(kind, []).append((batch_size, size, seconds))
+        return observe(kind, batch_size, size, seconds)
+
+    ctl.choose_k, ctl.observe_cost = slow_choose, observe_cost
+    if resting:
+        ctl.rest = lambda ids, batch_size: True
+    run_all(engine, PROMPTS, GREEDY)
+    assert reports["verify"] and all(s < 0.05 for _, _, s in reports["verify"]), reports["verify"]
+    if resting:
+        assert not reports["choice"]
+    else:
+        assert reports["choice"] and all(s >= 0.05 and 1 <= n <= b for b, n, s in reports["choice"])

@@ -209,8 +209,13 @@ class LLMEngine:
             # a resting controller's rows play plain: no lookup, no choice (controller "Rest")
             resting = bool(adaptive) and self.controller.rest([r.request_id for r in adaptive], len(rows))
             drafting = [r for r in rows if r.spec_method != "none" and not (resting and r.adaptive)]
+            t_choice = time.perf_counter()
             lookups = self._lookup(drafting)
             ks = self._choose_k(rows, drafting, [] if resting else adaptive, lookups)
+            choice_s = 0.0
+            if adaptive and not resting:  # what choosing cost, apart (controller "Rest")
+                choice_s = time.perf_counter() - t_choice
+                self.controller.observe_cost("choice", len(rows), len(adaptive), choice_s)
         except Exception as exc:
             return self._fail(exc, batch)
         # prefill gets the step's token budget less what the decode rows verify (scheduler)
@@ -223,11 +228,12 @@ class LLMEngine:
         except Exception as exc:
             return self._fail(exc, batch)
         if rows and not batch.prefill:
-            # The round's whole cost but the draft pass (timed on its own): scheduling, n-gram
-            # lookup, the verify forward, sampling, KV bookkeeping and detokenizing all grow
-            # with the batch and the drafts, and the controller must weigh all of it.
+            # The round's whole cost but the draft pass and the choice (timed on their own):
+            # scheduling, the verify forward, sampling, KV bookkeeping and detokenizing all
+            # grow with the batch and the drafts, and the controller must weigh all of it.
             drafted = sum(len(d[0]) for d in drafts.values())
-            self.controller.observe_cost("verify", len(rows), drafted, time.perf_counter() - t0 - draft_s)
+            self.controller.observe_cost("verify", len(rows), drafted,
+                                         time.perf_counter() - t0 - draft_s - choice_s)
         return outputs
 
     def _fail(self, exc: Exception, batch: ScheduledBatch) -> list[RequestOutput]:

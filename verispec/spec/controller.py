@@ -138,9 +138,9 @@ Costs (measured, never assumed)
 -------------------------------
 The engine reports the seconds of every decode round, keyed by the batch size and the
 number of draft tokens the pass verified, summed over rows (0 = plain decoding): the whole
-step but the draft pass, so scheduling, n-gram lookup, sampling and bookkeeping, which grow
-with the drafts too, are priced with the verify forward (timing the forward alone made
-drafting look cheaper than it is at batch 16). Linear layers run over the batch's tokens
+step but the draft pass and the choice (the lookup and choose_k, timed apart: see "Rest"),
+so scheduling, sampling and bookkeeping, which grow with the drafts too, are priced with the
+verify forward (timing the forward alone made drafting look cheaper than it is at batch 16). Linear layers run over the batch's tokens
 flattened (no padding) and attention groups rows by query length, so the pass's work
 follows its total tokens, not its widest row: 15 rows decoding one token and one row
 verifying 4 drafts cost about as much as 20 single-token rows. The draft model's pass is
@@ -314,19 +314,26 @@ price that was off by 2x, and again for 13 rows a few rounds later.)
 
 Rest (what choosing costs)
 --------------------------
-Choosing is not free: the n-gram lookup and choose_k take 0.2-0.45 ms of a step on the
-default model (0.18 ms of a 6.5 ms step at 4 rows, 0.3 + 0.15 ms of a 20 ms step at 16), and
-every round the controller times carries it, plain rounds included, so comparing its own
-rounds it never sees that a plain engine's round is 1.5-3% cheaper than its plain round
-(lockstep traces, session 17). Where plain decoding wins (16 in flight, most tasks) that is
-most of what a 0.97 target allows. So a controller that chose plain for every row while
-some had drafts at hand (as the best plan, not as a probe or a stale cell's re-timing in
-the middle of drafting) rests: the engine skips the lookup and the choice for its adaptive
-rows for the next 1 round, then 2, 4, ... up to `rest_max` while it keeps choosing plain,
-and back to choosing every round as soon as it drafts. A rest round is a plain round (k = 0
-for those rows, counted as chosen, their acceptance relaxed as for any untested round, timed
-into the plain cell: the cell then prices plain as it is when resting). What it can cost: a
-workload that turns in drafting's favour is seen up to `rest_max` rounds late.
+Choosing is not free: the n-gram lookup and choose_k take 0.2-0.55 ms of a step on the
+default model (0.18 ms of a 6.5 ms step at 4 rows; at 16, 0.19-0.26 + 0.31 ms of a 21 ms
+step on Zen 4), and a round that chooses pays it whatever it chooses, so a controller that
+chose every round would never see that a plain engine's round is 1.5-3% cheaper than its
+plain round (lockstep traces, session 17). Where plain decoding wins (16 in flight, most
+tasks) that is most of what a 0.97 target allows. So a controller that chose plain for
+every row while some had drafts at hand (as the best plan, not as a probe or a stale cell's
+re-timing in the middle of drafting) rests: the engine skips the lookup and the choice for
+its adaptive rows for the next 1 round, then 2, 4, ... up to `rest_max` while it keeps
+choosing plain, and back to choosing every round as soon as it drafts. A rest round is a
+plain round (k = 0 for those rows, counted as chosen, their acceptance relaxed as for any
+untested round). What it can cost: a workload that turns in drafting's favour is seen up to
+`rest_max` rounds late.
+So the choice is a price of drafting: the engine times it apart (kind "choice", per batch
+bucket, a decayed mean) and leaves it out of the verify timing, and every drafting plan is
+priced with it added, plain without it (choosing plain with drafts at hand leads to rest).
+With the choice inside the verify cells instead, the plain cell held mostly resting rounds
+and the drafting cells every choice, so an unmeasured drafting pass, bounded from plain
+cells, was priced ~0.5 ms (2.5%) cheap at 16 rows, and a measured one compared with plain
+through a slope that read the choice as per-token work.
 
 The batch (one verify pass serves every row)
 --------------------------------------------
@@ -356,7 +363,7 @@ from operator import itemgetter
 
 # Proposers whose drafting is a CPU lookup: no draft pass, no draft cost.
 FREE_DRAFT_PROPOSERS = frozenset({"ngram"})
-COST_KINDS = ("verify", "draft", "catch_up")
+COST_KINDS = ("verify", "draft", "catch_up", "choice")
 _MIN_SECONDS = 1e-12  # guards a rate against a measured 0 s (coarse timers)
 _NO_WEIGHT = 1e-9    # a prior worth nothing (an estimate of data only, never 0 / 0)
 
@@ -1009,6 +1016,7 @@ class AdaptiveController:
                        "draft": CostTable(cfg.cost_window, lambda b, n: n, cfg.cost_min_samples,
                                           outlier=cfg.cost_outlier, speed=self._speed)}
         self._catch_up = [0.0, 0.0]  # decayed (seconds, tokens) of catch-up passes
+        self._choice: dict[int, tuple[float, float]] = {}  # batch bucket -> decayed (seconds, rounds) of choosing
         self._num_cost_samples = 0
         self._round: _Round | None = None
         self._elapsed = 0.0        # seconds of the adaptive rounds closed so far
@@ -1122,10 +1130,12 @@ class AdaptiveController:
         kind "draft": the draft model's whole drafting of one round; size = the deepest row's
             k (it runs that many steps). Not reported for n-gram, whose drafting is free.
         kind "catch_up": one catch-up of the draft model's KV; size = the tokens computed.
+        kind "choice": one round's n-gram lookup and choose_k (not reported by a resting
+            round); size = the rows chosen for. The verify report then leaves it out.
         batch_size: rows in the pass: for "verify" the round's rows; for "draft" the rows the
             draft model drafted for (its pass's batch, often fewer than the round's).
-        A round's passes are reported as the engine runs them, catch-up and draft before
-        verify (and acceptance during verification): the verify report closes the round.
+        A round's passes are reported as the engine runs them, choice, catch-up and draft
+        before verify (and acceptance during verification): the verify report closes the round.
         """
         if kind not in COST_KINDS:
             raise ValueError(f"kind must be one of {COST_KINDS}, got {kind!r}")
@@ -1140,9 +1150,15 @@ class AdaptiveController:
             self._round.seconds += seconds
             if kind == "verify":
                 self._close_round()
+        keep = 1.0 - 1.0 / self.config.cost_window
         if kind == "catch_up":
-            keep = 1.0 - 1.0 / self.config.cost_window
             self._catch_up = [self._catch_up[0] * keep + seconds, self._catch_up[1] * keep + size]
+            return
+        if kind == "choice":  # a decayed mean per batch bucket, a stall counted at cost_outlier x it
+            s, n = self._choice.get(batch_bucket(batch_size), (0.0, 0.0))
+            if n:
+                seconds = min(seconds, self.config.cost_outlier * s / n)
+            self._choice[batch_bucket(batch_size)] = (s * keep + seconds, n * keep + 1.0)
             return
         self._num_cost_samples += 1
         self._costs[kind].observe(batch_size, size, seconds, self._num_cost_samples)
@@ -1168,12 +1184,16 @@ class AdaptiveController:
 
     def estimated_range(self, kind: str, batch_size: int, size: int) -> tuple[float | None, float | None]:
         """(`estimated_cost`, the most the pass can cost: an upper bound from trusted cells,
-        None if there is none). Catch-ups have no upper bound."""
+        None if there is none). Catch-ups and choices have no upper bound; a choice is per
+        round (size is not read)."""
         if kind not in COST_KINDS:
             raise ValueError(f"kind must be one of {COST_KINDS}, got {kind!r}")
         if kind == "catch_up":
             s, n = self._catch_up
             return (s / n * size if n > 0 else None), None
+        if kind == "choice":
+            s, n = self._choice.get(batch_bucket(batch_size), (0.0, 0.0))
+            return (s / n if n > 0 else None), None
         return self._costs[kind].estimates(batch_bucket(batch_size), size)
 
     # ---- decisions ---------------------------------------------------------------------
@@ -1310,6 +1330,7 @@ class AdaptiveController:
         needy = {i for i, c in enumerate(catch_up) if c}
         charged = any(charge)
         catch_up_known = self._catch_up[1] > 0
+        choosing = self.estimated_cost("choice", batch_size, 1) or 0.0
 
         def plan(pool: list, depth: int) -> list[tuple[float, int, bool, float, float | None, float]]:
             """(rate, D, trusted, catch-up share, safe rate, priced seconds) for D = 0 and the
@@ -1344,16 +1365,17 @@ class AdaptiveController:
                 else:
                     d = d_hi = 0.0
                     caught_up = True
+                extra = one_off + self._choice_price(choosing, n)
                 # a pass with no estimate at all is unmeasured, so optimistic (free); a plan
                 # with such a pass has no price to cap its round's charge (see "Exploration budget")
-                priced = math.inf if v is None or d is None else v + one_off + d
-                rate = _rate(total, (v or 0.0) + one_off + (d or 0.0))
+                priced = math.inf if v is None or d is None else v + extra + d
+                rate = _rate(total, (v or 0.0) + extra + (d or 0.0))
                 trusted = n == 0 or (passes_trusted and caught_up)
                 safe = None
                 if trusted:
                     safe = rate
                 elif v_hi is not None and d_hi is not None and caught_up:
-                    safe = _rate(total, v_hi + one_off + d_hi)  # (estimates are never above these)
+                    safe = _rate(total, v_hi + extra + d_hi)  # (estimates are never above these)
                 out.append((rate, n, trusted, one_off, safe, priced))
             return out
 
@@ -1415,6 +1437,12 @@ class AdaptiveController:
             self._rest_left = min(self._rest_next, self.config.rest_max)
             self._rest_next = min(2 * self._rest_next, max(self.config.rest_max, 1))
         return ks
+
+    @staticmethod
+    def _choice_price(choosing: float, drafts: int) -> float:
+        """What choosing adds to a plan of `drafts` draft tokens: a drafting plan chooses again
+        next round, plain with drafts at hand rests (see "Rest")."""
+        return choosing if drafts else 0.0
 
     def _catch_up_charges(self, caps: list[int], catch_up: list[int], remaining: list[int]) -> list[float | None]:
         """Per row, the seconds of its catch-up per token of its remaining budget (charged
@@ -1543,6 +1571,7 @@ class AdaptiveController:
                                "observed_tokens": r.estimator.observed_tokens}
                          for rid, r in self._requests.items()},
             "costs": {kind: t.snapshot() for kind, t in self._costs.items()},
+            "choice_s": {str(b): s / n for b, (s, n) in sorted(self._choice.items())},
             "speed_factor": self._speed.factor,
         }
 
