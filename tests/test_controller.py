@@ -480,8 +480,7 @@ class RestsAfterShortMatches(AdaptiveController):
 def test_plain_on_a_short_match_does_not_rest_through_the_next_long_one(controller_cls, passes):
     ctl = controller_cls(ControllerConfig(explore=0.0))
     for n in range(0, 9):
-        for _ in range(3):  # (trusted cells)
-            ctl.observe_cost("verify", 1, n, 1.0 + (0.5 + 0.01 * n if n else 0.0))  # drafting: +50%
+        ctl.observe_cost("verify", 1, n, 1.0 + (0.5 + 0.01 * n if n else 0.0))  # drafting: +50%
     ctl.start("r", "ngram")
     for _ in range(60):
         ctl.observe_acceptance("r", 4, 4, match=4)   # 4-token matches: all accepted
@@ -1091,36 +1090,13 @@ def test_cold_start_plays_plain_then_widens_one_doubling_at_a_time():
     assert ks == [0, 1, 3, 7, 8]
 
 
-@pytest.mark.parametrize("trusted", [True, False], ids=["", "broken: a young cell doubles too"])
-def test_only_a_trusted_pass_lets_the_next_exploration_double_it(trusted, monkeypatch):
-    """4 rows, plain trusted at 10 ms, one timing of 4 drafts (12 ms; a young cell, priced
-    no higher than its bound), acceptance near 1: wider passes are unmeasured and look
-    nearly free. Widening doubles the tokens of the widest *trusted* pass, so the next
-    round stays within 4 drafts until the 4-draft cell is trusted. Doubling from a young
-    cell compounds two bets on unmeasured prices: in the drain of chat at 16 in flight a
-    bucket timed 6 drafts once (21 ms against 18.5 priced) and next round 23 drafts
-    priced 26 ms, which took 40 ms."""
-    if not trusted:
-        real = CostTable.widest
-        monkeypatch.setattr(CostTable, "widest", lambda self, bucket=None, trusted=False: real(self, bucket))
-    ctl = AdaptiveController(ControllerConfig(explore=0.0, explore_budget=1.0))
-    _measured(ctl, 4, lambda n: 0.010, (0,))
-    ctl.observe_cost("verify", 4, 4, 0.012)
-    ids = [f"r{i}" for i in range(4)]
-    _accepting(ctl, ids, accepted=4)
-    drafts = sum(ctl.choose_k(ids, 4, [8] * 4).values())
-    assert (drafts <= 4) == trusted, drafts
-    _measured(ctl, 4, lambda n: 0.012, (4,), times=2)  # now trusted: the next doubling is open
-    assert sum(ctl.choose_k(ids, 4, [8] * 4).values()) > 4
-
-
 @pytest.mark.parametrize("stepwise", [True, False], ids=["one step deeper", "broken: any depth"])
 def test_draft_model_depth_grows_one_step_past_the_deepest_measured(stepwise, monkeypatch):
     """Verify is flat and drafting looks free until measured: a cold controller may still
     run the draft model only one step deeper than any draft pass it has timed."""
     from verispec.spec import controller as ctl_mod
     if not stepwise:
-        monkeypatch.setattr(ctl_mod.CostTable, "widest", lambda self, bucket=None, trusted=False: 64)
+        monkeypatch.setattr(ctl_mod.CostTable, "widest", lambda self, bucket=None: 64)
     ctl = AdaptiveController(ControllerConfig(explore=0.0, cost_min_samples=1))
     ctl.start("r", "draft")
     for _ in range(50):

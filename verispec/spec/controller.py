@@ -247,15 +247,12 @@ by its latest timing).
 Exploring from a cold start costs real rounds, and at batch 16 one round of 8 drafts per
 row costs ~4 plain steps (measured). So the controller widens step by step: with nothing
 measured it plays plain decoding; a verify pass may hold at most twice the tokens of the
-largest pass trusted (`cost_min_samples` timings) at its batch bucket (batch 1: 1, 3, 7, 15
-drafts; batch 16: 16, 48, ...), and a draft model may run at most one step deeper than the deepest draft pass
+largest pass measured at its batch bucket (batch 1: 1, 3, 7, 15 drafts; batch 16: 16, 48,
+...), and a draft model may run at most one step deeper than the deepest draft pass
 measured (each step is a sequential forward of the draft model; before this rule a cold
 controller on Qwen2.5-Coder chat at 4 in flight went from depth 1 to 3 to 7 in its first
 rounds, its optimistic bounds flat from depth 1). The bounds then only ever reach one step
-past what is known. (Doubling from a pass timed once, priced no higher than its bound
-until trusted, stacks one bet on an unmeasured price on another: in the drain of chat at 16
-in flight a bucket of 11 rows timed 6 drafts once, then played 23 drafts priced 26 ms that
-took 40 ms.) Because a cell only moves when it is visited, a small deterministic schedule (a fraction `explore` of rounds) also
+past what is known. Because a cell only moves when it is visited, a small deterministic schedule (a fraction `explore` of rounds) also
 re-measures the neighbouring size of the chosen one that was measured longest ago, when its
 estimated rate is within `explore_within` of the best (a far-behind neighbour is not worth a
 round at its price; if acceptance rises, the estimates bring it back into play anyway).
@@ -542,7 +539,6 @@ class CostTable:
         self._min_samples = min_samples
         self._cells: dict[tuple[int, int], _Cell] = {}  # (bucket, size bucket) -> cell
         self._widest: dict[int, int] = {}               # bucket -> largest size measured
-        self._widest_trusted: dict[int, int] = {}       # bucket -> largest size once trusted
 
     def observe(self, batch_size: int, size: int, seconds: float, stamp: int) -> None:
         """Fold one measured pass into its cell."""
@@ -565,8 +561,6 @@ class CostTable:
         cell.passes.append((batch_size, size))
         cell.count += 1
         cell.stamp = stamp
-        if cell.count >= self._min_samples:
-            self._widest_trusted[bucket] = max(self._widest_trusted.get(bucket, 0), size)
         self._refresh(cell)
         if earlier is not None and seconds > 0.0:
             expected, scatter = earlier[0] * speed.factor, earlier[1]
@@ -610,13 +604,11 @@ class CostTable:
     def empty(self) -> bool:
         return not self._cells
 
-    def widest(self, bucket: int | None = None, trusted: bool = False) -> int:
-        """The largest size measured at this batch bucket, or at any (None); 0 if none.
-        trusted: the largest whose cell has been trusted (`cost_min_samples` timings)."""
-        widest = self._widest_trusted if trusted else self._widest
+    def widest(self, bucket: int | None = None) -> int:
+        """The largest size measured at this batch bucket, or at any (None); 0 if none."""
         if bucket is None:
-            return max(widest.values(), default=0)
-        return widest.get(bucket, 0)
+            return max(self._widest.values(), default=0)
+        return self._widest.get(bucket, 0)
 
     def trusted(self, bucket: int, size: int) -> bool:
         """Whether the size's cell has been measured `min_samples` times (its estimate is
@@ -1305,7 +1297,7 @@ class AdaptiveController:
             self._round = _Round(float(batch_size), explores=False, safe_rate=rate, seconds=0.0,
                                  priced=math.inf if v is None else v)
             return [0] * len(reqs)
-        limit = batch_size + 2 * verify.widest(bucket, trusted=True)  # at most double the tokens trusted
+        limit = batch_size + 2 * verify.widest(bucket)  # at most double the tokens measured
         firsts, conts = self._parts(reqs, matches)
         charge = self._catch_up_charges(caps, catch_up, remaining)
         caps = [0 if c is None else cap for cap, c in zip(caps, charge)]
