@@ -5,8 +5,8 @@ one contender on one task at one concurrency like a cell of bench/adaptive.py (f
 engine, warm-up prompts, closed loop, greedy) and records, per engine step: the batch,
 each row's k and pooled acceptance, the controller's estimates for this round (verify pass
 at the chosen draft tokens and at plain, draft pass at its rows and depth, catch-up) and
-the measured ones (verify, draft, catch-up seconds as reported to the controller), the
-step's wall time and the tokens it committed. Steps that also prefill report no verify
+the measured ones (verify, draft, catch-up and choice seconds as reported to the
+controller), the step's wall time and the tokens it committed. Steps that also prefill report no verify
 time (the engine does not time them). Ends with the controller's snapshot (cost cells,
 k histogram) and a per-(batch, draft tokens) summary.
 

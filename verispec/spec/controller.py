@@ -140,8 +140,8 @@ The engine reports the seconds of every decode round, keyed by the batch size an
 number of draft tokens the pass verified, summed over rows (0 = plain decoding): the whole
 step but the draft pass and the choice (the lookup and choose_k, timed apart: see "Rest"),
 so scheduling, sampling and bookkeeping, which grow with the drafts too, are priced with the
-verify forward (timing the forward alone made drafting look cheaper than it is at batch 16). Linear layers run over the batch's tokens
-flattened (no padding) and attention groups rows by query length, so the pass's work
+verify forward (timing the forward alone made drafting look cheaper than it is at batch
+16). Linear layers run over the batch's tokens flattened (no padding) and attention groups rows by query length, so the pass's work
 follows its total tokens, not its widest row: 15 rows decoding one token and one row
 verifying 4 drafts cost about as much as 20 single-token rows. The draft model's pass is
 reported separately, keyed by the rows it drafts for (its own batch) and the deepest row's k
