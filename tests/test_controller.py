@@ -1090,6 +1090,32 @@ def test_cold_start_plays_plain_then_widens_one_doubling_at_a_time():
     assert ks == [0, 1, 3, 7, 8]
 
 
+@pytest.mark.parametrize("per_bucket", [True, False], ids=["", "broken: the run's budget only"])
+def test_a_bucket_explores_on_what_its_own_rounds_earned(per_bucket, monkeypatch):
+    """200 plain rounds at 16 rows (4 s: the run's budget has 60 ms to spend), then the
+    batch drains to 8 rows, whose drafting passes are unmeasured and bounded only by the
+    16-row plain cell scaled down by rows (they look free). The first 8-row round explores
+    (the bucket owes nothing yet) and loses 10 ms; the next one does not explore again on
+    the run's budget, earned at 16 rows: the bucket's own 30 ms have not earned it."""
+    if not per_bucket:
+        monkeypatch.setattr(AdaptiveController, "_may_explore",
+                            lambda self, bucket: self._explore_debt <= self.config.explore_budget * self._elapsed)
+    ctl = AdaptiveController(ControllerConfig(explore=0.0, rest_max=0))
+    ids = [f"r{i}" for i in range(16)]
+    _accepting(ctl, ids, accepted=4)  # acceptance near 1: any cheap draft pays
+    for _ in range(200):
+        assert sum(ctl.choose_k(ids, 16, [0] * 16).values()) == 0  # (no drafts at hand)
+        ctl.observe_cost("verify", 16, 0, 0.020)
+    _measured(ctl, 8, lambda n: 0.010, (0,))
+    rows = ids[:8]
+    first = sum(ctl.choose_k(rows, 8, [8] * 8).values())
+    assert first > 0  # an optimistic bet, the bucket's first
+    ctl.observe_cost("verify", 8, first, 0.030)
+    assert ctl.snapshot()["explore_debt_s"] > 0.005  # (charged at most cost_outlier x its price)
+    again = sum(ctl.choose_k(rows, 8, [8] * 8).values())
+    assert (again == 0) == per_bucket, again
+
+
 @pytest.mark.parametrize("stepwise", [True, False], ids=["one step deeper", "broken: any depth"])
 def test_draft_model_depth_grows_one_step_past_the_deepest_measured(stepwise, monkeypatch):
     """Verify is flat and drafting looks free until measured: a cold controller may still
