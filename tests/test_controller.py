@@ -892,7 +892,10 @@ def test_choosing_is_a_price_of_drafting_not_of_plain(price, monkeypatch):
     assert (sum(ks.values()) == 0) == (price == "drafting"), ks
 
 
-def test_a_choice_is_timed_apart_and_a_stall_in_it_counts_at_cost_outlier_times_its_mean():
+def test_a_choice_is_kept_out_of_the_verify_cells_and_a_stall_in_it_counts_at_cost_outlier_times_its_mean():
+    """A "choice" report is a decayed mean of its own per batch bucket (no verify cell), and a
+    stall in it (500 ms against 0.5) enters at `cost_outlier` times the mean: without the cap
+    one stall would price every drafting plan ~0.25 s dearer for a window."""
     ctl = AdaptiveController(ControllerConfig(cost_outlier=2.0))
     ctl.observe_cost("choice", 16, 16, 0.0005)
     ctl.observe_cost("choice", 16, 16, 0.5)  # a stall: counted at 1 ms

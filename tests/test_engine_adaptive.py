@@ -168,7 +168,7 @@ def test_a_resting_controllers_rows_are_neither_looked_up_nor_chosen_for_and_pla
     assert [final[r].token_ids for r in ("a0", "a1", "a2", "fixed")] == [o.token_ids for o in plain]
 
 
-@pytest.mark.parametrize("resting", [False, True])
+@pytest.mark.parametrize("resting", [False, True], ids=["choosing", "resting"])
 def test_the_choice_is_timed_apart_from_the_verify_round(resting):
     """A round that chooses reports its lookup and choose_k as kind "choice" and leaves them
     out of the verify timing (controller docstring "Rest"): with choose_k made 50 ms slow,
