@@ -14,6 +14,10 @@ the machine lands on all three alike; each cell then also reports both versions 
 
     .venv/bin/python bench/controller_ab.py --baseline 56908b1^ --concurrency 1,4 \\
         --repeats 3 --threads 2 --max-load 1.5
+
+With `--draft-model` both versions draft with that model (the Qwen2.5-Coder pair:
+`--model qwen2.5-coder-1.5b-instruct --draft-model qwen2.5-coder-0.5b-instruct`) instead
+of n-gram lookup; plain decoding runs no draft model.
 """
 from __future__ import annotations
 
@@ -76,6 +80,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--baseline", required=True, help="git revision whose controller.py is 'old'")
     p.add_argument("--model", default="smollm2-135m-instruct")
+    p.add_argument("--draft-model", default=None, help="draft with this model instead of n-gram")
     p.add_argument("--tasks", default=",".join(adaptive.TASKS), help=f"comma-separated, from {list(adaptive.TASKS)}")
     p.add_argument("--num-prompts", type=int, default=4)
     p.add_argument("--prompts-per-slot", type=int, default=2)
@@ -114,6 +119,15 @@ def load_baseline(rev: str):
     return module, commit
 
 
+def engine_configs(args: argparse.Namespace):
+    """(both versions' engine config, plain decoding's): adaptive k up to --k-max, drafting
+    with --draft-model if given, else n-gram lookup; plain decoding loads no draft model."""
+    method = "draft" if args.draft_model else "ngram"
+    config = replace(common.base_config(args, args.draft_model),
+                     spec=SpecConfig(method=method, num_spec_tokens=args.k_max, adaptive=True))
+    return config, replace(config, draft_model=None, spec=SpecConfig(method="none"))
+
+
 def run_repeat(engine_for, order: tuple[str, ...], items, concurrency: int, params, lockstep: bool, seed: int,
                tag: str) -> dict:
     """One repeat of every version in `order` ({version: RunResult}, in that order): one after
@@ -133,10 +147,9 @@ def main(argv=None) -> int:
     t0 = time.perf_counter()
     baseline, commit = load_baseline(args.baseline)
     header = common.start_run(args)
-    models = common.load_models(replace(common.base_config(args), spec=SpecConfig(method="ngram")))
-    config = replace(common.base_config(args), spec=SpecConfig(method="ngram", num_spec_tokens=args.k_max,
-                                                               adaptive=True))
-    plain_config = replace(config, spec=SpecConfig(method="none"))
+    config, plain_config = engine_configs(args)
+    method = config.spec.method
+    models = common.load_models(replace(config, spec=SpecConfig(method=method)))
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens)
     cells, rows = [], []
     for task in args.tasks:
@@ -181,7 +194,8 @@ def main(argv=None) -> int:
     print(f"geometric mean new / old over {len(ratios)} cells: {statistics.geometric_mean(ratios):.3f}")
     header = common.finish_run(header, t0)
     payload = {"benchmark": "controller-ab", "schema": "verispec.bench.controller-ab/v2", **header,
-               "settings": {"model": args.model, "baseline": args.baseline, "baseline_commit": commit,
+               "settings": {"model": args.model, "draft_model": args.draft_model, "method": method,
+                            "baseline": args.baseline, "baseline_commit": commit,
                             "tasks": {t: adaptive.TASKS[t] for t in args.tasks}, "concurrency": args.concurrency,
                             "num_prompts": args.num_prompts, "prompts_per_slot": args.prompts_per_slot,
                             "max_tokens": args.max_tokens, "num_warmup": args.num_warmup,
@@ -190,7 +204,8 @@ def main(argv=None) -> int:
                "engine_config": common.resolved(models, config).to_dict(),
                "cells": cells, "geometric_mean_new_vs_old": statistics.geometric_mean(ratios),
                "table_markdown": text}
-    common.write_json(args.out or common.RESULTS_DIR / f"controller_ab_{args.model}.json", payload)
+    stem = f"controller_ab_{args.model}" + (f"_{args.draft_model}" if args.draft_model else "")
+    common.write_json(args.out or common.RESULTS_DIR / f"{stem}.json", payload)
     return 0
 
 

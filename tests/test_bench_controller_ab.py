@@ -66,6 +66,16 @@ def test_a_baseline_from_before_the_choice_was_timed_apart_gets_it_inside_verify
     assert current.estimated_cost("choice", 1, 1) == 0.25
 
 
+@pytest.mark.parametrize("draft_model,method", [(None, "ngram"), ("qwen2.5-coder-0.5b-instruct", "draft")])
+def test_both_versions_draft_as_asked_and_plain_runs_no_draft_model(draft_model, method):
+    argv = ["--baseline", "HEAD", "--model", "qwen2.5-coder-1.5b-instruct", "--k-max", "6"]
+    args = controller_ab.parse_args(argv + (["--draft-model", draft_model] if draft_model else []))
+    config, plain = controller_ab.engine_configs(args)
+    assert (config.draft_model, config.spec.method, config.spec.num_spec_tokens, config.spec.adaptive) == (
+        draft_model, method, 6, True)
+    assert (plain.draft_model, plain.spec.method, plain.model) == (None, "none", "qwen2.5-coder-1.5b-instruct")
+
+
 def test_a_bad_baseline_or_repeats_is_refused_by_name(capsys):
     with pytest.raises(SystemExit, match="--baseline 'no-such-rev'"):
         controller_ab.load_baseline("no-such-rev")

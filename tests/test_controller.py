@@ -1202,6 +1202,28 @@ def test_a_catch_up_is_spread_over_the_tokens_the_plan_yields(broken, monkeypatc
     assert (all(ks[r] == 1 for r in ids)) != broken, ks
 
 
+@pytest.mark.parametrize("broken", [False, True], ids=["a probe starts no row", "broken: a probe may start one"])
+def test_a_probe_never_starts_a_row_drafting(broken, monkeypatch):
+    """The last row of a drain, 20 tokens left, would have to catch up on 65 tokens (0.46 s
+    against 0.1 s plain rounds) to draft: at acceptance 0.7 that plan is ~10% behind plain,
+    within reach of a probe, and a probe would stake the whole catch-up on it (Qwen2.5-Coder
+    chat at 4 in flight: 0.954x plain). Plain is best, so the row stays plain."""
+    if broken:  # the probe blind to whether its plan starts a row
+        probe = AdaptiveController._probe
+        monkeypatch.setattr(AdaptiveController, "_probe",
+                            lambda self, options, i, bucket: probe(self, [o[:6] + (False,) for o in options], i, bucket))
+    ctl = AdaptiveController(ControllerConfig(k_max=4))
+    ctl.start("r", "draft")
+    for _ in range(3):  # every cell trusted
+        for n in range(4):
+            ctl.observe_cost("verify", 1, n, 0.1 + 0.01 * bool(n))
+        for k in range(1, 5):
+            ctl.observe_cost("draft", 1, k, 0.04 * k)
+    ctl.observe_cost("catch_up", 1, 100, 0.7)  # 7 ms a token
+    ks = [ctl.choose_k(["r"], 1, catch_up=[65], remaining=[20])["r"] for _ in range(100)]
+    assert any(ks) == broken, Counter(ks)
+
+
 @pytest.mark.parametrize("min_samples,capped,recovers", [(3, True, True), (1, True, False), (3, False, False)],
                          ids=["untrusted until 3 samples", "broken: first sample trusted",
                               "broken: the stall charged whole to the exploration budget"])
