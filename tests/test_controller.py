@@ -1206,8 +1206,8 @@ def test_a_catch_up_is_spread_over_the_tokens_the_plan_yields(broken, monkeypatc
 def test_a_probe_never_starts_a_row_drafting(broken, monkeypatch):
     """The last row of a drain, 20 tokens left, would have to catch up on 65 tokens (0.46 s
     against 0.1 s plain rounds) to draft: at acceptance 0.7 that plan is ~10% behind plain,
-    within reach of a probe, and a probe would stake the whole catch-up on it (Qwen2.5-Coder
-    chat at 4 in flight: 0.954x plain). Plain is best, so the row stays plain."""
+    within reach of a probe, and a probe would stake the whole catch-up on it. Plain is
+    best, so the row stays plain."""
     if broken:  # the probe blind to whether its plan starts a row
         probe = AdaptiveController._probe
         monkeypatch.setattr(AdaptiveController, "_probe",

@@ -257,10 +257,10 @@ re-measures the neighbouring size of the chosen one that was measured longest ag
 estimated rate is within `explore_within` of the best (a far-behind neighbour is not worth a
 round at its price; if acceptance rises, the estimates bring it back into play anyway). A
 probe never starts a row drafting (a catch-up, see "Catch-ups"): it re-measures a pass, and
-a catch-up is not a pass but a stake spent for good, here on a plan estimated to lose.
-(Qwen2.5-Coder chat at 4 in flight, a trace: in the drain the last row's probe of 1 draft
-caught up on 65 tokens, 0.47 s against 0.11 s plain rounds, and accepted nothing; the cell
-read 0.954x plain.)
+a catch-up is not a pass but a stake spent for good, on a plan estimated to lose. (At the
+end of a drain one row's catch-up costs several plain rounds: Qwen2.5-Coder chat at 4 in
+flight, 65 tokens in 0.47 s against 0.11 s plain rounds. That one was the best plan's, a bet
+at acceptance 0.74 that drew two rejections; a probe's would have been a worse one.)
 
 Exploration budget (what exploring may cost)
 -------------------------------------------
