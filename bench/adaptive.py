@@ -183,7 +183,8 @@ def _contender(runs: list) -> dict:
                                    if all(r.drain_tokens_per_s for r in runs) else None),
             "mean_latency_s": statistics.median(r.mean_latency_s for r in runs),
             "others_cpu_share": max((r.others_cpu_share for r in runs if r.others_cpu_share is not None), default=None),
-            "chosen_k_histogram": [sum(h) for h in zip(*(r.chosen_k for r in runs))]}
+            "chosen_k_histogram": [sum(h) for h in zip(*(r.chosen_k for r in runs))],
+            **({"controller_snapshots": [r.controller for r in runs]} if runs[0].controller is not None else {})}
 
 
 def _cell_result(runs: dict[str, list], task, c, measured, warm, sources, orders) -> dict:
@@ -403,7 +404,7 @@ def main(argv=None) -> int:
         print(f"control ({CONTROL} / plain, whole runs): {spread['min']:.3f} - {spread['max']:.3f} over "
               f"{spread['cells']} cells, at most {spread['max_deviation']:.1%} from 1.0")
     header = common.finish_run(header, t0)
-    payload = {"benchmark": "adaptive", "schema": "verispec.bench.engine-adaptive/v6", **header,
+    payload = {"benchmark": "adaptive", "schema": "verispec.bench.engine-adaptive/v7", **header,
                "settings": {"model": args.model, "draft_model": args.draft_model, "method": method,
                             "dtype": args.dtype, "temperature": 0.0, "tasks": {t: TASKS[t] for t in args.tasks},
                             "concurrency": args.concurrency, "num_prompts": args.num_prompts,

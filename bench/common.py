@@ -172,6 +172,10 @@ class RunResult:
     # seconds and the tokens they returned. 0 seconds: none was.
     sustained_tokens: int = 0
     sustained_seconds: float = 0.0
+    # An adaptive engine's controller state when the run ended (`AdaptiveController.snapshot`:
+    # cost cells, acceptance, k counts, warm-up included), so a cell's miss can be read
+    # afterwards; None for a fixed-k or plain engine.
+    controller: dict | None = None
 
     @property
     def tokens(self) -> int:
@@ -296,12 +300,15 @@ class ClosedLoop:
             self.sustained_seconds += spent
 
     def result(self, others_cpu: float | None) -> RunResult:
-        k_after = self.engine.controller.snapshot()["k_counts"]
+        controller = self.engine.controller
+        snapshot = controller.snapshot()
+        k_after = snapshot["k_counts"]
         order = {it.prompt_id: i for i, it in enumerate(self.items)}
         done = sorted(self._done, key=lambda r: order[r.prompt_id])
         return RunResult(self.concurrency, self.clock, done, self.steps, self._in_flight_time / self.clock,
                          [a - b for a, b in zip(k_after, self._k_before)], round(load_average(), 2), others_cpu,
-                         self.sustained_tokens, self.sustained_seconds)
+                         self.sustained_tokens, self.sustained_seconds,
+                         snapshot if controller.config.adaptive and self.engine.config.spec.method != "none" else None)
 
 
 def run_closed_loop(engine: LLMEngine, items: list[WorkItem], concurrency: int,

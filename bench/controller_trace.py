@@ -10,6 +10,14 @@ controller), the step's wall time and the tokens it committed. Steps that also p
 time (the engine does not time them). Ends with the controller's snapshot (cost cells,
 k histogram) and a per-(batch, draft tokens) summary.
 
+Not a throughput measure. The tracer's own work runs inside an adaptive step (its choose_k
+wrapper prices the chosen plan again, its acceptance wrapper logs a calibration entry), so
+an adaptive trace's step and choice times read high, and two traces run one after the
+other are not paired: math at 1 in flight, an adaptive trace read 0.82x and 0.89x a fixed
+k = 2 trace run just after it, its plain steps 0.5-0.7 ms (10-15%) longer in every quarter
+of the run, where `bench/adaptive.py --lockstep` puts the cell at 0.975x (session 32).
+Compare contenders there; read here what the controller estimated and what it chose.
+
     .venv/bin/python bench/controller_trace.py --model qwen2.5-coder-1.5b-instruct \\
         --draft-model qwen2.5-coder-0.5b-instruct --task chat --concurrency 4 --threads 2
 """
