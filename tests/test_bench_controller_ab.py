@@ -102,7 +102,7 @@ class _Engine:
 
     def __init__(self, clock, cost):
         self.clock, self.cost, self.live, self.left = clock, cost, None, 0
-        self.controller = SimpleNamespace(snapshot=lambda: {"k_counts": [0]})
+        self.controller = SimpleNamespace(snapshot=lambda: {"k_counts": [0]}, config=SimpleNamespace(adaptive=False))
 
     def add_request(self, rid, ids, params):
         self.live, self.left = rid, 10
