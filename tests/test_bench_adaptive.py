@@ -62,13 +62,13 @@ class _Clock:
         self.now += units * (1.0 if self.now < 20.0 else 2.0)
 
 
-def _fake_controller(engine, adaptive: bool = False) -> None:
-    """An engine fake's controller and spec config, as `ClosedLoop.result` reads them: an
-    adaptive one (n-gram) or plain decoding."""
+def _fake_controller(engine, method: str = "none", adaptive: bool = True) -> None:
+    """An engine fake's controller and spec config, as `ClosedLoop.result` reads them (the
+    defaults: plain decoding's engine, whose controller config is adaptive but never asked)."""
     from types import SimpleNamespace
-    engine.config = SimpleNamespace(spec=SimpleNamespace(method="ngram" if adaptive else "none"))
+    engine.config = SimpleNamespace(spec=SimpleNamespace(method=method))
     engine.controller = SimpleNamespace(snapshot=lambda: {"k_counts": [0], "rounds": 7},
-                                        config=SimpleNamespace(adaptive=True))
+                                        config=SimpleNamespace(adaptive=adaptive))
 
 
 class _Out:
@@ -127,9 +127,9 @@ class _Rows:
     """Every live request returns one token a step; a step costs one unit of the fake clock
     however many rows it has (so a drained batch is slow per token)."""
 
-    def __init__(self, clock, lengths, adaptive: bool = False):
+    def __init__(self, clock, lengths, method: str = "none", adaptive: bool = True):
         self.clock, self.lengths, self.left = clock, lengths, {}
-        _fake_controller(self, adaptive)
+        _fake_controller(self, method, adaptive)
 
     def add_request(self, rid, ids, params):
         self.left[rid] = self.lengths[rid.split("/")[1]]
@@ -162,25 +162,25 @@ def test_the_sustained_rate_counts_only_the_steps_with_every_slot_busy(monkeypat
     assert r.drain_tokens_per_s == 1.0  # the other 10 steps: one row left, 10 tokens
 
 
-def test_an_adaptive_runs_controller_state_is_kept_and_a_plain_ones_is_not(monkeypatch):
+def test_an_adaptive_runs_controller_state_is_kept_and_plain_or_fixed_ks_is_not(monkeypatch):
     """Each adaptive run's controller snapshot lands in its contender's result (one per run,
-    so a cell's miss can be read afterwards); plain decoding's engine, whose controller
-    never chooses, stores none."""
+    so a cell's miss can be read afterwards); plain decoding's engine and a fixed k's, whose
+    controllers never choose, store none."""
     import common
     clock = _Clock()
     monkeypatch.setattr(common, "time", clock)
     items = [common.WorkItem("a", "chat", (1,))]
     runs = {}
-    for name, is_adaptive in (("plain", False), ("adaptive", True)):
-        loop = common.ClosedLoop(_Rows(clock, {"a": 3}, adaptive=is_adaptive), items, 1, None, name)
+    for name, method, is_adaptive in (("plain", "none", True), ("k=1", "ngram", False), ("adaptive", "ngram", True)):
+        loop = common.ClosedLoop(_Rows(clock, {"a": 3}, method, is_adaptive), items, 1, None, name)
         while not loop.finished:
             loop.step()
         runs[name] = [loop.result(None)] * 2
-    assert runs["plain"][0].controller is None
+    assert runs["plain"][0].controller is None and runs["k=1"][0].controller is None
     assert runs["adaptive"][0].controller == {"k_counts": [0], "rounds": 7}
     cell = _cell(runs)
     assert cell["contenders"]["adaptive"]["controller_snapshots"] == [{"k_counts": [0], "rounds": 7}] * 2
-    assert "controller_snapshots" not in cell["contenders"]["plain"]
+    assert not {"controller_snapshots"} & (cell["contenders"]["plain"].keys() | cell["contenders"]["k=1"].keys())
 
 
 def test_a_cell_is_scored_on_sustained_rates_too():
