@@ -6,7 +6,8 @@ engine, warm-up prompts, closed loop, greedy) and records, per engine step: the 
 each row's k and pooled acceptance, the controller's estimates for this round (verify pass
 at the chosen draft tokens and at plain, draft pass at its rows and depth, catch-up) and
 the measured ones (verify, draft, catch-up and choice seconds as reported to the
-controller), the step's wall time and the tokens it committed. Steps that also prefill report no verify
+controller), the step's wall time, the tokens it committed and the shared speed factor
+after it. Steps that also prefill report no verify
 time (the engine does not time them). Ends with the controller's snapshot (cost cells,
 k histogram) and a per-(batch, draft tokens) summary.
 
@@ -119,7 +120,8 @@ class Tracer:
         self.cur = {}
         t0 = time.perf_counter()
         outputs = self._step()
-        self.cur.update(step_s=time.perf_counter() - t0, tokens=sum(len(o.new_token_ids) for o in outputs))
+        self.cur.update(step_s=time.perf_counter() - t0, tokens=sum(len(o.new_token_ids) for o in outputs),
+                        speed_factor=self.ctl._speed.factor)  # noqa: SLF001 (a diagnostic)
         self.cur.pop("priced", None)  # (object ids: in "calibration" per drafting row)
         self.log.append(self.cur)
         return outputs

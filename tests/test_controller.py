@@ -22,6 +22,7 @@ from pathlib import Path
 import pytest
 
 from bench_scripts import load
+from verispec.spec import controller as controller_module
 from verispec.spec.controller import (
     AcceptanceEstimator, AdaptiveController, ControllerConfig, CostTable, _Speed, _Spread, batch_bucket,
     expected_tokens, size_bucket)
@@ -1200,6 +1201,90 @@ def test_a_catch_up_is_spread_over_the_tokens_the_plan_yields(broken, monkeypatc
     ctl.observe_cost("catch_up", 4, 100, 2.0)  # 0.02 s a token: 3 s for 150
     ks = ctl.choose_k(ids, 4, catch_up=[150] * 4, remaining=[64] * 4)
     assert (all(ks[r] == 1 for r in ids)) != broken, ks
+
+
+# Qwen2.5-Coder-1.5B with its 0.5B draft at 1 in flight on this CPU (a trace, session 33):
+# a verify pass over n drafts, a draft pass of k steps, every draft accepted ~0.98.
+QWEN_C1_VERIFY = (0.062, 0.073, 0.100, 0.110, 0.115, 0.120, 0.127, 0.141, 0.156)
+QWEN_C1_DRAFT_STEP = 0.033
+
+
+def qwen_c1_controller(cls=AdaptiveController) -> AdaptiveController:
+    """Every pass of the trace measured, and six alike requests finished (the prior then
+    weighs 64 trials)."""
+    ctl = cls(ControllerConfig(explore=0.0))
+    for _ in range(3):
+        for n, seconds in enumerate(QWEN_C1_VERIFY):
+            ctl.observe_cost("verify", 1, n, seconds)
+        for k in range(1, 9):
+            ctl.observe_cost("draft", 1, k, QWEN_C1_DRAFT_STEP * k)
+    for i in range(6):
+        ctl.start(f"done{i}", "draft")
+        for j in range(8):
+            ctl.observe_acceptance(f"done{i}", 6, 6 if (i + j) % 8 else 5)
+        ctl.finish(f"done{i}")
+    assert ctl.prior_weight("draft") == ctl.config.prior_weight_max
+    return ctl
+
+
+class FixedPartWeightController(AdaptiveController):
+    """Bug (before session 33): a request's first-draft and continuation data meet its
+    pooled alpha at `prior_weight_tokens` trials, however alike the requests are."""
+
+    def _parts(self, reqs, matches):
+        self.prior_weight = lambda proposer: self.config.prior_weight_tokens
+        try:
+            return super()._parts(reqs, matches)
+        finally:
+            del self.prior_weight
+
+
+@pytest.mark.parametrize("controller_cls,deep", [(AdaptiveController, True), (FixedPartWeightController, False)],
+                         ids=["parts weighed like the prior", "broken: parts at 8 trials"])
+def test_one_rejected_continuation_does_not_park_an_alike_request_at_one_draft(controller_cls, deep):
+    """The trace's request: its first round drafted 6 and the third was rejected. With its
+    continuation's one rejection weighed against 8 trials of its pooled alpha (0.88), a
+    draft of 1 priced best; k = 1 tests no continuation, so that estimate never moved
+    again, and the request drafted 1 a round to its end (55 ms a token, where 6 drafts
+    made 47). Weighed as much as the finished requests were alike (64 trials), the one
+    rejection is the noise it is, and the request drafts deep."""
+    ctl = qwen_c1_controller(controller_cls)
+    ctl.start("r", "draft")
+    ctl.observe_acceptance("r", 6, 2)
+    ks = []
+    for _ in range(30):  # every draft right from here on
+        k = ctl.choose_k(["r"], 1)["r"]
+        ctl.observe_acceptance("r", k, k)
+        ks.append(k)
+    assert (min(ks) >= 4) == deep and (max(ks) <= 1) != deep, ks
+
+
+class DecayedMeanCatchUpPrice(controller_module._CatchUpPrice):
+    """Bug (before session 33): a decayed mean of the catch-ups' seconds over their tokens."""
+
+    def observe(self, seconds, tokens):
+        keep = 1.0 - 1.0 / self._samples.maxlen
+        s, n = getattr(self, "_sums", (0.0, 0.0))
+        self._sums = (s * keep + seconds, n * keep + tokens)
+        self._price = self._sums[0] / self._sums[1]
+
+
+@pytest.mark.parametrize("broken", [False, True], ids=["robust price", "broken: decayed mean"])
+@pytest.mark.parametrize("timings", [(1.1, 1.1, 1.1, 5.5), (5.5, 1.1)], ids=["a stall", "a slow first"])
+def test_one_slow_catch_up_does_not_price_drafting_out(timings, broken, monkeypatch):
+    """200-token catch-ups at 5.5 ms a token (the trace's), one of them 5x: a stall among
+    them, or the first (cold). A new request must catch up on 100 tokens for its 64: at the
+    true price drafting pays (~59 ms a token, 9 of them catch-up, against 62 plain); at a
+    price the slow one still holds it does not, the request stays plain, and a plain
+    request measures no catch-up that could correct the price."""
+    if broken:
+        monkeypatch.setattr(controller_module, "_CatchUpPrice", DecayedMeanCatchUpPrice)
+    ctl = qwen_c1_controller()
+    for seconds in timings:
+        ctl.observe_cost("catch_up", 1, 200, seconds)
+    ctl.start("r", "draft")
+    k = ctl.choose_k(["r"], 1, catch_up=[100], remaining=[64])["r"]
+    assert (k > 0) != broken, (k, ctl.snapshot()["catch_up_s_per_token"])
 
 
 @pytest.mark.parametrize("broken", [False, True], ids=["a probe starts no row", "broken: a probe may start one"])

@@ -85,7 +85,8 @@ only), and at that alpha k = 1 and k = 2 rate alike, so the request stays at k =
 k = 2 pays ~8% more at batch 1. So each request also keeps two parts, estimated as alpha
 is (the same censoring, on the same per-token clock): the first draft's acceptance, and
 the continuation's (positions 2.. given the first accepted). A part's value is its data
-with the request's pooled alpha as the prior (worth `prior_weight_tokens` trials), taken
+with the request's pooled alpha as the prior, worth as many trials as a new request's
+prior (`prior_weight_tokens`, more where finished requests were alike: see "Prior"), taken
 relative to that alpha and applied to the alpha as shrunk across the batch (see
 `_pooled_alphas`): with no data of its own (a request that never drafted past position 1)
 a part is the pooled alpha, and the model is the geometric one. The row's i-th draft then
@@ -93,6 +94,12 @@ adds first * cont^(i - 1) expected tokens (non-increasing in i, as the batch pla
 Simulated: first 0.4, then 0.85, n-gram costs of this CPU at batch 1: 0.974x the best fixed
 k, against 0.953x with one alpha (k = 1 throughout); geometric workloads within 0.5% of
 before. `alpha()` and the 0.02 accuracy claim above stay the pooled estimate.
+(At `prior_weight_tokens` whatever the spread, one rejected continuation parked a draft
+model's request at k = 1: Qwen2.5-Coder code at 1 in flight, acceptance ~0.98, a trace,
+session 33. Its first round drafted 6 and the third was rejected, its continuation read
+0.88 against 8 trials, a draft of 1 priced best, and k = 1 tests no continuation, so the
+estimate never moved: 30 rounds at 55 ms a token where 6 drafts made 47. With the alike
+requests' 64 trials it reads 0.96 and the request drafts deep.)
 
 Match length (what the lookup says about this round's drafts)
 -------------------------------------------------------------
@@ -309,8 +316,12 @@ prompt) must first catch up on the tokens its draft KV lacks, one multi-token pa
 cost is paid once and then enables drafting for the rest of the request. The engine passes
 each row's missing tokens (`catch_up`) and remaining output budget (`remaining`), and
 reports catch-up passes (kind "catch_up", seconds and tokens), from which the controller
-keeps a decayed seconds-per-token. Starting to draft on row r then costs its catch-up,
-spread over the tokens it enables: a round that yields E(alpha_r, k_r) tokens of the row's
+prices a token: the last `cost_window` catch-ups' seconds over their tokens, a stall left
+out as in the cost cells, and from fewer than `cost_min_samples` the cheapest a token among
+them. (A decayed mean, as before, held a stall for many catch-ups, and held a first,
+possibly cold, timing: a price too high keeps new requests plain, and a request that stays
+plain measures no catch-up that could correct it.) Starting to draft on row r then costs
+its catch-up, spread over the tokens it enables: a round that yields E(alpha_r, k_r) tokens of the row's
 remaining_r is charged c_r * s_tok * E(alpha_r, k_r) / remaining_r, added to the pass's cost
 for every row the plan gives drafts to (charging at the row's cap instead overcharged a
 plan at depth 1 4x, and a cold controller never drafted at 4 in flight). At 16 in flight with 64-token answers to
@@ -866,6 +877,33 @@ class _Spread:
         return min(most, max(least, mean * (1.0 - mean) / between))
 
 
+class _CatchUpPrice:
+    """Seconds a token of the draft model's catch-ups cost, from the last `window` of them:
+    their seconds over their tokens, leaving out any above `outlier` times the median's
+    seconds a token; from fewer than `min_samples`, the cheapest among them (see "Catch-ups")."""
+
+    def __init__(self, window: int, min_samples: int, outlier: float):
+        self._samples: deque = deque(maxlen=window)  # (seconds, tokens)
+        self._min_samples = min_samples
+        self._outlier = outlier
+        self._price: float | None = None
+
+    def observe(self, seconds: float, tokens: int) -> None:
+        self._samples.append((seconds, tokens))
+        rates = sorted(s / n for s, n in self._samples)
+        if len(rates) < self._min_samples:
+            self._price = rates[0]
+            return
+        m = len(rates)
+        top = self._outlier * 0.5 * (rates[(m - 1) // 2] + rates[m // 2])
+        kept = [(s, n) for s, n in self._samples if s <= top * n]
+        self._price = sum(s for s, _ in kept) / sum(n for _, n in kept)
+
+    def per_token(self) -> float | None:
+        """The price of a token, None before any catch-up was measured."""
+        return self._price
+
+
 class _Speed:
     """The machine's pace shared by the cost tables: stored timings are divided by `factor`
     when measured and estimates multiplied by its current value (see "Drift")."""
@@ -1030,7 +1068,7 @@ class AdaptiveController:
                                            outlier=cfg.cost_outlier, speed=self._speed),
                        "draft": CostTable(cfg.cost_window, lambda b, n: n, cfg.cost_min_samples,
                                           outlier=cfg.cost_outlier, speed=self._speed)}
-        self._catch_up = [0.0, 0.0]  # decayed (seconds, tokens) of catch-up passes
+        self._catch_up = _CatchUpPrice(cfg.cost_window, cfg.cost_min_samples, cfg.cost_outlier)
         self._choice: dict[int, tuple[float, float]] = {}  # batch bucket -> decayed (seconds, rounds) of choosing
         self._num_cost_samples = 0
         self._round: _Round | None = None
@@ -1166,14 +1204,14 @@ class AdaptiveController:
             self._round.seconds += seconds
             if kind == "verify":
                 self._close_round()
-        keep = 1.0 - 1.0 / self.config.cost_window
         if kind == "catch_up":
-            self._catch_up = [self._catch_up[0] * keep + seconds, self._catch_up[1] * keep + size]
+            self._catch_up.observe(seconds, size)
             return
         if kind == "choice":  # a decayed mean per batch bucket, a stall counted at cost_outlier x it
             s, n = self._choice.get(batch_bucket(batch_size), (0.0, 0.0))
             if n:
                 seconds = min(seconds, self.config.cost_outlier * s / n)
+            keep = 1.0 - 1.0 / self.config.cost_window
             self._choice[batch_bucket(batch_size)] = (s * keep + seconds, n * keep + 1.0)
             return
         self._num_cost_samples += 1
@@ -1209,8 +1247,8 @@ class AdaptiveController:
         if kind not in COST_KINDS:
             raise ValueError(f"kind must be one of {COST_KINDS}, got {kind!r}")
         if kind == "catch_up":
-            s, n = self._catch_up
-            return (s / n * size if n > 0 else None), None
+            per_token = self._catch_up.per_token()
+            return (None if per_token is None else per_token * size), None
         if kind == "choice":
             s, n = self._choice.get(batch_bucket(batch_size), (0.0, 0.0))
             return (s / n if n > 0 else None), None
@@ -1351,7 +1389,7 @@ class AdaptiveController:
         draft_cost: dict[tuple[int, int], tuple[float | None, float | None]] = {}
         needy = {i for i, c in enumerate(catch_up) if c}
         charged = any(charge)
-        catch_up_known = self._catch_up[1] > 0
+        catch_up_known = self._catch_up.per_token() is not None
         choosing = self.estimated_cost("choice", batch_size, 1) or 0.0
 
         def plan(pool: list, depth: int) -> list[tuple[float, int, bool, float, float | None, float, bool]]:
@@ -1484,12 +1522,12 @@ class AdaptiveController:
         optimistically free, measures the price)."""
         if not any(catch_up):  # (an n-gram batch: none to charge)
             return [0.0] * len(catch_up)
-        s, n = self._catch_up
-        if n == 0:
+        per_token = self._catch_up.per_token()
+        if per_token is None:
             needy = [i for i, (cap, c) in enumerate(zip(caps, catch_up)) if cap and c]
             first = min(needy, key=lambda i: catch_up[i], default=None)
             return [None if c and i != first else 0.0 for i, c in enumerate(catch_up)]
-        return [c * s / n / max(rem, 1) if c else 0.0 for c, rem in zip(catch_up, remaining)]
+        return [c * per_token / max(rem, 1) if c else 0.0 for c, rem in zip(catch_up, remaining)]
 
     def _match_was_strongest(self, matches: list[int | None], caps: list[int]) -> bool:
         """Whether this round's rows with drafts included a match as long as any seen (a
@@ -1500,13 +1538,12 @@ class AdaptiveController:
 
     def _parts(self, reqs: list[_Request], matches: list[int | None]) -> tuple[list[float], list[float]]:
         """Each row's first-draft and continuation acceptance (see "First draft and
-        continuation"): a part's data with the row's pooled alpha worth `prior_weight_tokens`
-        trials as its prior, relative to that pooled alpha, times the row's pooled alpha as
+        continuation"): a part's data with the row's pooled alpha worth
+        `prior_weight(proposer)` trials as its prior, relative to that pooled alpha, times the row's pooled alpha as
         shrunk across the batch (`_pooled_alphas`). A part with no data of its own is the
         pooled alpha: the geometric model. A row with a match length (see "Match length"):
         its rounds of that length with the proposer's estimate for the length as the prior,
         worth `prior_weight(proposer)` trials."""
-        w = self.config.prior_weight_tokens
         firsts, conts = [], []
         shared_by_row = [self._by_match.get((r.proposer, m)) if m else None for r, m in zip(reqs, matches)]
         # (the batch's shrunk alphas only where a row has no match length: an n-gram batch
@@ -1521,7 +1558,7 @@ class AdaptiveController:
                     part, prior = (own[i] if own else None), shared[i].value
                     out.append(prior if part is None else (part.successes + wm * prior) / (part.trials + wm))
                 continue
-            raw = r.estimator.value
+            raw, w = r.estimator.value, weights[r.proposer]
             for part, out in ((r.first, firsts), (r.cont, conts)):
                 own = (part.successes + w * raw) / (part.trials + w)
                 out.append(min(1.0, shrunk * own / raw) if raw > 0 else own)
@@ -1605,6 +1642,7 @@ class AdaptiveController:
                          for rid, r in self._requests.items()},
             "costs": {kind: t.snapshot() for kind, t in self._costs.items()},
             "choice_s": {str(b): s / n for b, (s, n) in sorted(self._choice.items())},
+            "catch_up_s_per_token": self._catch_up.per_token(),
             "speed_factor": self._speed.factor,
         }
 
