@@ -1287,6 +1287,39 @@ def test_one_slow_catch_up_does_not_price_drafting_out(timings, broken, monkeypa
     assert (k > 0) != broken, (k, ctl.snapshot()["catch_up_s_per_token"])
 
 
+@pytest.mark.parametrize("broken", [False, True], ids=["expected length", "broken: the budget"])
+@pytest.mark.parametrize("ended_early", [True, False], ids=["answers end early", "answers run the budget out"])
+def test_a_catch_up_is_spread_over_the_tokens_a_request_is_expected_to_make(ended_early, broken, monkeypatch):
+    """The trace's costs, a 100-token catch-up (5.5 ms a token) and 64 tokens of budget:
+    over 64 tokens drafting pays (~59 ms a token against 62 plain). Where the finished
+    requests ended after ~20 tokens (h = 1 / 20), a request is expected to make ~19 more,
+    the catch-up's share is 3x, and the row stays plain; where they ran their budget out,
+    nothing says this one ends early, and it drafts. The broken variant spreads it over
+    the budget whatever the requests show."""
+    if broken:
+        monkeypatch.setattr(controller_module._Ends, "expected_left", lambda self, budget: float(budget))
+    ctl = qwen_c1_controller()
+    for i in range(6):
+        ctl.start(f"chat{i}", "draft")
+        ctl.finish(f"chat{i}", output_tokens=20 if ended_early else 64, ended_early=ended_early)
+    for _ in range(3):
+        ctl.observe_cost("catch_up", 1, 200, 1.1)
+    ctl.start("r", "draft")
+    k = ctl.choose_k(["r"], 1, catch_up=[100], remaining=[64])["r"]
+    assert (k > 0) == (broken or not ended_early), (k, ctl.snapshot()["expected_left_of_64"])
+
+
+def test_an_abort_or_a_bad_length_says_nothing_of_when_answers_end():
+    ctl = AdaptiveController()
+    for i in range(5):
+        ctl.start(f"r{i}", "draft")
+        ctl.finish(f"r{i}")  # an abort reports no length
+    assert ctl.snapshot()["expected_left_of_64"]["draft"] == 64.0
+    ctl.start("bad", "draft")
+    with pytest.raises(ValueError, match="output_tokens"):
+        ctl.finish("bad", output_tokens=-1)
+
+
 @pytest.mark.parametrize("broken", [False, True], ids=["a probe starts no row", "broken: a probe may start one"])
 def test_a_probe_never_starts_a_row_drafting(broken, monkeypatch):
     """The last row of a drain, 20 tokens left, would have to catch up on 65 tokens (0.46 s

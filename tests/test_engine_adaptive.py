@@ -196,3 +196,27 @@ def test_the_choice_is_timed_apart_from_the_verify_round(resting):
         assert not reports["choice"]
     else:
         assert reports["choice"] and all(s >= 0.05 and 1 <= n <= b for b, n, s in reports["choice"])
+
+
+def test_the_controller_hears_each_finished_requests_length_and_whether_it_ended_early():
+    """The controller prices a draft model's catch-up over the tokens a request is expected
+    still to make, from how finished ones ended (controller docstring "Catch-ups"): each
+    finish reports the request's output tokens and whether it stopped before its budget
+    (EOS), and an abort reports no length."""
+    target, draft = PAIR
+    probe = run_all(tiny_engine(target, draft, method="draft", k=4, adaptive=True), PROMPTS[:1], GREEDY)
+    eos = probe[0].token_ids[3]  # greedy reaches it after a few tokens, so the request stops there
+    engine = tiny_engine(target, draft, method="draft", k=4, adaptive=True, eos=eos)
+    finished = []
+    ctl_finish = engine.controller.finish
+    engine.controller.finish = lambda rid, *a, **kw: (finished.append((rid, a, kw)), ctl_finish(rid, *a, **kw))[1]
+    engine.add_request("aborted", PROMPTS[2], GREEDY)
+    engine.step()
+    engine.abort_request("aborted")
+    stops_at_eos = SamplingParams(temperature=0, max_tokens=12)
+    out = run_all(engine, PROMPTS, [stops_at_eos, GREEDY, GREEDY])  # the others ignore EOS
+    reasons = {o.request_id: o.finish_reason for o in out}
+    assert sorted(reasons.values()) == ["length", "length", "stop"], reasons
+    told = {rid: (a, kw) for rid, a, kw in finished}
+    assert told.pop("aborted") == ((None,), {"ended_early": False})
+    assert told == {o.request_id: ((len(o.token_ids),), {"ended_early": o.finish_reason == "stop"}) for o in out}

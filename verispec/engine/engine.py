@@ -440,8 +440,9 @@ class LLMEngine:
         if req.request_id in self.kv:  # a request still waiting holds no blocks
             self.kv.close_sequence(req.request_id, keep, req.draft_computed)
         self.ngram.forget(req.request_id)
-        if req.spec_method != "none":
-            self.controller.finish(req.request_id)
+        if req.spec_method != "none":  # (an abort's length says nothing of when answers end)
+            self.controller.finish(req.request_id, None if reason == "abort" else len(req.output_ids),
+                                   ended_early=reason == "stop")
         del self.requests[req.request_id]
         return self._output(req, list(new_ids), new_text)
 

@@ -323,8 +323,16 @@ possibly cold, timing: a price too high keeps new requests plain, and a request 
 plain measures no catch-up that could correct it.) Starting to draft on row r then costs
 its catch-up, spread over the tokens it enables: a round that yields E(alpha_r, k_r) tokens of the row's
 remaining_r is charged c_r * s_tok * E(alpha_r, k_r) / remaining_r, added to the pass's cost
-for every row the plan gives drafts to (charging at the row's cap instead overcharged a
-plan at depth 1 4x, and a cold controller never drafted at 4 in flight). At 16 in flight with 64-token answers to
+for every row the plan gives drafts to. remaining_r is what the row is expected still to
+make: its budget left, or less where the proposer's requests end early. Over the finished
+ones (decayed, half-life `spread_half_life_requests` requests, read from 3 on), h is their
+early ends (EOS, a stop string) per generated token, a request that ran its budget out
+adding its tokens and no end; a constant chance h of ending at each token leaves
+(1 - (1 - h)^b) / h of a budget b. (Over the budget itself: Qwen2.5-Coder chat at 1 in
+flight, answers of 45 of their 64 tokens on average, each catch-up priced at 0.7 of its
+share, and adaptive drafted as a fixed k = 1 does, 0.961x plain against k = 1's 0.954x;
+session 33.) (Charging the catch-up at the row's cap instead of E overcharged a plan at
+depth 1 4x, and a cold controller never drafted at 4 in flight.) At 16 in flight with 64-token answers to
 ~150-token prompts (Qwen2.5-Coder pair), a draft model that catches every row up paid more
 than drafting saved (0.85x plain at acceptance 0.98). Before any catch-up has been measured
 at most one row that needs one may draft per round (the one missing the fewest tokens): its
@@ -439,6 +447,7 @@ class ControllerConfig:
     prior_weight_max: float = 64.0         # ... and at most, when its proposer's finished
                                            # requests show alike acceptance (docstring "Prior")
     spread_half_life_requests: float = 32.0  # finished requests that show how requests differ
+                                             # (and how soon they end: docstring "Catch-ups")
     prior_half_life_tokens: float = 1024.0 # window of the per-proposer global estimate
     idle_half_life_rounds: float = 32.0    # untested rounds for a request to forget halfway
     cost_window: int = 16                  # timings a cost cell keeps (its robust mean's window)
@@ -877,6 +886,34 @@ class _Spread:
         return min(most, max(least, mean * (1.0 - mean) / between))
 
 
+class _Ends:
+    """How soon a proposer's requests end before their budget (see "Catch-ups"): decayed
+    over finished requests, the early ends (EOS, a stop string) per generated token, h; a
+    request that ran its budget out adds its tokens and no end (it is censored, as an
+    untested draft position is). Read once `MIN_REQUESTS` (decayed) have finished."""
+
+    MIN_REQUESTS = 3.0
+
+    def __init__(self, half_life_requests: float):
+        self._keep = 0.5 ** (1.0 / half_life_requests)
+        self._requests = self._ends = self._tokens = 0.0  # decayed sums over requests
+
+    def observe(self, tokens: int, ended_early: bool) -> None:
+        keep = self._keep
+        self._requests = self._requests * keep + 1.0
+        self._ends = self._ends * keep + ended_early
+        self._tokens = self._tokens * keep + tokens
+
+    def expected_left(self, budget: int) -> float:
+        """Tokens a request with `budget` left is expected still to make: under a constant
+        chance h of ending at each token, (1 - (1 - h)^budget) / h; the budget itself
+        before enough requests finished, or while none ended early."""
+        if self._requests < self.MIN_REQUESTS or not self._ends or budget <= 0:
+            return float(budget)
+        h = min(1.0, self._ends / max(self._tokens, 1.0))
+        return (1.0 - (1.0 - h) ** budget) / h
+
+
 class _CatchUpPrice:
     """Seconds a token of the draft model's catch-ups cost, from the last `window` of them:
     their seconds over their tokens, leaving out any above `outlier` times the median's
@@ -1057,6 +1094,7 @@ class AdaptiveController:
         self._global = {p: self.estimator_cls(a, cfg.prior_weight_tokens, cfg.prior_half_life_tokens)
                         for p, a in cfg.prior_alpha.items()}
         self._spread = {p: _Spread(cfg.spread_half_life_requests) for p in cfg.prior_alpha}
+        self._ends = {p: _Ends(cfg.spread_half_life_requests) for p in cfg.prior_alpha}
         # (proposer, match length) -> (first, cont) over all requests (see "Match length")
         self._by_match: dict[tuple[str, int], tuple[AcceptanceEstimator, AcceptanceEstimator]] = {}
         self._top_match = 0  # the longest match reported so far
@@ -1099,12 +1137,20 @@ class AdaptiveController:
         first, cont = (self.estimator_cls(prior, _NO_WEIGHT, cfg.alpha_half_life_tokens) for _ in range(2))
         self._requests[request_id] = _Request(proposer, est, first, cont)
 
-    def finish(self, request_id: str) -> None:
-        """Stop tracking a request (finished or aborted)."""
+    def finish(self, request_id: str, output_tokens: int | None = None, ended_early: bool = False) -> None:
+        """Stop tracking a request (finished or aborted).
+
+        output_tokens: the tokens it generated (None: not reported, as for an abort);
+        ended_early: it stopped before its budget ran out (EOS or a stop string). With them
+        its length feeds how soon the proposer's requests end (see "Catch-ups")."""
+        if output_tokens is not None and (not isinstance(output_tokens, int) or output_tokens < 0):
+            raise ValueError(f"output_tokens must be an int >= 0 or None, got {output_tokens!r}")
         req = self._request(request_id)
         del self._requests[request_id]
         est = req.estimator
         self._spread[req.proposer].observe(est.observed_successes, est.observed_tokens)
+        if output_tokens is not None:
+            self._ends[req.proposer].observe(output_tokens, bool(ended_early))
 
     def prior_weight(self, proposer: str) -> float:
         """Trials of the proposer's global estimate a request's own estimate starts from (and
@@ -1359,6 +1405,8 @@ class AdaptiveController:
             return [0] * len(reqs)
         limit = batch_size + 2 * verify.widest(bucket)  # at most double the tokens measured
         firsts, conts = self._parts(reqs, matches)
+        if any(catch_up):  # (the tokens each row is expected still to make, for its catch-up's share)
+            remaining = [self._ends[r.proposer].expected_left(left) for r, left in zip(reqs, remaining)]
         charge = self._catch_up_charges(caps, catch_up, remaining)
         caps = [0 if c is None else cap for cap, c in zip(caps, charge)]
         # (gain, row, position): the position-th draft of a row adds first * cont ** (position - 1)
@@ -1643,6 +1691,7 @@ class AdaptiveController:
             "costs": {kind: t.snapshot() for kind, t in self._costs.items()},
             "choice_s": {str(b): s / n for b, (s, n) in sorted(self._choice.items())},
             "catch_up_s_per_token": self._catch_up.per_token(),
+            "expected_left_of_64": {p: e.expected_left(64) for p, e in self._ends.items()},
             "speed_factor": self._speed.factor,
         }
 
