@@ -7,7 +7,8 @@ closed-loop (exactly C in flight, refilled as they finish), greedy. Contenders r
 after the other in an order rotated from cell to cell. With --repeats R every contender runs
 R times per cell (fresh engine each time), the order rotated again each round, and a
 contender's rate is the median of its R runs: on a noisy machine one short run per
-contender moves by 10-25% and cannot resolve a 0.97 target. With --lockstep a repeat runs
+contender moves by 10-25% and cannot resolve a 0.97 target; a cell's ratios are the medians
+of its repeats' ratios (see `_score`). With --lockstep a repeat runs
 every contender at once instead: all engines warmed up, then one step of each in turn (the
 order shuffled every round) until all are done, each contender's seconds its own steps', so
 a slow stretch of the machine lands on every contender alike.
@@ -179,6 +180,7 @@ def _contender(runs: list) -> dict:
             "sustained_seconds": sum(r.sustained_seconds for r in runs),
             "sustained_tokens_per_s": (statistics.median(r.sustained_tokens_per_s for r in runs)
                                        if all(r.sustained_tokens_per_s for r in runs) else None),
+            "sustained_tokens_per_s_runs": [r.sustained_tokens_per_s for r in runs],
             "drain_tokens_per_s": (statistics.median(r.drain_tokens_per_s for r in runs)
                                    if all(r.drain_tokens_per_s for r in runs) else None),
             "mean_latency_s": statistics.median(r.mean_latency_s for r in runs),
@@ -193,12 +195,14 @@ def _cell_result(runs: dict[str, list], task, c, measured, warm, sources, orders
     rate = {name: v["tokens_per_s"] for name, v in summaries.items()}
     hist = summaries["adaptive"]["chosen_k_histogram"]
     sustained = {name: v["sustained_tokens_per_s"] for name, v in summaries.items()}
+    by_run = {name: v["tokens_per_s_runs"] for name, v in summaries.items()}
+    sustained_by_run = {name: v["sustained_tokens_per_s_runs"] for name, v in summaries.items()}
     return {
         "task": task, "concurrency": c, "orders": orders,
         "prompt_ids": [it for it in (f"{p.dataset}:{p.prompt_id}" for p in measured)],
         "warmup_prompt_ids": [f"{p.dataset}:{p.prompt_id}" for p in warm], "datasets": sources,
-        **_score(rate),
-        "sustained": _score(sustained) if all(sustained.values()) else None,
+        **_score(rate, by_run),
+        "sustained": _score(sustained, sustained_by_run) if all(sustained.values()) else None,
         "drain": _drain(summaries),
         # below 1: adaptive's requests finish sooner (module docstring)
         "latency_vs_plain": summaries["adaptive"]["mean_latency_s"] / summaries["plain"]["mean_latency_s"],
@@ -273,18 +277,33 @@ def _drain(summaries: dict[str, dict]) -> dict | None:
             "share": {name: 1.0 - v["sustained_seconds"] / v["seconds"] for name, v in (("plain", p), ("adaptive", a))}}
 
 
-def _score(rate: dict[str, float]) -> dict:
+def _score(rate: dict[str, float], by_run: dict[str, list[float]] | None = None) -> dict:
     """A cell's (or pooled row's) verdict from its contenders' rates; the control's ratio to
-    plain (None without one) beside it, in no verdict."""
+    plain (None without one) beside it, in no verdict.
+
+    With `by_run` (each contender's rate in each repeat, in repeat order) a ratio is the
+    median over the repeats of that repeat's ratio: a repeat's contenders are a pair (in
+    lockstep they ran at once, step by step), and a ratio of medians would set one repeat's
+    run against another's, the machine's speed between them included. (From session 33; the
+    ratios of the medians stay beside it, `ratio_of_medians`.) The best fixed k is the one
+    of the highest median rate either way."""
     # without a fixed k (--contenders) the cell is judged against plain only: best_fixed and
     # adaptive_vs_best_fixed None, and the verdict says "plain only"
     best = max((f"k={k}" for k in FIXED_KS if f"k={k}" in rate), key=rate.get, default=None)
-    vs_best = None if best is None else rate["adaptive"] / rate[best]
-    vs_plain = rate["adaptive"] / rate["plain"]
-    return {"tokens_per_s": rate, "best_fixed": best, "adaptive_vs_best_fixed": vs_best,
-            "adaptive_vs_plain": vs_plain,
+
+    def ratios(paired: bool) -> dict:
+        def ratio(a: str, b: str) -> float:
+            if not paired:
+                return rate[a] / rate[b]
+            return statistics.median(x / y for x, y in zip(by_run[a], by_run[b], strict=True))
+        return {"adaptive_vs_best_fixed": None if best is None else ratio("adaptive", best),
+                "adaptive_vs_plain": ratio("adaptive", "plain"),
+                "control_vs_plain": ratio(CONTROL, "plain") if CONTROL in rate else None}
+    score = ratios(by_run is not None)
+    vs_best, vs_plain = score["adaptive_vs_best_fixed"], score["adaptive_vs_plain"]
+    return {"tokens_per_s": rate, "best_fixed": best, **score,
             "meets_target": (vs_best is None or vs_best >= TARGET) and vs_plain >= TARGET,
-            "control_vs_plain": rate[CONTROL] / rate["plain"] if CONTROL in rate else None}
+            **({"ratio_of_medians": ratios(False)} if by_run is not None else {})}
 
 
 def control_spread(cells: list[dict]) -> dict | None:
@@ -333,19 +352,27 @@ def table(cells: list[dict], pooled: list[dict]) -> str:
         sus = cell.get("sustained")
         rows.append([cell["task"], cell["concurrency"], *[cell["tokens_per_s"][n] for n in names],
                      cell["best_fixed"], cell["adaptive_vs_best_fixed"], cell["adaptive_vs_plain"],
-                     acc, cell.get("adaptive_mean_k"), _verdict(cell), cell.get("control_vs_plain"),
+                     acc, cell.get("adaptive_mean_k"), _verdict(cell), _medians_text(cell.get("ratio_of_medians")),
+                     cell.get("control_vs_plain"),
                      sus and sus["best_fixed"], sus and sus["adaptive_vs_best_fixed"],
                      sus and sus["adaptive_vs_plain"], _verdict(sus), _paired_text(cell.get("paired")),
                      _drain_text(cell.get("drain")),
                      cell.get("latency_vs_plain"), cell.get("max_others_cpu_share")])
     headers = ["task", "C", *[f"{n} tok/s" for n in names], "best fixed", "adaptive / best fixed",
-               "adaptive / plain", "adaptive acceptance", "adaptive mean k", "target 0.97", "control / plain",
+               "adaptive / plain", "adaptive acceptance", "adaptive mean k", "target 0.97",
+               "ratio of medians: adaptive / best fixed; / plain", "control / plain",
                "sustained: best fixed", "sustained: adaptive / best fixed", "sustained: adaptive / plain",
                "sustained: target 0.97",
                f"1 in flight, paired {INTERVAL:.0%} interval over prompts: adaptive / best fixed; / plain",
                "drain: adaptive / plain (share of seconds: plain, adaptive)",
                "mean request latency: adaptive / plain", "others' CPU (max)"]
     return common.markdown_table(headers, rows)
+
+
+def _medians_text(ratios: dict | None) -> str:
+    if ratios is None:
+        return "n/a"
+    return f"{_fmt(ratios['adaptive_vs_best_fixed'])}; {_fmt(ratios['adaptive_vs_plain'])}"
 
 
 def _paired_text(paired: dict | None) -> str:
@@ -404,7 +431,7 @@ def main(argv=None) -> int:
         print(f"control ({CONTROL} / plain, whole runs): {spread['min']:.3f} - {spread['max']:.3f} over "
               f"{spread['cells']} cells, at most {spread['max_deviation']:.1%} from 1.0")
     header = common.finish_run(header, t0)
-    payload = {"benchmark": "adaptive", "schema": "verispec.bench.engine-adaptive/v7", **header,
+    payload = {"benchmark": "adaptive", "schema": "verispec.bench.engine-adaptive/v8", **header,
                "settings": {"model": args.model, "draft_model": args.draft_model, "method": method,
                             "dtype": args.dtype, "temperature": 0.0, "tasks": {t: TASKS[t] for t in args.tasks},
                             "concurrency": args.concurrency, "num_prompts": args.num_prompts,

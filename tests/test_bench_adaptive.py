@@ -37,6 +37,25 @@ def test_a_contenders_rate_is_the_median_of_its_runs():
     assert not single["meets_target"]  # the check bites: one unlucky run misses
 
 
+def test_a_cells_ratios_pair_each_repeats_contenders():
+    """Three repeats at the machine's speeds 1.0, 0.8 and 1.2 (plain 100, 80 and 120 tokens/s):
+    adaptive reads 0.99 of plain in the first two repeats and 0.80 in the third. The median
+    of the repeats' ratios is 0.99 and the cell meets; the ratio of the medians (96 over
+    100) sets the third repeat's adaptive against the first's plain, misses, and is kept
+    beside the verdict."""
+    speeds = (1.0, 0.8, 1.2)
+    runs = {"plain": [_run(1.0 / s) for s in speeds],
+            "k=1": [_run(1.0 / (0.9 * s)) for s in speeds],
+            "adaptive": [_run(1.0 / (r * s)) for r, s in zip((0.99, 0.99, 0.8), speeds)]}
+    cell = _cell(runs)
+    assert cell["adaptive_vs_plain"] == pytest.approx(0.99) and cell["meets_target"]
+    assert cell["adaptive_vs_best_fixed"] == pytest.approx(0.99 / 0.9)
+    medians = cell["ratio_of_medians"]
+    assert medians["adaptive_vs_plain"] == pytest.approx(96 / 100) and medians["adaptive_vs_plain"] < adaptive.TARGET
+    (row,) = adaptive.overall([cell])
+    assert "1.07; 0.96" in adaptive.table([cell], [row]) and "ratio_of_medians" not in row
+
+
 def test_pooled_rows_sum_tokens_and_seconds_over_every_run():
     runs = {"plain": [_run(1.0), _run(3.0)], "k=1": [_run(1.0), _run(1.0)], "adaptive": [_run(2.0), _run(2.0)]}
     (row,) = adaptive.overall([_cell(runs)])
