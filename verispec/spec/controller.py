@@ -321,8 +321,8 @@ out as in the cost cells, and from fewer than `cost_min_samples` the cheapest a 
 them. (A decayed mean, as before, held a stall for many catch-ups, and held a first,
 possibly cold, timing: a price too high keeps new requests plain, and a request that stays
 plain measures no catch-up that could correct it.) Starting to draft on row r then costs
-its catch-up, spread over the tokens it enables: a round that yields E(alpha_r, k_r) tokens of the row's
-remaining_r is charged c_r * s_tok * E(alpha_r, k_r) / remaining_r, added to the pass's cost
+its catch-up, spread over the tokens it enables: a round that yields E(alpha_r, k_r)
+tokens of the row's remaining_r is charged c_r * s_tok * E(alpha_r, k_r) / remaining_r, added to the pass's cost
 for every row the plan gives drafts to. remaining_r is what the row is expected still to
 make: its budget left, or less where the proposer's requests end early. Over the finished
 ones (decayed, half-life `spread_half_life_requests` requests, read from 3 on), h is their
@@ -1587,11 +1587,11 @@ class AdaptiveController:
     def _parts(self, reqs: list[_Request], matches: list[int | None]) -> tuple[list[float], list[float]]:
         """Each row's first-draft and continuation acceptance (see "First draft and
         continuation"): a part's data with the row's pooled alpha worth
-        `prior_weight(proposer)` trials as its prior, relative to that pooled alpha, times the row's pooled alpha as
-        shrunk across the batch (`_pooled_alphas`). A part with no data of its own is the
-        pooled alpha: the geometric model. A row with a match length (see "Match length"):
-        its rounds of that length with the proposer's estimate for the length as the prior,
-        worth `prior_weight(proposer)` trials."""
+        `prior_weight(proposer)` trials as its prior, relative to that pooled alpha, times
+        the row's pooled alpha as shrunk across the batch (`_pooled_alphas`). A part with no
+        data of its own is the pooled alpha: the geometric model. A row with a match length
+        (see "Match length"): its rounds of that length with the proposer's estimate for the
+        length as the prior, worth `prior_weight(proposer)` trials."""
         firsts, conts = [], []
         shared_by_row = [self._by_match.get((r.proposer, m)) if m else None for r, m in zip(reqs, matches)]
         # (the batch's shrunk alphas only where a row has no match length: an n-gram batch
