@@ -28,7 +28,7 @@ def _recording(tmp_path: Path) -> Path:
             ctl.observe_acceptance(rid, ks[rid], ks[rid] if ks[rid] < 3 else 2, match=3)
         ctl.observe_cost("verify", 2, sum(ks.values()), 0.010 + 0.0005 * sum(ks.values()))
     for rid in ids:
-        ctl.finish(rid)
+        ctl.finish(rid, 60, ended_early=False)
     assert any(k for name, _, _, answer in calls if name == "choose_k" for k in answer.values())
     path = tmp_path / "rec.json"
     path.write_text(json.dumps({"benchmark": "controller-replay", "calls": calls,
@@ -67,5 +67,20 @@ def test_an_older_controller_replays_a_recording_with_choice_reports(tmp_path, c
     assert priced in text
     older.write_text(text.replace(new_kinds, 'COST_KINDS = ("verify", "draft", "catch_up")\n')
                      .replace(priced, "choosing = 0.0\n"))
+    assert replay.main(["compare", str(older), str(SOURCE), str(rec), "--reps", "1"]) == 0
+    assert "rec.json: 60 rounds;" in capsys.readouterr().out
+
+
+def test_an_older_controller_replays_a_recording_with_output_lengths(tmp_path, capsys):
+    """A controller from before the engine reported each finished request's length takes
+    `finish(request_id)` alone: the replay passes it the id only (without that, a TypeError)."""
+    rec = _recording(tmp_path)
+    text = SOURCE.read_text()
+    new_finish = ("    def finish(self, request_id: str, output_tokens: int | None = None, "
+                  "ended_early: bool = False) -> None:\n")
+    assert new_finish in text
+    older = tmp_path / "controller_older.py"
+    older.write_text(text.replace(new_finish, "    def finish(self, request_id: str) -> None:\n"
+                                              "        output_tokens, ended_early = None, False\n"))
     assert replay.main(["compare", str(older), str(SOURCE), str(rec), "--reps", "1"]) == 0
     assert "rec.json: 60 rounds;" in capsys.readouterr().out
