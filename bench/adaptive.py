@@ -8,10 +8,10 @@ after the other in an order rotated from cell to cell. With --repeats R every co
 R times per cell (fresh engine each time), the order rotated again each round, and a
 contender's rate is the median of its R runs: on a noisy machine one short run per
 contender moves by 10-25% and cannot resolve a 0.97 target; a cell's ratios are the medians
-of its repeats' ratios (see `_score`). With --lockstep a repeat runs
-every contender at once instead: all engines warmed up, then one step of each in turn (the
-order shuffled every round) until all are done, each contender's seconds its own steps', so
-a slow stretch of the machine lands on every contender alike.
+of its repeats' ratios (see `_score`). With --lockstep a repeat runs every contender at
+once instead: all engines warmed up, then one step of each in turn (the order shuffled
+every round) until all are done, each contender's seconds its own steps', so a slow stretch
+of the machine lands on every contender alike.
 
 Contenders: plain (spec "none"), fixed k = 1, 2, 4, 8, and adaptive with k_max = 8 (the
 same range as the fixed grid; the engine default is k_max = 4). Drafting is n-gram, or

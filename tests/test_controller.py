@@ -1309,12 +1309,27 @@ def test_a_catch_up_is_spread_over_the_tokens_a_request_is_expected_to_make(ende
     assert (k > 0) == (broken or not ended_early), (k, ctl.snapshot()["expected_left_of_64"])
 
 
-def test_an_abort_or_a_bad_length_says_nothing_of_when_answers_end():
+@pytest.mark.parametrize("broken", [False, True], ids=["aborts left out", "broken: an abort counts as 0 tokens"])
+def test_an_abort_or_a_bad_length_says_nothing_of_when_answers_end(broken, monkeypatch):
+    """Five aborts and three answers that ended early after 20 tokens: how soon answers end
+    is read once 3 (decayed) requests have finished, which three are not quite, so a request
+    is expected to make its whole budget; a fourth answer makes it read. The broken variant
+    counts an abort as a finished request of 0 tokens, which reads the three at once."""
+    if broken:
+        finish = AdaptiveController.finish
+        monkeypatch.setattr(AdaptiveController, "finish", lambda self, rid, output_tokens=None, ended_early=False:
+                            finish(self, rid, output_tokens or 0, ended_early))
     ctl = AdaptiveController()
     for i in range(5):
         ctl.start(f"r{i}", "draft")
         ctl.finish(f"r{i}")  # an abort reports no length
-    assert ctl.snapshot()["expected_left_of_64"]["draft"] == 64.0
+    for i in range(3):
+        ctl.start(f"done{i}", "draft")
+        ctl.finish(f"done{i}", output_tokens=20, ended_early=True)
+    assert (ctl.snapshot()["expected_left_of_64"]["draft"] == 64.0) != broken
+    ctl.start("done3", "draft")
+    ctl.finish("done3", output_tokens=20, ended_early=True)
+    assert ctl.snapshot()["expected_left_of_64"]["draft"] < 64.0
     ctl.start("bad", "draft")
     with pytest.raises(ValueError, match="output_tokens"):
         ctl.finish("bad", output_tokens=-1)

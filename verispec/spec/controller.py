@@ -321,29 +321,29 @@ out as in the cost cells, and from fewer than `cost_min_samples` the cheapest a 
 them. (A decayed mean, as before, held a stall for many catch-ups, and held a first,
 possibly cold, timing: a price too high keeps new requests plain, and a request that stays
 plain measures no catch-up that could correct it.) Starting to draft on row r then costs
-its catch-up, spread over the tokens it enables: a round that yields E(alpha_r, k_r)
-tokens of the row's remaining_r is charged c_r * s_tok * E(alpha_r, k_r) / remaining_r, added to the pass's cost
-for every row the plan gives drafts to. remaining_r is what the row is expected still to
-make: its budget left, or less where the proposer's requests end early. Over the finished
-ones (decayed, half-life `spread_half_life_requests` requests, read from 3 on), h is their
-early ends (EOS, a stop string) per generated token, a request that ran its budget out
-adding its tokens and no end; a constant chance h of ending at each token leaves
-(1 - (1 - h)^b) / h of a budget b. (Over the budget itself: Qwen2.5-Coder chat at 1 in
-flight, answers of 45 of their 64 tokens on average, each catch-up priced at 0.7 of its
+its catch-up, spread over the tokens it enables: a round that yields E(alpha_r, k_r) tokens
+of the row's remaining_r is charged c_r * s_tok * E(alpha_r, k_r) / remaining_r, added to
+the pass's cost for every row the plan gives drafts to. remaining_r is what the row is
+expected still to make: its budget left, or less where the proposer's requests end early.
+Over the finished ones (decayed, half-life `spread_half_life_requests` requests, read from
+3 on), h is their early ends (EOS, a stop string) per generated token, a request that ran
+its budget out adding its tokens and no end; a constant chance h of ending at each token
+leaves (1 - (1 - h)^b) / h of a budget b. (Over the budget itself: Qwen2.5-Coder chat at 1
+in flight, answers of 45 of their 64 tokens on average, each catch-up priced at 0.7 of its
 share, and adaptive drafted as a fixed k = 1 does, 0.961x plain against k = 1's 0.954x;
 session 33.) (Charging the catch-up at the row's cap instead of E overcharged a plan at
-depth 1 4x, and a cold controller never drafted at 4 in flight.) At 16 in flight with 64-token answers to
-~150-token prompts (Qwen2.5-Coder pair), a draft model that catches every row up paid more
-than drafting saved (0.85x plain at acceptance 0.98). Before any catch-up has been measured
-at most one row that needs one may draft per round (the one missing the fewest tokens): its
-pass measures the price before the other rows pay it. And a catch-up is spent for good,
-while exploration runs on optimistic prices (an unmeasured pass is priced at its lower
-bound): so a plan in which more than one row starts drafting (catches up on more than
-k_max tokens) is considered only when its verify and draft cells are measured (trusted);
-otherwise rows start one per round, each start measuring a wider pass. (On Qwen2.5-Coder
-chat at 16 in flight, a cold controller started 8 rows on the bound of a 16-row pass
-verifying 16 drafts, 0.52 s, that took 0.9 s: 723 tokens of catch-up, 5.2 s, bought on a
-price that was off by 2x, and again for 13 rows a few rounds later.)
+depth 1 4x, and a cold controller never drafted at 4 in flight.) At 16 in flight with
+64-token answers to ~150-token prompts (Qwen2.5-Coder pair), a draft model that catches
+every row up paid more than drafting saved (0.85x plain at acceptance 0.98). Before any
+catch-up has been measured at most one row that needs one may draft per round (the one
+missing the fewest tokens): its pass measures the price before the other rows pay it. And a
+catch-up is spent for good, while exploration runs on optimistic prices (an unmeasured pass
+is priced at its lower bound): so a plan in which more than one row starts drafting
+(catches up on more than k_max tokens) is considered only when its verify and draft cells
+are measured (trusted); otherwise rows start one per round, each start measuring a wider
+pass. (On Qwen2.5-Coder chat at 16 in flight, a cold controller started 8 rows on the bound
+of a 16-row pass verifying 16 drafts, 0.52 s, that took 0.9 s: 723 tokens of catch-up, 5.2
+s, bought on a price that was off by 2x, and again for 13 rows a few rounds later.)
 
 Rest (what choosing costs)
 --------------------------
