@@ -586,7 +586,8 @@ def _estimates_cell_by_cell(table: CostTable, bucket: int, size: int):
     f, least = table._speed.factor, table._min_samples
     best = best_any = upper = None
     work, below = table._tokens(bucket, size), []
-    for b, n, seconds, count, w, c in table._view():
+    for (b, n), c in table._cells.items():
+        seconds, count, w = c.seconds, c.count, max(table._tokens(b, n), 1)
         trusted = count >= least
         if trusted and b >= bucket and n >= size and (upper is None or seconds < upper):
             upper = seconds

@@ -567,7 +567,6 @@ class CostTable:
         self._speed = speed if speed is not None else _Speed(0.0)
         self._tokens = tokens
         self._plain_by_plain = plain_by_plain
-        self._cells_view: list[tuple] | None = None
         self._prepared: dict[int, _Bucket] = {}  # bucket -> its view of the cells (`_bucket`)
         self._uppers: dict[int, tuple[list, list]] = {}  # bucket -> its upper bounds (`_upper`)
         self._min_samples = min_samples
@@ -609,6 +608,8 @@ class CostTable:
         timing comes here: ~10 us a round; logs of each timing cost as much again.)"""
         older = max(0, len(cell.samples) - self._speed.pending(cell))  # (a restarted cell: fewer)
         if cell.passes.count(key) == len(cell.passes):  # (most cells hold one exact pass)
+            if older == len(cell.samples) and older >= self._window // 2:  # all of them: `_refresh`'s
+                return cell.seconds, cell.sd / cell.seconds
             alike = list(islice(cell.samples, older))
         else:
             alike = [t for t, p in zip(islice(cell.samples, older), cell.passes) if p == key]
@@ -617,22 +618,12 @@ class CostTable:
         mean, sd, _ = _robust_stats(alike, self._outlier)
         return mean, sd / mean
 
-    def _view(self) -> list[tuple]:
-        """The cells as (b, n, seconds, count, work, cell), work = max(1, tokens(b, n)): made
-        once per change of any cell (`_refresh`), read by every estimate of every plan of a
-        round (a few hundred microseconds of a 5 ms step before; fixed k pays none of it)."""
-        if self._cells_view is None:
-            self._cells_view = [(b, n, c.seconds, c.count, max(self._tokens(b, n), 1), c)
-                                for (b, n), c in self._cells.items()]
-        return self._cells_view
-
     def _refresh(self, cell: "_Cell") -> None:
         """The cell's robust mean of its stored timings, and that mean's error."""
-        self._cells_view = None
         self._prepared.clear()
         self._uppers.clear()
-        cell.seconds, sd, n = _robust_stats(cell.samples, self._outlier)
-        cell.error = 2.0 * sd / math.sqrt(n) if n > 1 else cell.seconds
+        cell.seconds, cell.sd, n = _robust_stats(cell.samples, self._outlier)
+        cell.error = 2.0 * cell.sd / math.sqrt(n) if n > 1 else cell.seconds
 
     @property
     def empty(self) -> bool:
@@ -683,7 +674,7 @@ class CostTable:
         bucket's view of the cells is made once after any cell changes (`_bucket`) and a call
         is a few binary searches. A trusted cell needs only the upper bounds (`_upper`); the
         lower bounds (`_bucket`) are made when an untrusted one is priced."""
-        size = size_bucket(size)
+        size = size if 0 <= size <= 8 else size_bucket(size)
         cell = self._cells.get((bucket, size))
         f = self._speed.factor
         upper_sizes, upper_min = self._uppers.get(bucket) or self._upper(bucket)
@@ -691,7 +682,7 @@ class CostTable:
         upper = upper_min[i] * f if i < len(upper_sizes) else None
         if cell is not None and cell.count >= self._min_samples:
             return cell.seconds * f, upper, True
-        prep = self._bucket(bucket)
+        prep = self._prepared.get(bucket) or self._bucket(bucket)
         work = self._tokens(bucket, size)
         plain_only = self._plain_by_plain and size == 0
         if plain_only and prep.plain is None:  # (rarely needed: the plain cell is young)
@@ -699,10 +690,14 @@ class CostTable:
         best = (prep.plain if plain_only else prep.all).bound(work, cell)
         if size:  # the convexity bounds from the bucket's trusted cells of fewer drafts
             j = bisect_left(prep.below_sizes, size)
-            for line in (prep.lines[j - 1] if j else None, prep.carried):
-                if line is not None:
-                    secant = line[0] + (work - line[1]) * line[2]
-                    best = secant if best is None or secant > best else best
+            line = prep.lines[j - 1] if j else None
+            if line is not None:
+                secant = line[0] + (work - line[1]) * line[2]
+                best = secant if best is None or secant > best else best
+            line = prep.carried
+            if line is not None:
+                secant = line[0] + (work - line[1]) * line[2]
+                best = secant if best is None or secant > best else best
         if cell is None:
             estimate = None if best is None else best * f
         else:
@@ -722,13 +717,18 @@ class CostTable:
         c * min(1, b / b') * min(1, work / w'): s = c min(1, b / b') while w' <= work, s work / w'
         past it. So, the cells sorted by w', the bound at any work is the larger of a prefix
         maximum of s and work times a suffix maximum of s / w' (`_Bounds`)."""
-        prep = self._prepared.get(bucket)
-        if prep is not None:
-            return prep
-        view, least = self._view(), self._min_samples
-        scaled = [(w, seconds * (bucket / b if bucket < b else 1.0), n, c) for b, n, seconds, _, w, c in view]
-        below = sorted((n, c) for b, n, _, count, _, c in view if b == bucket and n >= 1 and count >= least)
-        lines, carried = self._secants(bucket, below, view)
+        least, tokens = self._min_samples, self._tokens
+        scaled, below, plains = [], [], []
+        for (b, n), c in self._cells.items():
+            scaled.append((max(tokens(b, n), 1), c.seconds * (bucket / b if bucket < b else 1.0), n, c))
+            if c.count >= least:
+                if b == bucket:
+                    if n >= 1:
+                        below.append((n, c))
+                elif n == 0 and b < bucket:
+                    plains.append((b, c))
+        below.sort(key=itemgetter(0))  # (one cell a size)
+        lines, carried = self._secants(bucket, below, plains)
         prep = self._prepared[bucket] = _Bucket(scaled, _Bounds(scaled), None, [n for n, _ in below], lines, carried)
         return prep
 
@@ -744,11 +744,12 @@ class CostTable:
         out = self._uppers[bucket] = ([n for n, _ in ups], upper_min)
         return out
 
-    def _secants(self, bucket: int, below: list, view: list) -> tuple[list, tuple | None]:
+    def _secants(self, bucket: int, below: list, plains: list) -> tuple[list, tuple | None]:
         """The convexity bounds of a bucket's drafting passes (speed-free), as lines
         (low, w, slope) bounding a pass of work w' past w by low + (w' - w) slope: for each
         trusted drafting cell in `below` ((n, cell), ascending) the line of the sizes past it
-        (or None), and the carried one (or None).
+        (or None), and the carried one (or None) from the smaller buckets' trusted plain
+        cells, `plains` ((b, cell)).
 
         A pass's cost is a fixed part while it is memory-bound, then grows with its tokens
         once it is compute-bound: convex in its tokens. So past the widest trusted drafting
@@ -817,8 +818,7 @@ class CostTable:
         carried = None
         if plain_end is not None:
             carry = self.CARRIED_SLOPE_SHARE
-            slope = max([line((tokens(b, 0), c), plain_end, carry)[2] for b, n, _, count, _, c in view
-                         if n == 0 and b < bucket and count >= least], default=0.0)
+            slope = max([line((tokens(b, 0), c), plain_end, carry)[2] for b, c in plains], default=0.0)
             if slope > 0.0:
                 carried = (plain_end[1].seconds - plain_end[1].error, plain_end[0], slope)
         return lines, carried
@@ -1000,6 +1000,7 @@ class _Cell:
     samples: deque
     passes: deque  # each timing's exact (batch size, size)
     seconds: float = 0.0
+    sd: float = 0.0     # the standard deviation of the timings it is the mean of
     error: float = 0.0  # two standard errors of that mean (its whole value from one timing)
     count: int = 0
     stamp: int = -1
@@ -1439,6 +1440,7 @@ class AdaptiveController:
         charged = any(charge)
         catch_up_known = self._catch_up.per_token() is not None
         choosing = self.estimated_cost("choice", batch_size, 1) or 0.0
+        verify_priced, choice_price = verify.priced, self._choice_price  # (the inner loop's calls)
 
         def plan(pool: list, depth: int) -> list[tuple[float, int, bool, float, float | None, float, bool]]:
             """(rate, D, trusted, catch-up share, safe rate, priced seconds, starts a row) for D = 0 and the
@@ -1457,15 +1459,18 @@ class AdaptiveController:
                     if drafters:
                         rows.update(t[1] for t in added if t[1] in drafters)
                     taken = n
-                b = size_bucket(n)
+                b = n if n <= 8 else size_bucket(n)
                 priced_v = verify_s.get(b)
                 if priced_v is None:  # (estimate, upper, trusted) of the verify pass
-                    priced_v = verify_s[b] = verify.priced(bucket, b)
+                    priced_v = verify_s[b] = verify_priced(bucket, b)
                 v, v_hi, passes_trusted = priced_v
+                starts = False
                 if rows:
                     key = (batch_bucket(len(rows)), depth)
                     passes_trusted = passes_trusted and draft.trusted(key[0], depth)
-                    if len(rows & starters) > 1 and not passes_trusted:
+                    started = rows & starters
+                    starts = bool(started)
+                    if len(started) > 1 and not passes_trusted:
                         continue  # several catch-ups bought on optimistic prices
                     if key not in draft_cost:
                         draft_cost[key] = self.estimated_range("draft", len(rows), depth)
@@ -1474,18 +1479,18 @@ class AdaptiveController:
                 else:
                     d = d_hi = 0.0
                     caught_up = True
-                extra = one_off + self._choice_price(choosing, n)
+                extra = one_off + choice_price(choosing, n)
                 # a pass with no estimate at all is unmeasured, so optimistic (free); a plan
                 # with such a pass has no price to cap its round's charge (see "Exploration budget")
                 priced = math.inf if v is None or d is None else v + extra + d
-                rate = _rate(total, (v or 0.0) + extra + (d or 0.0))
+                rate = total / max((v or 0.0) + extra + (d or 0.0), _MIN_SECONDS)  # (`_rate`)
                 trusted = n == 0 or (passes_trusted and caught_up)
                 safe = None
                 if trusted:
                     safe = rate
                 elif v_hi is not None and d_hi is not None and caught_up:
                     safe = _rate(total, v_hi + extra + d_hi)  # (estimates are never above these)
-                out.append((rate, n, trusted, one_off, safe, priced, bool(rows & starters)))
+                out.append((rate, n, trusted, one_off, safe, priced, starts))
             return out
 
         if drafters:  # the draft model runs as many steps as the deepest row: try each depth
