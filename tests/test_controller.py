@@ -823,7 +823,7 @@ def test_a_controller_choosing_plain_with_drafts_at_hand_rests_longer_each_time(
     play k = 0, counted as chosen). Once acceptance shows drafting pays, its next choice
     drafts and it chooses every round again, a stale plain cell's re-timing round starting
     no rest. rest_max 0: it chooses every round."""
-    ctl = AdaptiveController(ControllerConfig(explore=0.0, rest_max=rest_max))
+    ctl = AdaptiveController(ControllerConfig(explore=0.0, rest_max=rest_max, hold_max=0))  # (no holds: every choice counts)
     cost = lambda n: 0.010 if n == 0 else 0.020 + 0.0002 * n  # noqa: E731
     _measured(ctl, 4, cost, (0, 1, 2, 4, 8, 16, 24, 32))
     ids = ["a", "b", "c", "d"]
@@ -1649,3 +1649,67 @@ def test_a_coin_toss_first_draft_then_a_likely_continuation_is_drafted_deep_enou
     (bench/acceptance_profile.py): k = 2-4 are best (within 1.5% of each other), k = 1 is 4%
     behind. One alpha fitted to what k = 1 tests reads ~0.45 and keeps k = 1."""
     assert (throughput_ratio(controller_cls, sim.SCENARIOS["ngram first=0.4 a=0.85"]) >= 0.97) == passes
+
+
+@pytest.mark.parametrize("broken", [None, "rows", "cap", "probe"],
+                         ids=["", "broken: held for another batch", "broken: held past a row's lookup",
+                              "broken: held through a probe's round"])
+def test_a_batch_choosing_the_same_drafting_plan_replays_it_longer_each_time(broken, monkeypatch):
+    """Two rows whose every draft is accepted, 1 ms a draft on a 10 ms round: the best plan
+    is k = 8 for both every round, so after choosing it twice running the controller replays
+    it without pricing (a hold) for 1, then 2, then 4 rounds (hold_max), choosing between. A
+    held row plays at most what its lookup has now; another batch chooses at once; a round
+    a probe is due on chooses (explore 0.1: every 10th round)."""
+    real_hold = AdaptiveController._hold
+    if broken == "rows":
+        monkeypatch.setattr(AdaptiveController, "_hold",
+                            lambda self, ids, b, caps: real_hold(self, self._last_plan[0], self._last_plan[1], caps))
+    elif broken == "cap":
+        monkeypatch.setattr(AdaptiveController, "_hold",
+                            lambda self, ids, b, caps: real_hold(self, ids, b, [self.config.k_max] * len(caps)))
+    elif broken == "probe":
+        real_due = AdaptiveController._probe_due
+        monkeypatch.setattr(AdaptiveController, "_probe_due",
+                            lambda self, ahead=0: False if ahead else real_due(self))
+    real_ks = AdaptiveController._adaptive_ks
+    chose = []
+    monkeypatch.setattr(AdaptiveController, "_adaptive_ks", lambda self, *a: chose.append(1) or real_ks(self, *a))
+    cost = lambda n: 0.010 + 0.001 * n  # noqa: E731
+
+    def play(ctl, ids, rounds, caps=None) -> str:
+        out = ""
+        for _ in range(rounds):
+            before = len(chose)
+            ks = ctl.choose_k(ids, len(ids), caps or [8] * len(ids))
+            out += "c" if len(chose) > before else "h"
+            for rid, k in ks.items():
+                if k:
+                    ctl.observe_acceptance(rid, k, k)
+            ctl.observe_cost("verify", len(ids), sum(ks.values()), cost(sum(ks.values())))
+        return out
+
+    ctl = AdaptiveController(ControllerConfig(explore=0.0))
+    _measured(ctl, 2, cost, range(17))
+    _measured(ctl, 3, cost, range(25))
+    _accepting(ctl, ["a", "b", "c"], 4)
+    assert play(ctl, ["a", "b"], 17) == "cchchhchhhhchhhhc"
+    assert ctl.snapshot()["held_rounds"] == 11
+    ks = ctl.choose_k(["a", "b"], 2, [3, 8])  # (held: a's lookup has 3 drafts)
+    assert (ks == {"a": 3, "b": 8}) == (broken != "cap"), ks
+    ctl.observe_cost("verify", 2, sum(ks.values()), cost(sum(ks.values())))
+    pattern = play(ctl, ["a", "b", "c"], 3)
+    assert pattern.startswith("cc") == (broken != "rows"), pattern  # another batch: chooses at once
+    never = AdaptiveController(ControllerConfig(explore=0.0, hold_max=0))
+    _measured(never, 2, cost, range(17))
+    _accepting(never, ["a", "b"], 4)
+    assert play(never, ["a", "b"], 8) == "c" * 8
+
+    probing = AdaptiveController(ControllerConfig(explore=0.1))
+    _measured(probing, 2, cost, range(17))
+    _accepting(probing, ["a", "b"], 4)
+    pattern, probes_chose = "", True
+    for _ in range(60):
+        pattern += play(probing, ["a", "b"], 1)
+        probes_chose &= pattern[-1] == "c" or not probing._probe_due()
+    assert "hh" in pattern
+    assert probes_chose == (broken != "probe"), pattern

@@ -368,6 +368,27 @@ and the drafting cells every choice, so an unmeasured drafting pass, bounded fro
 cells, was priced ~0.5 ms (2.5%) cheap at 16 rows, and a measured one compared with plain
 through a slope that read the choice as per-token work.
 
+Hold (choosing less often while drafting)
+-----------------------------------------
+Drafting chooses every round, and the choice is what drafting loses to the best fixed k
+where the best plan does not change: at 1 in flight on math (default model, Sapphire Rapids
+VM) choose_k took 80 us of a 4.6 ms step solo and ~1.5x that in lockstep, and the adaptive
+cell missed the best fixed k by 3% with decisions that matched it (session 34). So a batch
+whose choice priced its plans and picked the same drafting plan as its last such choice
+(same rows in the same order, same batch size, the same k for each row), the best plan on
+trusted cells (not a probe, an exploration or a stale cell's re-timing) and no row's k set
+by its cap (a row whose lookup had fewer drafts than it would take says nothing of what it
+would take next round; k_max excepted), holds: its next 1, then 2, 4, ... up to `hold_max`
+rounds replay that plan without pricing, each row drafting at most what it has at hand that
+round, a round without any drafts at hand passing by as it would. Any other batch, or a
+round a probe is due on, chooses, and the hold ends; a choice of another plan starts the
+doubling over. A held round is counted as chosen (and as a round for the probes' cadence),
+its acceptance reported as any round's, and its verify pass enters the cost cells as any;
+the engine's choice timing of it (the lookup and the replay) enters the choice's mean, so
+drafting is priced with what its choosing costs on average. What it can cost: a change in
+acceptance or cost is acted on up to `hold_max` rounds late (4 rounds at the default, against
+a 20-token half-life of acceptance).
+
 The batch (one verify pass serves every row)
 --------------------------------------------
 All rows of a step share one verify pass, whose cost follows its total draft tokens D. The
@@ -462,6 +483,9 @@ class ControllerConfig:
     rest_max: int = 8                      # rounds a controller that chose plain with drafts at
                                            # hand may rest (no lookup, no choice), doubling from 1
                                            # while it keeps choosing plain; 0: never (docstring "Rest")
+    hold_max: int = 4                      # rounds a batch that chose the same drafting plan twice
+                                           # running may replay it without choosing, doubling
+                                           # from 1; 0: never (docstring "Hold")
 
     def __post_init__(self):
         # Copy so a caller mutating its dict cannot change a built config.
@@ -498,6 +522,8 @@ class ControllerConfig:
             raise ValueError(f"explore_budget must be >= 0, got {self.explore_budget}")
         if not isinstance(self.rest_max, int) or self.rest_max < 0:
             raise ValueError(f"rest_max must be an int >= 0, got {self.rest_max!r}")
+        if not isinstance(self.hold_max, int) or self.hold_max < 0:
+            raise ValueError(f"hold_max must be an int >= 0, got {self.hold_max!r}")
 
     def to_dict(self) -> dict:
         """Plain data, recorded next to benchmark results."""
@@ -1120,6 +1146,12 @@ class AdaptiveController:
         self._rest_left = 0   # rounds to rest before choosing again (see "Rest")
         self._rest_next = 1   # the next rest's length
         self._rested = 0      # rounds rested so far (for logs)
+        # (see "Hold") the last choice that drafted uncapped: (rows, batch size, ks), or None
+        self._last_plan: tuple[list[str], int, list[int]] | None = None
+        self._hold_left = 0   # rounds that may replay it before choosing again
+        self._holdable: bool | None = None  # the last choice's plan may be held (None: no plan priced)
+        self._hold_next = 1   # the next hold's length
+        self._held = 0        # rounds held so far (for logs)
 
     expected_tokens = staticmethod(expected_tokens)
 
@@ -1333,16 +1365,23 @@ class AdaptiveController:
         if matches is not None and (len(matches) != n or any(
                 m is not None and (not isinstance(m, int) or m < 0) for m in matches)):
             raise ValueError(f"matches must give an int >= 0 or None for each of the {n} requests, got {matches!r}")
+        k_max = self.config.k_max
+        caps = [k_max if a is None else min(a, k_max) for a in available]
+        if self._hold_left > 0 and any(caps):
+            ks = self._hold(request_ids, batch_size, caps)
+            if ks is not None:
+                return dict(zip(request_ids, ks))
         reqs = self._begin_round(request_ids)
         if not reqs:
             return {}
-        k_max = self.config.k_max
-        caps = [k_max if a is None else min(a, k_max) for a in available]
         if not self.config.adaptive:
             ks = [min(self.config.fixed_k, c) for c in caps]
         else:
+            self._holdable = None
             ks = self._adaptive_ks(reqs, batch_size, caps, catch_up or [0] * n, remaining or [1] * n,
                                    matches or [None] * n)
+            if self._holdable is not None:
+                self._note_plan(request_ids, batch_size, ks, caps)
         for k in ks:
             self._k_counts[k] += 1
         return dict(zip(request_ids, ks))
@@ -1360,6 +1399,38 @@ class AdaptiveController:
         self._round = _Round(float(batch_size), explores=False, safe_rate=0.0, seconds=0.0,
                              bucket=batch_bucket(batch_size))
         return True
+
+    def _note_plan(self, request_ids: list[str], batch_size: int, ks: list[int], caps: list[int]) -> None:
+        """After a choice that priced plans: the same drafting plan as the last such choice,
+        as the best plan on trusted cells, with no row's k set by its cap, holds (see "Hold")."""
+        k_max = self.config.k_max
+        if not (self._holdable and any(ks) and all(k < cap or k == k_max for k, cap in zip(ks, caps))):
+            self._last_plan, self._hold_next, self._hold_left = None, 1, 0
+            return
+        if self._last_plan is not None and self._last_plan == (request_ids, batch_size, ks):
+            self._hold_left = min(self._hold_next, self.config.hold_max)
+            self._hold_next = min(2 * self._hold_next, max(self.config.hold_max, 1))
+        else:
+            self._hold_next = 1
+        self._last_plan = (list(request_ids), batch_size, ks)
+
+    def _hold(self, request_ids: list[str], batch_size: int, caps: list[int]) -> list[int] | None:
+        """The held plan's k for each row (at most its cap) if this round may replay it (see
+        "Hold"), else None (and the hold ends)."""
+        rows, size, ks = self._last_plan
+        if request_ids != rows or batch_size != size or self._probe_due(ahead=1):  # (a probe's round chooses)
+            self._hold_left = 0
+            return None
+        self._hold_left -= 1
+        self._held += 1
+        self._rounds += 1
+        self._begin_round(request_ids)
+        ks = [min(k, cap) for k, cap in zip(ks, caps)]
+        for k in ks:
+            self._k_counts[k] += 1
+        self._round = _Round(float(batch_size), explores=False, safe_rate=0.0, seconds=0.0,
+                             bucket=batch_bucket(batch_size))
+        return ks
 
     def _begin_round(self, request_ids: list[str]) -> list[_Request]:
         """A round's rows; those whose last round tested nothing relax (see the docstring)."""
@@ -1533,6 +1604,7 @@ class AdaptiveController:
                         safe = (key, pool, options, i)
         may_explore = self._may_explore(bucket)
         _, pool, options, i = best if may_explore else safe
+        picked = i
         plain_is_best = not options[i][1]  # (before a probe or a stale plain round moves i)
         if self._probe_due():
             probe = self._probe(options, i, bucket)
@@ -1541,6 +1613,7 @@ class AdaptiveController:
             i = 0  # a plain round: every drafting plan's reference, re-measured (see "Stale cells")
         self._round = _Round(float(batch_size), explores=not options[i][2], safe_rate=safe[0][0],
                              seconds=options[i][3], priced=options[i][5], bucket=bucket)
+        self._holdable = i == picked and options[i][2]  # (the best plan, on trusted cells: see "Hold")
         ks = [0] * len(reqs)
         for _, row, _ in pool[: options[i][1]]:
             ks[row] += 1
@@ -1668,10 +1741,11 @@ class AdaptiveController:
         age = self._num_cost_samples - self._costs["verify"].stamp(bucket, 0)
         return age > 2 * self.config.cost_window and plain_rate >= (1.0 - self.config.explore_within) * best_rate
 
-    def _probe_due(self) -> bool:
-        """Deterministic: true on a fraction `explore` of rounds, evenly spread."""
-        e = self.config.explore
-        return math.floor(self._rounds * e) > math.floor((self._rounds - 1) * e)
+    def _probe_due(self, ahead: int = 0) -> bool:
+        """Deterministic: true on a fraction `explore` of rounds, evenly spread (this round's,
+        or the one `ahead` rounds on)."""
+        e, rounds = self.config.explore, self._rounds + ahead
+        return math.floor(rounds * e) > math.floor((rounds - 1) * e)
 
     # ---- logs --------------------------------------------------------------------------
 
@@ -1681,6 +1755,7 @@ class AdaptiveController:
             "config": self.config.to_dict(),
             "rounds": self._rounds,
             "rested_rounds": self._rested,
+            "held_rounds": self._held,
             "probes": self._probes,
             "explore_debt_s": self._explore_debt,
             "elapsed_s": self._elapsed,
