@@ -1637,7 +1637,8 @@ class AdaptiveController:
     @staticmethod
     def _choice_price(choosing: float, drafts: int) -> float:
         """What choosing adds to a plan of `drafts` draft tokens: a drafting plan chooses again
-        next round, plain with drafts at hand rests (see "Rest")."""
+        next round (or holds: the choice's mean has its cheaper rounds, see "Hold"), plain with
+        drafts at hand rests (see "Rest")."""
         return choosing if drafts else 0.0
 
     def _catch_up_charges(self, caps: list[int], catch_up: list[int], remaining: list[int]) -> list[float | None]:
