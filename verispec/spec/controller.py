@@ -1407,7 +1407,7 @@ class AdaptiveController:
         if not (self._holdable and any(ks) and all(k < cap or k == k_max for k, cap in zip(ks, caps))):
             self._last_plan, self._hold_next, self._hold_left = None, 1, 0
             return
-        if self._last_plan is not None and self._last_plan == (request_ids, batch_size, ks):
+        if self._last_plan == (request_ids, batch_size, ks):
             self._hold_left = min(self._hold_next, self.config.hold_max)
             self._hold_next = min(2 * self._hold_next, max(self.config.hold_max, 1))
         else:
