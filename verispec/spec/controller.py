@@ -634,8 +634,6 @@ class CostTable:
         timing comes here: ~10 us a round; logs of each timing cost as much again.)"""
         older = max(0, len(cell.samples) - self._speed.pending(cell))  # (a restarted cell: fewer)
         if cell.passes.count(key) == len(cell.passes):  # (most cells hold one exact pass)
-            if older == len(cell.samples) and older >= self._window // 2:  # all of them: `_refresh`'s
-                return cell.seconds, cell.sd / cell.seconds
             alike = list(islice(cell.samples, older))
         else:
             alike = [t for t, p in zip(islice(cell.samples, older), cell.passes) if p == key]
@@ -648,8 +646,8 @@ class CostTable:
         """The cell's robust mean of its stored timings, and that mean's error."""
         self._prepared.clear()
         self._uppers.clear()
-        cell.seconds, cell.sd, n = _robust_stats(cell.samples, self._outlier)
-        cell.error = 2.0 * cell.sd / math.sqrt(n) if n > 1 else cell.seconds
+        cell.seconds, sd, n = _robust_stats(cell.samples, self._outlier)
+        cell.error = 2.0 * sd / math.sqrt(n) if n > 1 else cell.seconds
 
     @property
     def empty(self) -> bool:
@@ -700,7 +698,7 @@ class CostTable:
         bucket's view of the cells is made once after any cell changes (`_bucket`) and a call
         is a few binary searches. A trusted cell needs only the upper bounds (`_upper`); the
         lower bounds (`_bucket`) are made when an untrusted one is priced."""
-        size = size if 0 <= size <= 8 else size_bucket(size)
+        size = size_bucket(size)
         cell = self._cells.get((bucket, size))
         f = self._speed.factor
         upper_sizes, upper_min = self._uppers.get(bucket) or self._upper(bucket)
@@ -716,14 +714,10 @@ class CostTable:
         best = (prep.plain if plain_only else prep.all).bound(work, cell)
         if size:  # the convexity bounds from the bucket's trusted cells of fewer drafts
             j = bisect_left(prep.below_sizes, size)
-            line = prep.lines[j - 1] if j else None
-            if line is not None:
-                secant = line[0] + (work - line[1]) * line[2]
-                best = secant if best is None or secant > best else best
-            line = prep.carried
-            if line is not None:
-                secant = line[0] + (work - line[1]) * line[2]
-                best = secant if best is None or secant > best else best
+            for line in (prep.lines[j - 1] if j else None, prep.carried):
+                if line is not None:
+                    secant = line[0] + (work - line[1]) * line[2]
+                    best = secant if best is None or secant > best else best
         if cell is None:
             estimate = None if best is None else best * f
         else:
@@ -1026,7 +1020,6 @@ class _Cell:
     samples: deque
     passes: deque  # each timing's exact (batch size, size)
     seconds: float = 0.0
-    sd: float = 0.0     # the standard deviation of the timings it is the mean of
     error: float = 0.0  # two standard errors of that mean (its whole value from one timing)
     count: int = 0
     stamp: int = -1
@@ -1107,6 +1100,14 @@ class _Round:
                               # draft and verify passes as reported
     priced: float = math.inf  # the seconds its plan was priced at (catch-up share included)
     bucket: int = 0           # its batch bucket (each keeps a ledger of its own too)
+    best: bool = False        # it plays the best plan on trusted cells, as chosen (not a probe
+                              # or a stale cell's re-timing): a drafting one may be held ("Hold")
+
+    @classmethod
+    def unpriced(cls, batch_size: int) -> "_Round":
+        """A round that priced no plan (a rest, a hold, nothing measured yet): entered for its
+        seconds only."""
+        return cls(float(batch_size), explores=False, safe_rate=0.0, seconds=0.0, bucket=batch_bucket(batch_size))
 
 
 class AdaptiveController:
@@ -1149,7 +1150,6 @@ class AdaptiveController:
         # (see "Hold") the last choice that drafted uncapped: (rows, batch size, ks), or None
         self._last_plan: tuple[list[str], int, list[int]] | None = None
         self._hold_left = 0   # rounds that may replay it before choosing again
-        self._holdable: bool | None = None  # the last choice's plan may be held (None: no plan priced)
         self._hold_next = 1   # the next hold's length
         self._held = 0        # rounds held so far (for logs)
 
@@ -1377,10 +1377,9 @@ class AdaptiveController:
         if not self.config.adaptive:
             ks = [min(self.config.fixed_k, c) for c in caps]
         else:
-            self._holdable = None
             ks = self._adaptive_ks(reqs, batch_size, caps, catch_up or [0] * n, remaining or [1] * n,
                                    matches or [None] * n)
-            if self._holdable is not None:
+            if any(caps):  # (a round with no drafts at hand leaves a hold's count as it is)
                 self._note_plan(request_ids, batch_size, ks, caps)
         for k in ks:
             self._k_counts[k] += 1
@@ -1396,15 +1395,14 @@ class AdaptiveController:
         self._rested += 1
         self._begin_round(request_ids)
         self._k_counts[0] += len(request_ids)
-        self._round = _Round(float(batch_size), explores=False, safe_rate=0.0, seconds=0.0,
-                             bucket=batch_bucket(batch_size))
+        self._round = _Round.unpriced(batch_size)
         return True
 
     def _note_plan(self, request_ids: list[str], batch_size: int, ks: list[int], caps: list[int]) -> None:
-        """After a choice that priced plans: the same drafting plan as the last such choice,
+        """After a choice with drafts at hand: the same drafting plan as the last such choice,
         as the best plan on trusted cells, with no row's k set by its cap, holds (see "Hold")."""
         k_max = self.config.k_max
-        if not (self._holdable and any(ks) and all(k < cap or k == k_max for k, cap in zip(ks, caps))):
+        if not (self._round.best and any(ks) and all(k < cap or k == k_max for k, cap in zip(ks, caps))):
             self._last_plan, self._hold_next, self._hold_left = None, 1, 0
             return
         if self._last_plan == (request_ids, batch_size, ks):
@@ -1428,8 +1426,7 @@ class AdaptiveController:
         ks = [min(k, cap) for k, cap in zip(ks, caps)]
         for k in ks:
             self._k_counts[k] += 1
-        self._round = _Round(float(batch_size), explores=False, safe_rate=0.0, seconds=0.0,
-                             bucket=batch_bucket(batch_size))
+        self._round = _Round.unpriced(batch_size)
         return ks
 
     def _begin_round(self, request_ids: list[str]) -> list[_Request]:
@@ -1465,8 +1462,7 @@ class AdaptiveController:
         self._rounds += 1
         verify, draft = self._costs["verify"], self._costs["draft"]
         if verify.empty:
-            self._round = _Round(float(batch_size), explores=False, safe_rate=0.0, seconds=0.0,
-                                 bucket=batch_bucket(batch_size))
+            self._round = _Round.unpriced(batch_size)
             return [0] * len(reqs)  # nothing measured: plain decoding, measured by this round
         bucket = batch_bucket(batch_size)
         if not any(caps):  # no row can draft (no n-gram match): plain, the only plan (what `plan` prices at D = 0)
@@ -1530,7 +1526,7 @@ class AdaptiveController:
                     if drafters:
                         rows.update(t[1] for t in added if t[1] in drafters)
                     taken = n
-                b = n if n <= 8 else size_bucket(n)
+                b = size_bucket(n)
                 priced_v = verify_s.get(b)
                 if priced_v is None:  # (estimate, upper, trusted) of the verify pass
                     priced_v = verify_s[b] = verify_priced(bucket, b)
@@ -1554,7 +1550,7 @@ class AdaptiveController:
                 # a pass with no estimate at all is unmeasured, so optimistic (free); a plan
                 # with such a pass has no price to cap its round's charge (see "Exploration budget")
                 priced = math.inf if v is None or d is None else v + extra + d
-                rate = total / max((v or 0.0) + extra + (d or 0.0), _MIN_SECONDS)  # (`_rate`)
+                rate = _rate(total, (v or 0.0) + extra + (d or 0.0))
                 trusted = n == 0 or (passes_trusted and caught_up)
                 safe = None
                 if trusted:
@@ -1612,8 +1608,8 @@ class AdaptiveController:
         if options[i][1] and self._plain_is_stale(bucket, options[0][0], options[i][0]):
             i = 0  # a plain round: every drafting plan's reference, re-measured (see "Stale cells")
         self._round = _Round(float(batch_size), explores=not options[i][2], safe_rate=safe[0][0],
-                             seconds=options[i][3], priced=options[i][5], bucket=bucket)
-        self._holdable = i == picked and options[i][2]  # (the best plan, on trusted cells: see "Hold")
+                             seconds=options[i][3], priced=options[i][5], bucket=bucket,
+                             best=i == picked and options[i][2])
         ks = [0] * len(reqs)
         for _, row, _ in pool[: options[i][1]]:
             ks[row] += 1
