@@ -473,6 +473,8 @@ class ControllerConfig:
     idle_half_life_rounds: float = 32.0    # untested rounds for a request to forget halfway
     cost_window: int = 16                  # timings a cost cell keeps (its robust mean's window)
     cost_outlier: float = 2.0              # a timing above this times its cell's median is a stall
+    cost_spread: float = 1.25              # ... and above this it is left out of the cell's mean
+                                           # (a pause, not the pass: docstring "Costs")
     cost_drift: float = 1.0                # share of a detected change of the machine's pace
                                            # applied to every cell (0: none; docstring "Drift")
     cost_min_samples: int = 3              # a cell's samples before it is trusted above the bounds
@@ -512,6 +514,8 @@ class ControllerConfig:
             raise ValueError(f"cost_window must be an int >= 1, got {self.cost_window!r}")
         if not self.cost_outlier >= 1.0:
             raise ValueError(f"cost_outlier must be >= 1, got {self.cost_outlier}")
+        if not 1.0 <= self.cost_spread <= self.cost_outlier:
+            raise ValueError(f"cost_spread must be in [1, cost_outlier={self.cost_outlier}], got {self.cost_spread}")
         if not 0.0 <= self.cost_drift <= 1.0:
             raise ValueError(f"cost_drift must be in [0, 1], got {self.cost_drift}")
         if not 0.0 <= self.explore < 1.0:
@@ -576,7 +580,8 @@ class CostTable:
 
     A cell keeps its last `window` timings (only the fresh one when it was unvisited for
     `STALE_AFTER_WINDOWS` windows of passes); its estimate is their mean over the timings
-    within `outlier` times their median (see the module docstring: robust to a stall).
+    within `spread` times their median (see the module docstring: robust to a pause); a
+    timing within `outlier` of the pace expected is evidence of the machine's pace (`_Speed`).
     `tokens(bucket, size)` is the work measure the bounds scale by: b + n for a verify pass
     over n draft tokens, n for the draft model's n steps. `plain_by_plain`: a pass of size 0
     is bounded by measured cells of size 0 only (a verifying round does more per token).
@@ -587,9 +592,10 @@ class CostTable:
     STALE_AFTER_WINDOWS = 2  # a cell unvisited for this many windows of passes restarts (`observe`)
 
     def __init__(self, window: int, tokens, min_samples: int = 1, plain_by_plain: bool = False,
-                 outlier: float = 2.0, speed: "_Speed | None" = None):
+                 outlier: float = 2.0, speed: "_Speed | None" = None, spread: float | None = None):
         self._window = window
         self._outlier = outlier
+        self._spread = outlier if spread is None else spread
         self._speed = speed if speed is not None else _Speed(0.0)
         self._tokens = tokens
         self._plain_by_plain = plain_by_plain
@@ -639,14 +645,14 @@ class CostTable:
             alike = [t for t, p in zip(islice(cell.samples, older), cell.passes) if p == key]
         if len(alike) < self._window // 2:
             return None
-        mean, sd, _ = _robust_stats(alike, self._outlier)
+        mean, sd, _ = _robust_stats(alike, self._spread)
         return mean, sd / mean
 
     def _refresh(self, cell: "_Cell") -> None:
         """The cell's robust mean of its stored timings, and that mean's error."""
         self._prepared.clear()
         self._uppers.clear()
-        cell.seconds, sd, n = _robust_stats(cell.samples, self._outlier)
+        cell.seconds, sd, n = _robust_stats(cell.samples, self._spread)
         cell.error = 2.0 * sd / math.sqrt(n) if n > 1 else cell.seconds
 
     @property
@@ -857,13 +863,13 @@ class CostTable:
                 for (b, n), c in sorted(self._cells.items())]
 
 
-def _robust_stats(samples, outlier: float) -> tuple[float, float, int]:
-    """(mean, standard deviation, count) of the timings within `outlier` times their median
-    (a stall is not the pass's cost); the deviation is 0 for one timing."""
+def _robust_stats(samples, cut: float) -> tuple[float, float, int]:
+    """(mean, standard deviation, count) of the timings within `cut` times their median
+    (a pause is not the pass's cost); the deviation is 0 for one timing."""
     ordered = sorted(samples)
     m = len(ordered)
     median = 0.5 * (ordered[(m - 1) // 2] + ordered[m // 2])
-    top = outlier * median
+    top = cut * median
     kept = ordered if ordered[-1] <= top else [t for t in ordered if t <= top]
     n = len(kept)
     mean = sum(kept) / n
@@ -1131,9 +1137,9 @@ class AdaptiveController:
         self._speed = _Speed(cfg.cost_drift)  # shared: a slowdown hits every pass alike
         self._costs = {"verify": CostTable(cfg.cost_window, lambda b, n: b + n, cfg.cost_min_samples,
                                            plain_by_plain=True,
-                                           outlier=cfg.cost_outlier, speed=self._speed),
+                                           outlier=cfg.cost_outlier, speed=self._speed, spread=cfg.cost_spread),
                        "draft": CostTable(cfg.cost_window, lambda b, n: n, cfg.cost_min_samples,
-                                          outlier=cfg.cost_outlier, speed=self._speed)}
+                                          outlier=cfg.cost_outlier, speed=self._speed, spread=cfg.cost_spread)}
         self._catch_up = _CatchUpPrice(cfg.cost_window, cfg.cost_min_samples, cfg.cost_outlier)
         self._choice: dict[int, tuple[float, float]] = {}  # batch bucket -> decayed (seconds, rounds) of choosing
         self._num_cost_samples = 0
