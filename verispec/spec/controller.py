@@ -157,13 +157,17 @@ round's batch instead, one cell mixed passes for 1 and for all 4 drafting rows a
 flight, and drafting every row looked as cheap as drafting one.)
 Batch sizes and draft tokens are bucketed alike: exact up to 8, then 4 buckets per octave;
 each cell keeps its last `cost_window` timings and estimates the pass by their mean,
-leaving out any timing above `cost_outlier` times their median: a stall (another process,
-a page fault) is not the pass's cost, and it lands in one cell only. (With an EWMA, one
-plain round at batch 4 that took 3.3x the others, 0.068 s against ~0.020 s, raised the
-plain cell by a quarter; drafting then looked cheaper than plain, and the controller
-drafted in 10 of the next 13 rounds at 2-3x a plain step each: chat at 4 in flight,
-default model, n-gram.) The window tracks drift within half its length, as the median
-moves. An unmeasured cell is estimated from the measured ones as the tightest
+leaving out any timing above `cost_spread` (1.25) times their median: a stall or a pause
+(another process, a page fault) is not the pass's cost, and it lands in one cell only.
+(With an EWMA, one plain round at batch 4 that took 3.3x the others, 0.068 s against
+~0.020 s, raised the plain cell by a quarter; drafting then looked cheaper than plain, and
+the controller drafted in 10 of the next 13 rounds at 2-3x a plain step each: chat at 4 in
+flight, default model, n-gram. With the cut at `cost_outlier`, 2x, two pauses of 1.86x in
+the window of the 16-row plain cell lifted it from 18.8 to 20.1 ms, and 1-draft rounds at
+~20 ms, a loss, looked 5% faster than plain: 43 of 147 rounds at 16 rows drafted, chat at
+16 in flight, a solo trace. A sustained change of pace is not cut for long: the machine's
+pace moves every cell, below, and a cell's median follows a change within half a window.)
+The window tracks drift within half its length, as the median moves. An unmeasured cell is estimated from the measured ones as the tightest
 lower bound implied by two physical assumptions: cost never falls when the batch or the
 tokens grow, and cost per row or per token never grows with them (a fixed overhead plus at
 most linear work). For a measured cell (b', n') with cost c that gives
