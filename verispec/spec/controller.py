@@ -167,10 +167,11 @@ the window of the 16-row plain cell lifted it from 18.8 to 20.1 ms, and 1-draft 
 ~20 ms, a loss, looked 5% faster than plain: 43 of 147 rounds at 16 rows drafted, chat at
 16 in flight, a solo trace. A sustained change of pace is not cut for long: the machine's
 pace moves every cell, below, and a cell's median follows a change within half a window.)
-The window tracks drift within half its length, as the median moves. An unmeasured cell is estimated from the measured ones as the tightest
-lower bound implied by two physical assumptions: cost never falls when the batch or the
-tokens grow, and cost per row or per token never grows with them (a fixed overhead plus at
-most linear work). For a measured cell (b', n') with cost c that gives
+The window tracks drift within half its length, as the median moves. An unmeasured cell
+is estimated from the measured ones as the tightest lower bound implied by two physical
+assumptions: cost never falls when the batch or the tokens grow, and cost per row or per
+token never grows with them (a fixed overhead plus at most linear work). For a measured
+cell (b', n') with cost c that gives
     cost(b, n) >= c * min(1, b / b') * min(1, size(b, n) / size(b', n')),
 where size is the pass's tokens (b + n for verify, n for the draft model's k steps), and
 the estimate is the largest such bound. Past the widest trusted pass of its batch bucket a
