@@ -597,10 +597,10 @@ class CostTable:
     STALE_AFTER_WINDOWS = 2  # a cell unvisited for this many windows of passes restarts (`observe`)
 
     def __init__(self, window: int, tokens, min_samples: int = 1, plain_by_plain: bool = False,
-                 outlier: float = 2.0, speed: "_Speed | None" = None, spread: float | None = None):
+                 outlier: float = 2.0, speed: "_Speed | None" = None, spread: float = 1.25):
         self._window = window
         self._outlier = outlier
-        self._spread = outlier if spread is None else spread
+        self._spread = spread
         self._speed = speed if speed is not None else _Speed(0.0)
         self._tokens = tokens
         self._plain_by_plain = plain_by_plain
