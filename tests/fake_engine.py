@@ -285,8 +285,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-num-seqs", type=int, default=8)
     parser.add_argument("--max-model-len", type=int, default=512)
     args = parser.parse_args(argv)
-    return serve(lambda: FakeEngine(step_delay_s=args.step_delay, max_num_seqs=args.max_num_seqs,
-                                    max_model_len=args.max_model_len), args)
+    import functools
+    return serve(functools.partial(FakeEngine, step_delay_s=args.step_delay, max_num_seqs=args.max_num_seqs,
+                                   max_model_len=args.max_model_len), args)
 
 
 if __name__ == "__main__":

@@ -339,9 +339,17 @@ async def async_engine(engine: FakeEngine, **kwargs):
         await ae.shutdown()
 
 
+def _state(engine: FakeEngine):
+    return engine.stats(), sorted(engine.requests)
+
+
+def _check_integrity(engine: FakeEngine) -> None:
+    engine.check_integrity()
+
+
 async def engine_state(ae: AsyncEngine, engine: FakeEngine):
-    """(stats, live request ids) read on the engine thread."""
-    return await ae.call(lambda: (engine.stats(), sorted(engine.requests)))
+    """(stats, live request ids) read by the engine core between two steps."""
+    return await ae.call(_state)
 
 
 def test_cancelling_the_consumer_aborts_the_request_and_frees_its_blocks():
@@ -362,7 +370,7 @@ def test_cancelling_the_consumer_aborts_the_request_and_frees_its_blocks():
                 await task
             stats, live = await engine_state(ae, engine)
             assert live == [] and stats.kv_blocks_used == 0
-            await ae.call(engine.check_integrity)
+            await ae.call(_check_integrity)
     run(scenario())
 
 

@@ -148,14 +148,11 @@ def cmd_generate(args) -> int:
 
 
 def cmd_serve(args) -> int:
-    config = config_from_args(args)
+    import functools
+
+    from verispec.engine.core import build_engine
     from verispec.server.app import serve
-
-    def engine_factory():
-        from verispec.engine.engine import LLMEngine
-        return LLMEngine.from_config(config)
-
-    return serve(engine_factory, args, config)
+    return serve(functools.partial(build_engine, config_from_args(args)), args)
 
 
 def cmd_check_pair(args) -> int:

@@ -36,8 +36,9 @@ from starlette.routing import Route
 
 from verispec.outputs import RequestOutput
 from verispec.server import protocol as P
-from verispec.server.async_engine import (AsyncEngine, EngineClosed, QueueFull, RequestFailed,
-                                          RequestStream)
+from verispec.engine.core import health_probe
+from verispec.server.async_engine import (AsyncEngine, EngineClosed, EngineStartError, QueueFull,
+                                          RequestFailed, RequestStream)
 from verispec.server.metrics import ServerMetrics
 
 log = logging.getLogger("verispec.server")
@@ -57,6 +58,7 @@ class ServerConfig:
     max_body_bytes: int = 1 << 20
     served_model_name: str | None = None
     shutdown_timeout_s: float = 10.0
+    max_buffered_outputs: int = 1024  # outputs a stream may hold unread before it is aborted
     log_level: str = "info"
     access_log: bool = True
 
@@ -67,6 +69,8 @@ class ServerConfig:
             raise ValueError(f"max_waiting must be >= 1, got {self.max_waiting}")
         if self.max_body_bytes < 1024:
             raise ValueError(f"max_body_bytes must be >= 1024, got {self.max_body_bytes}")
+        if self.max_buffered_outputs < 1:
+            raise ValueError(f"max_buffered_outputs must be >= 1, got {self.max_buffered_outputs}")
         if self.shutdown_timeout_s < 0:
             raise ValueError(f"shutdown_timeout must be >= 0, got {self.shutdown_timeout_s}")
         if self.api_key is not None and not self.api_key:
@@ -79,6 +83,7 @@ class ServerConfig:
                    api_key=getattr(args, "api_key", None) or os.environ.get(API_KEY_ENV) or None,
                    max_waiting=getattr(args, "max_waiting", d.max_waiting),
                    max_body_bytes=getattr(args, "max_body_bytes", d.max_body_bytes),
+                   max_buffered_outputs=getattr(args, "max_buffered_outputs", d.max_buffered_outputs),
                    served_model_name=getattr(args, "served_model_name", None),
                    shutdown_timeout_s=getattr(args, "shutdown_timeout", d.shutdown_timeout_s),
                    log_level=getattr(args, "log_level", d.log_level),
@@ -98,6 +103,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="requests allowed to wait for the engine; beyond it: HTTP 429")
     g.add_argument("--max-body-bytes", type=int, default=d.max_body_bytes,
                    help="largest request body accepted; beyond it: HTTP 413")
+    g.add_argument("--max-buffered-outputs", type=int, default=d.max_buffered_outputs,
+                   help="engine outputs a stream may hold while its client does not read; beyond "
+                        "it the request is aborted (bounds the memory a stalled client can pin)")
     g.add_argument("--served-model-name", default=None,
                    help="model name clients must send (default: the engine's model name)")
     g.add_argument("--shutdown-timeout", type=float, default=d.shutdown_timeout_s,
@@ -107,10 +115,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--access-log", action=argparse.BooleanOptionalAction, default=d.access_log)
 
 
-def serve(engine_factory: Callable[[], Any], args: argparse.Namespace, engine_config: Any = None) -> int:
-    """Build the engine, then serve it until SIGINT/SIGTERM; returns the exit status.
+def serve(engine_factory: Callable[[], Any], args: argparse.Namespace) -> int:
+    """Build the engine in its own process, then serve it until SIGINT/SIGTERM or until
+    that process dies; returns the exit status (1 when the engine died: a supervisor should
+    restart the server).
 
-    `engine_config` (optional, anything with to_dict()) is only logged at startup.
+    `engine_factory` builds the engine inside the engine-core process, so it must pickle
+    (a module-level function or a functools.partial of one).
     """
     config = ServerConfig.from_args(args)
     if not logging.getLogger().handlers:
@@ -119,9 +130,13 @@ def serve(engine_factory: Callable[[], Any], args: argparse.Namespace, engine_co
     if config.api_key is None and not _is_loopback(config.host):
         log.warning("listening on %s without an API key: anyone who can reach it can use it",
                     config.host)
-    if engine_config is not None and hasattr(engine_config, "to_dict"):
-        log.info("engine config: %s", engine_config.to_dict())
-    engine = engine_factory()
+    engine = AsyncEngine.spawn(engine_factory, max_waiting=config.max_waiting,
+                               max_buffered_outputs=config.max_buffered_outputs, log_level=config.log_level)
+    try:
+        engine.launch()
+    except EngineStartError as exc:
+        raise (ValueError if exc.bad_input else RuntimeError)(str(exc)) from None
+    log.info("engine core pid %d, config as run: %s", engine.engine_pid, engine.info.config)
     app = create_app(engine, config)
     # uvicorn's own grace period is only a backstop: the engine drain below ends every stream
     # (normally or with an error event) first, so no client sees a connection cut mid-body.
@@ -129,13 +144,22 @@ def serve(engine_factory: Callable[[], Any], args: argparse.Namespace, engine_co
         app, host=config.host, port=config.port, log_level=config.log_level, lifespan="on",
         access_log=config.access_log, server_header=False,
         timeout_graceful_shutdown=round(config.shutdown_timeout_s) + 5)
-    server = DrainingServer(uv_config, app.state.server.async_engine, config.shutdown_timeout_s)
+    server = DrainingServer(uv_config, engine, config.shutdown_timeout_s)
+
+    def on_death(why: str) -> None:
+        server.should_exit = True  # requests in flight already ended with the cause
+    engine.on_death = on_death
     try:
         server.run()
     except KeyboardInterrupt:
         pass
     except SystemExit as exc:  # uvicorn exits this way when it cannot bind or start
         return exc.code if isinstance(exc.code, int) else 1
+    finally:
+        engine._kill()
+    if engine.death is not None:
+        log.error("exiting: %s", engine.death)
+        return 1
     return 0 if server.started else 1
 
 
@@ -157,12 +181,18 @@ class DrainingServer(uvicorn.Server):
 
 
 def create_app(engine, config: ServerConfig = ServerConfig()) -> Starlette:
-    """The ASGI app serving `engine`; its engine thread starts and stops with the lifespan."""
+    """The ASGI app serving `engine`: an AsyncEngine (serve: its core in another process) or
+    an engine object, then run on a thread of this process (tests). The core is launched
+    here; the app connects to it, and stops it, with the lifespan."""
+    if not isinstance(engine, AsyncEngine):
+        engine = AsyncEngine(engine, max_waiting=config.max_waiting,
+                             max_buffered_outputs=config.max_buffered_outputs)
+    engine.launch()
     server = OpenAIServer(engine, config)
 
     @asynccontextmanager
     async def lifespan(app):
-        server.async_engine.start()
+        engine.start()
         log.info("serving %s (max_model_len=%d, speculation=%s)", server.model_name,
                  engine.max_model_len, engine.spec_method)
         try:
@@ -205,27 +235,26 @@ def _api(handler):
 class OpenAIServer:
     """Route handlers over one AsyncEngine."""
 
-    def __init__(self, engine, config: ServerConfig):
-        self.engine = engine
+    def __init__(self, async_engine: AsyncEngine, config: ServerConfig):
+        self.async_engine = async_engine
         self.config = config
-        self.tokenizer = engine.tokenizer
-        self.model_name = config.served_model_name or engine.model_name
+        self.tokenizer = async_engine.tokenizer
+        self.model_name = config.served_model_name or async_engine.model_name
         self.created = P.now()
-        self.async_engine = AsyncEngine(engine, max_waiting=config.max_waiting)
-        self.metrics = ServerMetrics(self.model_name, stats_source=lambda: self.async_engine.latest_stats)
-        self.async_engine.observer = self.metrics
-        self.spec_cls = _spec_override_class(engine)
+        self.metrics = ServerMetrics(self.model_name, stats_source=lambda: async_engine.latest_stats)
+        async_engine.observer = self.metrics
 
     # ------------------------------------------------------------------ plain routes
     async def health(self, request: Request) -> Response:
         """Engine state; runs the KV integrity check when the engine is idle."""
         ae = self.async_engine
         body: dict[str, Any] = {"status": "ok", "model": self.model_name, "accepting": ae.accepting,
-                                "in_flight": ae.num_in_flight, "last_step_error": ae.last_step_error}
+                                "in_flight": ae.num_in_flight, "last_step_error": ae.last_step_error,
+                                "engine_pid": ae.engine_pid}
         if not ae.is_alive:
-            return JSONResponse({**body, "status": "unavailable"}, 503)
+            return JSONResponse({**body, "status": "unavailable", "error": ae.death}, 503)
         try:
-            stats, integrity = await ae.call(self._probe, timeout_s=5.0)
+            stats, integrity = await ae.call(health_probe, timeout_s=5.0)
         except (asyncio.TimeoutError, EngineClosed):
             stats, integrity = ae.latest_stats, "skipped: engine busy"
         body.update(_stats_dict(stats), integrity=integrity)
@@ -233,16 +262,6 @@ class OpenAIServer:
             body["status"] = "degraded"
             return JSONResponse(body, 503)
         return JSONResponse(body)
-
-    def _probe(self) -> tuple[Any, str]:  # engine thread
-        stats = self.engine.stats()
-        if self.engine.has_unfinished_requests():
-            return stats, "skipped: requests in flight"
-        try:
-            self.engine.check_integrity()
-        except AssertionError as exc:
-            return stats, f"failed: {exc}"
-        return stats, "ok"
 
     async def metrics_endpoint(self, request: Request) -> Response:
         body, content_type = self.metrics.render()
@@ -252,7 +271,7 @@ class OpenAIServer:
     async def models(self, request: Request) -> Response:
         self._authorize(request)
         card = {"id": self.model_name, "object": "model", "created": self.created,
-                "owned_by": "verispec", "max_model_len": self.engine.max_model_len}
+                "owned_by": "verispec", "max_model_len": self.async_engine.max_model_len}
         return JSONResponse({"object": "list", "data": [card]})
 
     # ------------------------------------------------------------------ generation routes
@@ -363,7 +382,7 @@ class OpenAIServer:
     def _resolve_max_tokens(self, requested: int | None, param: str, prompt_len: int,
                             prompt_param: str, default: int | None) -> int:
         """Check the prompt and max_tokens against the context; fill in the default."""
-        context = self.engine.max_model_len
+        context = self.async_engine.max_model_len
         room = context - prompt_len
         if prompt_len == 0:
             raise P.APIError(400, f"{prompt_param}: the prompt is empty", param=prompt_param,
@@ -383,8 +402,7 @@ class OpenAIServer:
     async def _start(self, rid: str, prompt_ids: list[int], params, req) -> RequestStream:
         """Hand the request to the engine, mapping refusals to HTTP errors."""
         try:
-            return await self.async_engine.add_request(rid, prompt_ids, params,
-                                                       P.spec_override(req, self.spec_cls))
+            return await self.async_engine.add_request(rid, prompt_ids, params, P.spec_override(req))
         except QueueFull as exc:
             raise P.APIError(429, str(exc), type="rate_limit_error", code="queue_full",
                              headers={"Retry-After": str(exc.retry_after_s)}) from None
@@ -510,18 +528,6 @@ async def _http_exception(request: Request, exc: HTTPException) -> Response:
         app_state.metrics.on_rejected(exc.status_code)
     body = P.error_body(f"{request.method} {request.url.path}: {exc.detail}", code=code)
     return JSONResponse(body, exc.status_code, headers=getattr(exc, "headers", None))
-
-
-def _spec_override_class(engine) -> type:
-    """The engine's own SpecOverride (from the module defining the engine class), if any.
-
-    Looking it up there keeps the server from importing the engine package itself; an
-    engine without one gets the protocol's dataclass, which has the same fields.
-    """
-    import sys
-
-    module = sys.modules.get(type(engine).__module__)
-    return getattr(module, "SpecOverride", None) or P.SpecOverride
 
 
 def _is_loopback(host: str) -> bool:

@@ -1,35 +1,49 @@
-"""The synchronous engine on one background thread, driven from asyncio.
+"""The front end's handle on the engine core, driven from asyncio.
 
-LLMEngine is not thread-safe, so exactly one thread (the engine thread) ever calls it. The
-asyncio side never touches the engine: it queues commands that the engine thread applies
-between two steps, and it reads each request's outputs from an asyncio.Queue that the
-engine thread feeds through loop.call_soon_threadsafe.
+The engine runs in an engine-core loop (verispec/engine/core.py): in a process of its own
+(`AsyncEngine.spawn(factory)`, what `verispec serve` does) or, for tests and embedding, on
+a thread of this process (`AsyncEngine(engine)`: much slower for the real engine, see
+core.py). Either way the two sides exchange messages over zmq and never share objects:
 
-    asyncio side (HTTP handlers)               engine thread
-    add_request() ---- command -------------->  engine.add_request -> accepted | ValueError
-    RequestStream.__anext__ <---- queue ------  engine.step() outputs (or an error)
-    RequestStream.abort() ---- command ------>  engine.abort_request (frees its KV at once)
-    call(fn) ---- command ------------------->  fn() between steps (stats, integrity check)
+    asyncio side (HTTP handlers)               engine core
+    add_request() ---- Add ------------------>  engine.add_request -> ACCEPTED | REJECTED
+    RequestStream.__anext__ <-- CoreOutputs --  one message per step: every request's new
+                                                tokens and text, finishes, failures, stats
+    RequestStream.abort() ---- Abort -------->  engine.abort_request (frees its KV at once)
+    call(fn) ---- Call ---------------------->  fn(engine) between steps (health, tests)
 
-A request's life: add_request() waits until the engine thread has called
-engine.add_request (so bad input surfaces as ValueError before any response is sent), then
-returns a RequestStream. Iterating it yields RequestOutputs until one is `finished`. Leaving
-it early (break + aclose, `async with`, cancellation, a client disconnect) aborts the
-request. A request the engine fails raises RequestFailed from the stream; others go on.
-If engine.step() itself raises, every in-flight request is failed and aborted (the engine
-does not say which rows were affected), the error is logged and counted, and the loop keeps
-serving new requests.
+A request's life: add_request() waits until the core has called engine.add_request (so bad
+input surfaces as ValueError before any response is sent), then returns a RequestStream.
+Iterating it yields RequestOutputs until one is `finished`; `spec` is filled in on the
+last one. Leaving it early (break + aclose, `async with`, cancellation, a client
+disconnect) aborts the request. A request the engine fails raises RequestFailed from its
+stream; the others go on. A consumer that stops reading (a client that never reads its
+stream) gets its request aborted once `max_buffered_outputs` outputs wait for it, so the
+buffer is bounded. If the core process dies, every open stream raises EngineDied naming the
+cause, `is_alive` turns false and `on_death` is called (serve exits non-zero).
 """
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
+import multiprocessing
+import os
+import pickle
+import shutil
+import signal
+import tempfile
 import threading
 import time
 from dataclasses import dataclass
 from typing import Any, AsyncIterator, Callable, Protocol
 
-from verispec.outputs import RequestOutput
+import zmq
+import zmq.asyncio
+
+from verispec.engine import messages as M
+from verispec.engine.core import CoreAddresses, EngineCore, run_core_process
+from verispec.outputs import RequestOutput, SpecStats
 from verispec.sampling import SamplingParams
 
 log = logging.getLogger("verispec.server")
@@ -48,13 +62,25 @@ class EngineClosed(RuntimeError):
     """The engine is shutting down or has stopped: it takes no new work (HTTP 503)."""
 
 
+class EngineDied(EngineClosed):
+    """The engine-core process ended without being asked to."""
+
+
+class EngineStartError(RuntimeError):
+    """The engine could not be built (bad_input: a configuration error, exit status 2)."""
+
+    def __init__(self, message: str, bad_input: bool):
+        super().__init__(message)
+        self.bad_input = bad_input
+
+
 class RequestFailed(RuntimeError):
     """The engine failed this one request (RequestOutput.error or a failed step)."""
 
 
 @dataclass(eq=False)
 class RequestRecord:
-    """What the engine thread knows about one request; handed to the observer."""
+    """What the front end knows about one request; handed to the observer."""
 
     request_id: str
     prompt_len: int
@@ -65,7 +91,7 @@ class RequestRecord:
 
 
 class RequestObserver(Protocol):
-    """Hooks called on the engine thread (metrics); exceptions in them are logged, not raised."""
+    """Hooks called on the event loop (metrics); exceptions in them are logged, not raised."""
 
     def on_request_started(self, record: RequestRecord) -> None: ...
     def on_first_token(self, record: RequestRecord) -> None: ...
@@ -78,21 +104,27 @@ _ACCEPTED = object()  # first item of a queue: the engine took the request
 
 
 class _Channel:
-    """Delivery from the engine thread to one request's asyncio queue."""
+    """One request as the front end sees it: its outputs so far and its consumer's queue."""
 
-    __slots__ = ("record", "loop", "queue")
+    __slots__ = ("record", "prompt", "queue", "token_ids", "text", "spec", "aborting")
 
-    def __init__(self, record: RequestRecord, loop: asyncio.AbstractEventLoop):
+    def __init__(self, record: RequestRecord, prompt: list[int]):
         self.record = record
-        self.loop = loop
+        self.prompt = prompt
         self.queue: asyncio.Queue = asyncio.Queue()
+        self.token_ids: list[int] = []
+        self.text = ""
+        self.spec = SpecStats()
+        self.aborting = False      # an Abort was sent; the core's ABORTED ends the channel
 
-    def put(self, item: Any) -> None:
-        """Thread-safe; a no-op when the event loop is already closed (nobody listens)."""
-        try:
-            self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
-        except RuntimeError:
-            pass
+    def output(self, ev: M.RequestEvent) -> RequestOutput:
+        self.token_ids.extend(ev.new_token_ids)
+        self.text += ev.new_text
+        if ev.spec is not None:
+            self.spec = _spec_stats(ev.spec)
+        return RequestOutput(self.record.request_id, self.prompt, list(self.token_ids),
+                             list(ev.new_token_ids), self.text, ev.new_text, ev.finished,
+                             ev.finish_reason, self.spec, ev.error)
 
 
 class RequestStream:
@@ -133,7 +165,7 @@ class RequestStream:
         """Abort the request unless it already ended; safe to call more than once."""
         if not self._done:
             self._done = True
-            self._engine._submit_abort(self.request_id)
+            self._engine._submit_abort(self._channel)
 
     async def aclose(self) -> None:
         self.abort()
@@ -146,67 +178,159 @@ class RequestStream:
 
 
 class AsyncEngine:
-    """Runs `engine` on one background thread; see the module docstring for the protocol."""
+    """Front end of one engine core; see the module docstring for the protocol."""
 
-    def __init__(self, engine, *, max_waiting: int = 256, observer: RequestObserver | None = None):
+    def __init__(self, engine=None, *, factory: Callable[[], Any] | None = None, max_waiting: int = 256,
+                 observer: RequestObserver | None = None, max_buffered_outputs: int = 1024,
+                 startup_timeout_s: float = 900.0, log_level: str = "warning"):
+        if (engine is None) == (factory is None):
+            raise ValueError("AsyncEngine needs an engine (run on a thread) or a factory (a process)")
         if not isinstance(max_waiting, int) or max_waiting < 1:
             raise ValueError(f"max_waiting must be an integer >= 1, got {max_waiting!r}")
-        self.engine = engine
+        if not isinstance(max_buffered_outputs, int) or max_buffered_outputs < 1:
+            raise ValueError(f"max_buffered_outputs must be an integer >= 1, got {max_buffered_outputs!r}")
+        self._engine, self._factory = engine, factory
         self.max_waiting = max_waiting
+        self.max_buffered_outputs = max_buffered_outputs
+        self.startup_timeout_s = startup_timeout_s
+        self.log_level = log_level
         self.observer = observer
+        self.on_death: Callable[[str], None] | None = None
+        self.info: M.EngineInfo | None = None
+        self.tokenizer = None
         self.last_step_error: str | None = None
         self.integrity_error: str | None = None
-        self._cond = threading.Condition()
-        self._commands: list[tuple[Callable, tuple]] = []  # guarded by _cond
-        self._pending_adds = 0                              # adds queued, not yet in a snapshot
-        self._unapplied_adds = 0                            # adds queued, not yet applied
-        self._engine_waiting = 0                            # num_waiting of the latest snapshot
+        self.death: str | None = None       # why the core ended unasked (None while it runs)
+        self._worker: threading.Thread | multiprocessing.Process | None = None
+        self._dir: str | None = None
+        self._cmd: zmq.Socket | None = None
+        self._out: zmq.asyncio.Socket | None = None
+        self._reader: asyncio.Task | None = None
+        self._encode = M.encoder().encode
+        self._channels: dict[str, _Channel] = {}
+        self._calls: dict[int, asyncio.Future] = {}
+        self._call_ids = itertools.count()
+        self._pending_adds = 0          # Adds sent, not yet answered
+        self._engine_waiting = 0        # num_waiting of the latest stats
         self._accepting = False
-        self._stopping = False
-        self._channels: dict[str, _Channel] = {}            # engine thread only
+        self._shutdown_sent = False
         self._latest_stats = None
-        self._thread: threading.Thread | None = None
+
+    @classmethod
+    def spawn(cls, factory: Callable[[], Any], **kwargs) -> "AsyncEngine":
+        """An AsyncEngine whose engine, factory(), is built and run in a process of its own.
+        `factory` must pickle (a module-level function, a classmethod, a functools.partial)."""
+        return cls(factory=factory, **kwargs)
 
     # ------------------------------------------------------------------ lifecycle
+    def launch(self) -> None:
+        """Start the core and wait until its engine is built (blocking; start() calls it).
+        Raises EngineStartError with the engine's own message if it cannot be built."""
+        if self._worker is not None:
+            return
+        self._dir = tempfile.mkdtemp(prefix="verispec-core-")
+        addresses = CoreAddresses(f"ipc://{self._dir}/commands", f"ipc://{self._dir}/outputs")
+        ctx = multiprocessing.get_context("spawn")
+        ours, theirs = ctx.Pipe(duplex=False)
+        if self._factory is not None:
+            self._worker = ctx.Process(target=run_core_process, name="verispec-engine-core", daemon=True,
+                                       args=(self._factory, addresses, theirs, os.getpid(), self.log_level))
+        else:
+            core = EngineCore(self._engine)
+            self._worker = threading.Thread(
+                target=core.serve, name="verispec-engine-core", daemon=True,
+                args=(addresses, None, lambda: theirs.send(("ready", core.info(), None))))
+        self._worker.start()
+        self._await_ready(ours)
+        self._addresses = addresses
+
+    def _await_ready(self, conn) -> None:
+        deadline = time.monotonic() + self.startup_timeout_s
+        while not conn.poll(0.1):
+            if not self._worker.is_alive():
+                raise EngineStartError(f"the engine process exited during startup "
+                                       f"({_exit_text(self._worker)})", bad_input=False)
+            if time.monotonic() > deadline:
+                self._kill()
+                raise EngineStartError(f"the engine was not ready within {self.startup_timeout_s:.0f} s",
+                                       bad_input=False)
+        message = conn.recv()
+        if message[0] == "error":
+            self._worker.join(10)
+            raise EngineStartError(message[2], bad_input=message[1])
+        _, self.info, tokenizer = message
+        self.tokenizer = tokenizer if tokenizer is not None else self._engine.tokenizer
+
     def start(self) -> None:
-        """Start the engine thread (once)."""
-        if self._thread is not None:
+        """Connect to the core (launching it first if needed); call with the event loop running."""
+        if self._reader is not None:
             raise RuntimeError("AsyncEngine.start() called twice")
-        self._latest_stats = self._safe_stats()  # no thread yet: calling the engine is safe
+        self.launch()
+        ctx = zmq.asyncio.Context.instance()
+        self._cmd = zmq.Context.instance().socket(zmq.PUSH)
+        self._cmd.setsockopt(zmq.LINGER, 0)
+        self._cmd.connect(self._addresses.commands)
+        self._out = ctx.socket(zmq.PULL)
+        self._out.setsockopt(zmq.LINGER, 0)
+        self._out.connect(self._addresses.outputs)
+        loop = asyncio.get_running_loop()
+        self._reader = loop.create_task(self._read_outputs())
+        if isinstance(self._worker, multiprocessing.process.BaseProcess):
+            loop.add_reader(self._worker.sentinel, self._on_worker_exit)
         self._accepting = True
-        self._thread = threading.Thread(target=self._run, name="verispec-engine", daemon=True)
-        self._thread.start()
 
     async def drain(self, timeout_s: float) -> None:
         """Stop accepting; give in-flight requests up to timeout_s to finish, then abort the
         rest (their streams raise EngineClosed, so clients get a clean error, not a cut)."""
-        with self._cond:
-            self._accepting = False
+        self._accepting = False
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout_s
         while self.num_in_flight and loop.time() < deadline and self.is_alive:
             await asyncio.sleep(0.01)
         if self.num_in_flight and self.is_alive:
             log.warning("aborting %d request(s) still in flight at shutdown", self.num_in_flight)
-            with self._cond:
-                self._commands.append((self._abort_all, (EngineClosed("the server is shutting down"),)))
-                self._cond.notify()
+        self._send_shutdown("the server is shutting down")
 
     async def shutdown(self, drain_timeout_s: float = 0.0, join_timeout_s: float = 60.0) -> None:
-        """drain(), then stop the engine thread and join it."""
+        """drain(), then stop the core and wait for it (a process that does not stop is killed)."""
+        if self._reader is None:
+            return
         await self.drain(drain_timeout_s)
-        with self._cond:
-            self._stopping = True
-            self._cond.notify()
-        if self._thread is not None:
-            await asyncio.to_thread(self._thread.join, join_timeout_s)
-            if self._thread.is_alive():
-                log.error("engine thread still running %.0f s after shutdown (a step is stuck?)",
-                          join_timeout_s)
+        try:  # the core's last message (closed=True) ends the reader
+            await asyncio.wait_for(asyncio.shield(self._reader), join_timeout_s)
+        except (asyncio.TimeoutError, Exception):
+            pass
+        await asyncio.to_thread(self._worker.join, 5.0 if self.death else join_timeout_s)
+        if self._worker.is_alive():
+            log.error("engine core still running after shutdown (a step is stuck?)")
+            self._kill()
+        self._close(EngineClosed("the server is shutting down"))
+
+    def _close(self, error: BaseException) -> None:
+        """Release sockets and files; end whatever is still open with `error`."""
+        if isinstance(self._worker, multiprocessing.process.BaseProcess):
+            try:
+                asyncio.get_running_loop().remove_reader(self._worker.sentinel)
+            except (RuntimeError, ValueError, OSError):
+                pass
+        if self._reader is not None and not self._reader.done():
+            self._reader.cancel()
+        self._fail_everything(error)
+        for sock in (self._cmd, self._out):
+            if sock is not None:
+                sock.close(0)
+        if self._dir is not None:
+            shutil.rmtree(self._dir, ignore_errors=True)
+            self._dir = None
+
+    def _kill(self) -> None:
+        if isinstance(self._worker, multiprocessing.process.BaseProcess) and self._worker.is_alive():
+            self._worker.kill()
+            self._worker.join(5)
 
     @property
     def is_alive(self) -> bool:
-        return self._thread is not None and self._thread.is_alive()
+        return self._worker is not None and self._worker.is_alive() and self.death is None
 
     @property
     def accepting(self) -> bool:
@@ -214,35 +338,51 @@ class AsyncEngine:
 
     @property
     def num_in_flight(self) -> int:
-        """Requests queued for the engine or running in it (not yet finished or aborted)."""
-        return len(self._channels) + self._unapplied_adds
+        """Requests sent to the engine and not yet finished, failed or confirmed aborted."""
+        return len(self._channels)
 
     @property
     def latest_stats(self):
-        """The engine's EngineStats as of the end of the last loop iteration (or None)."""
+        """The engine's stats after its latest loop turn (or None)."""
         return self._latest_stats
+
+    @property
+    def model_name(self) -> str:
+        return self.info.model_name
+
+    @property
+    def max_model_len(self) -> int:
+        return self.info.max_model_len
+
+    @property
+    def spec_method(self) -> str:
+        return self.info.spec_method
+
+    @property
+    def engine_pid(self) -> int | None:
+        return self.info.pid if self.info is not None else None
 
     # ------------------------------------------------------------------ asyncio API
     async def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                           spec=None) -> RequestStream:
         """Hand a request to the engine; returns its stream once the engine accepted it.
 
-        Raises QueueFull (too many waiting), EngineClosed (shutting down), ValueError (the
-        engine rejected the input) or RequestFailed (the engine raised something else).
+        Raises QueueFull (too many waiting), EngineClosed (shutting down or dead), ValueError
+        (the engine rejected the input) or RequestFailed (the engine raised something else).
         """
-        record = RequestRecord(request_id, len(prompt_token_ids), self._method_label(spec),
-                               time.monotonic())
-        channel = _Channel(record, asyncio.get_running_loop())
-        with self._cond:
-            if not self.accepting:
-                raise EngineClosed("the engine is not accepting requests (shutting down)")
-            waiting = self._engine_waiting + self._pending_adds
-            if waiting >= self.max_waiting:
-                raise QueueFull(waiting, self.max_waiting)
-            self._pending_adds += 1
-            self._unapplied_adds += 1
-            self._commands.append((self._apply_add, (channel, list(prompt_token_ids), params, spec)))
-            self._cond.notify()
+        if not self.accepting:
+            raise EngineClosed(self.death or "the engine is not accepting requests (shutting down)")
+        waiting = self._engine_waiting + self._pending_adds
+        if waiting >= self.max_waiting:
+            raise QueueFull(waiting, self.max_waiting)
+        if request_id in self._channels:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        prompt = list(prompt_token_ids)
+        record = RequestRecord(request_id, len(prompt), self._method_label(spec), time.monotonic())
+        channel = _Channel(record, prompt)
+        self._send(M.Add(request_id, prompt, params, _spec_fields(spec)))
+        self._channels[request_id] = channel
+        self._pending_adds += 1
         stream = RequestStream(self, channel)
         try:
             first = await channel.queue.get()
@@ -262,190 +402,162 @@ class AsyncEngine:
             async for output in stream:
                 yield output
 
-    async def call(self, fn: Callable[[], Any], timeout_s: float | None = None) -> Any:
-        """Run fn() on the engine thread between two steps and return its result."""
-        loop = asyncio.get_running_loop()
-        future = loop.create_future()
+    async def call(self, fn: Callable[[Any], Any], timeout_s: float | None = None) -> Any:
+        """fn(engine) run by the core between two steps; fn and its result must pickle."""
+        if not self.is_alive or self._shutdown_sent:
+            raise EngineClosed(self.death or "the engine core is not running")
+        call_id = next(self._call_ids)
+        future = asyncio.get_running_loop().create_future()
+        self._calls[call_id] = future
+        try:
+            self._send(M.Call(call_id, pickle.dumps(fn)))
+            return await asyncio.wait_for(future, timeout_s)
+        finally:
+            self._calls.pop(call_id, None)
 
-        def deliver(ok: bool, value: Any) -> None:  # engine thread
-            def settle():
-                if not future.done():
-                    future.set_result(value) if ok else future.set_exception(value)
+    def _submit_abort(self, channel: _Channel) -> None:
+        rid = channel.record.request_id
+        if self._channels.get(rid) is not channel or channel.aborting:
+            return
+        channel.aborting = True
+        try:
+            self._send(M.Abort(rid))
+        except EngineClosed:
+            pass  # nothing runs it any more; the channel ends with the core
+
+    def _send(self, command: M.Command) -> None:
+        try:
+            self._cmd.send(self._encode(command), zmq.NOBLOCK)
+        except (zmq.ZMQError, AttributeError) as exc:
+            raise EngineClosed(f"the engine core is not taking commands ({exc})") from None
+
+    def _send_shutdown(self, reason: str) -> None:
+        if not self._shutdown_sent and self.is_alive:
+            self._shutdown_sent = True
             try:
-                loop.call_soon_threadsafe(settle)
-            except RuntimeError:
+                self._send(M.Shutdown(reason))
+            except EngineClosed:
                 pass
-
-        with self._cond:
-            if not self.is_alive or self._stopping:
-                raise EngineClosed("the engine thread is not running")
-            self._commands.append((self._apply_call, (fn, deliver)))
-            self._cond.notify()
-        return await asyncio.wait_for(future, timeout_s)
-
-    def _submit_abort(self, request_id: str) -> None:
-        with self._cond:
-            self._commands.append((self._apply_abort, (request_id, None)))
-            self._cond.notify()
 
     def _method_label(self, spec) -> str:
-        method = getattr(spec, "method", None) or self.engine.spec_method
+        method = getattr(spec, "method", None) or self.spec_method
         return "none" if getattr(spec, "num_tokens", None) == 0 else method
 
-    # ------------------------------------------------------------------ engine thread
-    def _run(self) -> None:
-        try:
-            while self._iterate():
-                pass
-        except BaseException as exc:  # a bug in this loop itself: fail everything loudly
-            log.exception("engine loop crashed; the server can no longer generate")
-            self.last_step_error = f"engine loop crashed: {type(exc).__name__}: {exc}"
-            self._fail_everything(EngineClosed("the engine loop crashed (see the server log)"))
+    # ------------------------------------------------------------------ core -> front end
+    async def _read_outputs(self) -> None:
+        decode = M.outputs_decoder().decode
+        while True:
+            message = decode(await self._out.recv())
+            try:
+                self._handle(message)
+            except Exception:
+                log.exception("handling the engine core's outputs failed")
+            if message.closed:
+                if message.fatal:
+                    self._on_core_lost(message.fatal)
+                return
 
-    def _iterate(self) -> bool:
-        """Apply queued commands, run one step if there is work; False once stopping."""
-        has_work = self.engine.has_unfinished_requests()
-        with self._cond:
-            while not self._commands and not has_work and not self._stopping:
-                self._cond.wait()
-            commands, self._commands = self._commands, []
-            stopping = self._stopping
-        num_adds = 0
-        for fn, args in commands:
-            num_adds += fn == self._apply_add
-            fn(*args)
-        if stopping:
-            self._abort_all(EngineClosed("the server is shutting down"))
-            return False
-        if self.engine.has_unfinished_requests():
-            self._step()
-            if not self.engine.has_unfinished_requests():
-                self._check_integrity()  # idle again: the cheapest moment to audit the KV pool
-        stats = self._safe_stats()
-        with self._cond:
-            self._latest_stats = stats
-            self._engine_waiting = getattr(stats, "num_waiting", 0) if stats is not None else 0
-            self._pending_adds -= num_adds
-        return True
+    def _handle(self, message: M.CoreOutputs) -> None:
+        if message.stats is not None:
+            self._latest_stats = message.stats
+            self._engine_waiting = message.stats.num_waiting
+        if message.step_error is not None:
+            self.last_step_error = message.step_error
+            self._notify("on_step_error", RuntimeError(message.step_error))
+        if message.integrity_checked:
+            self.integrity_error = message.integrity_error
+        for ev in message.events:
+            self._dispatch(ev)
+        for result in message.calls:
+            future = self._calls.get(result.call_id)
+            if future is not None and not future.done():
+                value = pickle.loads(result.value)
+                future.set_result(value) if result.ok else future.set_exception(value)
 
-    def _apply_add(self, channel: _Channel, prompt: list[int], params: SamplingParams, spec) -> None:
-        rid = channel.record.request_id
-        try:
-            self.engine.add_request(rid, prompt, params, spec)
-        except ValueError as exc:
-            outcome = exc
-        except Exception as exc:
-            log.exception("engine.add_request(%s) raised", rid)
-            outcome = RequestFailed(f"the engine could not take the request: {type(exc).__name__}")
-        else:
-            outcome = _ACCEPTED
-            self._channels[rid] = channel
-        with self._cond:  # before the caller can see the outcome, so num_in_flight is exact
-            self._unapplied_adds -= 1
-        if outcome is _ACCEPTED:
-            self._notify("on_request_started", channel.record)
-        channel.put(outcome)
-
-    def _apply_abort(self, request_id: str, error: BaseException | None) -> None:
-        channel = self._channels.pop(request_id, None)
-        try:
-            self.engine.abort_request(request_id)
-        except Exception:
-            log.exception("engine.abort_request(%s) raised", request_id)
+    def _dispatch(self, ev: M.RequestEvent) -> None:
+        channel = self._channels.get(ev.request_id)
         if channel is None:
-            return  # unknown or already finished: nothing to report
-        if error is not None:
-            channel.put(error)
+            return
+        kind = ev.kind
+        if kind in (M.ACCEPTED, M.REJECTED):
+            self._pending_adds -= 1
+            if kind == M.ACCEPTED:
+                self._notify("on_request_started", channel.record)
+                channel.queue.put_nowait(_ACCEPTED)
+            else:
+                del self._channels[ev.request_id]
+                channel.queue.put_nowait(ValueError(ev.error) if ev.bad_input else RequestFailed(ev.error))
+            return
+        if kind == M.OUTPUT:
+            self._on_output(channel, ev)
+            return
+        del self._channels[ev.request_id]  # ABORTED or FAILED: the request has ended
+        if ev.spec is not None:
+            channel.record.last_output = channel.output(ev)
+        if kind == M.FAILED:
+            channel.queue.put_nowait(RequestFailed("internal engine error (see the server log)"))
+            self._notify("on_request_finished", channel.record, "error")
+            return
+        if ev.error is not None:
+            channel.queue.put_nowait(EngineClosed(ev.error))
         self._notify("on_request_finished", channel.record, "abort")
 
-    def _apply_call(self, fn: Callable[[], Any], deliver: Callable[[bool, Any], None]) -> None:
-        try:
-            result = fn()
-        except Exception as exc:
-            deliver(False, exc)
-        else:
-            deliver(True, result)
-
-    def _step(self) -> None:
-        try:
-            outputs = self.engine.step()
-        except Exception as exc:
-            self._on_step_failure(exc)
-            return
-        for output in outputs:
-            self._dispatch(output)
-
-    def _dispatch(self, output: RequestOutput) -> None:
-        channel = self._channels.get(output.request_id)
-        if channel is None:
-            return  # aborted by its client while this step ran
+    def _on_output(self, channel: _Channel, ev: M.RequestEvent) -> None:
         record = channel.record
+        output = channel.output(ev)
         record.last_output = output
         if output.new_token_ids and record.first_token_time is None:
             record.first_token_time = time.monotonic()
             self._notify("on_first_token", record)
         self._notify("on_request_output", record, output)
         if output.error is not None:
-            del self._channels[output.request_id]
-            channel.put(RequestFailed(output.error))
+            del self._channels[ev.request_id]
+            channel.queue.put_nowait(RequestFailed(output.error))
             self._notify("on_request_finished", record, "error")
             return
-        channel.put(output)
         if output.finished:
-            del self._channels[output.request_id]
+            del self._channels[ev.request_id]
+            channel.queue.put_nowait(output)
             reason = output.finish_reason if output.finish_reason in ("stop", "length") else "abort"
             self._notify("on_request_finished", record, reason)
+            return
+        if channel.aborting:
+            return  # its consumer has left
+        if channel.queue.qsize() >= self.max_buffered_outputs:
+            log.warning("request %s: %d outputs unread; aborting it", ev.request_id, channel.queue.qsize())
+            channel.queue.put_nowait(RequestFailed(
+                f"the client did not read its stream ({self.max_buffered_outputs} outputs waiting); "
+                "the request was aborted"))
+            self._submit_abort(channel)
+            return
+        channel.queue.put_nowait(output)
 
-    def _on_step_failure(self, exc: Exception) -> None:
-        """step() raised: fail and abort every in-flight request, keep the loop alive."""
-        log.exception("engine.step() raised; failing %d in-flight request(s)", len(self._channels))
-        self.last_step_error = f"{type(exc).__name__}: {exc}"
-        self._notify("on_step_error", exc)
-        error = RequestFailed("internal engine error (see the server log)")
-        for rid, channel in list(self._channels.items()):
-            del self._channels[rid]
-            try:
-                self.engine.abort_request(rid)
-            except Exception:
-                log.exception("engine.abort_request(%s) raised after a failed step", rid)
-            channel.put(error)
-            self._notify("on_request_finished", channel.record, "error")
-        self._check_integrity()
+    def _on_worker_exit(self) -> None:
+        """The core process ended (its sentinel became readable)."""
+        asyncio.get_running_loop().remove_reader(self._worker.sentinel)
+        self._worker.join(0)
+        if not self._shutdown_sent:
+            self._on_core_lost(f"the engine process exited unexpectedly ({_exit_text(self._worker)})")
 
-    def _abort_all(self, error: BaseException) -> None:
-        for rid in list(self._channels):
-            self._apply_abort(rid, error)
+    def _on_core_lost(self, why: str) -> None:
+        if self.death is not None:
+            return
+        log.error("%s; failing %d request(s) in flight", why, len(self._channels))
+        self.death = self.last_step_error = why
+        self._accepting = False
+        self._fail_everything(EngineDied(why))
+        if self.on_death is not None:
+            self.on_death(why)
 
     def _fail_everything(self, error: BaseException) -> None:
-        with self._cond:
-            self._accepting = False
-            commands, self._commands = self._commands, []
-        for fn, args in commands:
-            if fn == self._apply_add:
-                args[0].put(error)
-            elif fn == self._apply_call:
-                args[1](False, error)
         for channel in self._channels.values():
-            channel.put(error)
+            channel.queue.put_nowait(error)
+            self._notify("on_request_finished", channel.record, "error")
         self._channels.clear()
-
-    def _check_integrity(self) -> None:
-        try:
-            self.engine.check_integrity()
-        except AssertionError as exc:
-            self.integrity_error = str(exc) or "check_integrity failed"
-            log.error("KV integrity check failed: %s", self.integrity_error)
-        except Exception:
-            log.exception("engine.check_integrity() raised")
-        else:
-            self.integrity_error = None
-
-    def _safe_stats(self):
-        try:
-            return self.engine.stats()
-        except Exception:
-            log.exception("engine.stats() raised")
-            return None
+        self._pending_adds = 0
+        for future in self._calls.values():
+            if not future.done():
+                future.set_exception(error)
 
     def _notify(self, hook: str, *args) -> None:
         if self.observer is None:
@@ -454,3 +566,27 @@ class AsyncEngine:
             getattr(self.observer, hook)(*args)
         except Exception:
             log.exception("request observer %s raised", hook)
+
+
+def _spec_fields(spec) -> M.SpecFields | None:
+    if spec is None:
+        return None
+    return M.SpecFields(getattr(spec, "method", None), getattr(spec, "num_tokens", None),
+                        getattr(spec, "adaptive", None))
+
+
+def _spec_stats(s: M.SpecSnapshot) -> SpecStats:
+    return SpecStats(s.num_drafts, s.num_draft_tokens, s.num_accepted_tokens,
+                     list(s.accepted_per_position), list(s.drafted_per_position), s.target_forwards)
+
+
+def _exit_text(worker) -> str:
+    code = getattr(worker, "exitcode", None)
+    if code is None:
+        return "still running"
+    if code < 0:
+        try:
+            return f"killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"killed by signal {-code}"
+    return f"exit status {code}"
