@@ -306,7 +306,7 @@ class OpenAIServer:
 
     async def _respond(self, request: Request, stream: RequestStream, kind: str, req) -> Response:
         if req.stream:
-            events = self._events(stream, kind, req.include_usage_in_stream())
+            events = self._events(stream, kind, req.stream_usage_mode())
             return SSEResponse(events, stream)
         try:
             out = await _collect(stream, request)
@@ -318,36 +318,41 @@ class OpenAIServer:
         return JSONResponse(build(stream.request_id, P.now(), self.model_name, out.text,
                                   out.finish_reason, _usage(out), P.spec_summary(out.spec, stream.method)))
 
-    async def _events(self, stream: RequestStream, kind: str, include_usage: bool) -> AsyncIterator[bytes]:
-        """SSE events of one request; `spec` rides on the last chunk before [DONE]."""
+    async def _events(self, stream: RequestStream, kind: str, usage_mode: str) -> AsyncIterator[bytes]:
+        """SSE events of one request, one per engine step that added text; `spec` rides on the
+        last chunk before [DONE]. usage_mode: "none", "final" (stream_options.include_usage:
+        `usage: null` on every chunk, then a usage chunk) or "continuous" (also
+        continuous_usage_stats: each chunk carries the usage so far, as vLLM does)."""
         rid, created, model = stream.request_id, P.now(), self.model_name
 
-        def chunk(text: str | None, finish_reason: str | None) -> dict:
+        def chunk(text: str | None, finish_reason: str | None, completion_tokens: int) -> dict:
             if kind == "completion":
                 c = P.completion_chunk(rid, created, model, text or "", finish_reason)
             else:
                 delta = {} if text is None else {"content": text}
                 c = P.chat_chunk(rid, created, model, delta, finish_reason)
-            if include_usage:
-                c["usage"] = None
+            if usage_mode != "none":
+                c["usage"] = (P.usage(stream.prompt_len, completion_tokens)
+                              if usage_mode == "continuous" else None)
             return c
 
         try:
             if kind == "chat":
-                yield P.sse({**chunk("", None), "choices": [
+                yield P.sse({**chunk("", None, 0), "choices": [
                     {"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                      "finish_reason": None}]})
             async for out in stream:
                 _raise_if_engine_aborted(out)
                 if out.new_text and (kind == "chat" or not out.finished):
-                    yield P.sse(chunk(out.new_text, None))
+                    yield P.sse(chunk(out.new_text, None, len(out.token_ids)))
                 if out.finished:
-                    last = chunk(out.new_text if kind == "completion" else None, out.finish_reason)
+                    last = chunk(out.new_text if kind == "completion" else None, out.finish_reason,
+                                 len(out.token_ids))
                     spec = P.spec_summary(out.spec, stream.method)
-                    if not include_usage:
+                    if usage_mode == "none":
                         last["spec"] = spec
                     yield P.sse(last)
-                    if include_usage:
+                    if usage_mode != "none":
                         obj = "text_completion" if kind == "completion" else "chat.completion.chunk"
                         yield P.sse({**P.usage_chunk(rid, created, model, obj, _usage(out)), "spec": spec})
         except (RequestFailed, EngineClosed) as exc:

@@ -39,7 +39,6 @@ from dataclasses import dataclass
 from typing import Any, AsyncIterator, Callable, Protocol
 
 import zmq
-import zmq.asyncio
 
 from verispec.engine import messages as M
 from verispec.engine.core import CoreAddresses, EngineCore, run_core_process
@@ -143,6 +142,10 @@ class RequestStream:
     def method(self) -> str:
         return self._channel.record.method
 
+    @property
+    def prompt_len(self) -> int:
+        return self._channel.record.prompt_len
+
     def __aiter__(self) -> "RequestStream":
         return self
 
@@ -204,9 +207,11 @@ class AsyncEngine:
         self._worker: threading.Thread | multiprocessing.Process | None = None
         self._dir: str | None = None
         self._cmd: zmq.Socket | None = None
-        self._out: zmq.asyncio.Socket | None = None
-        self._reader: asyncio.Task | None = None
+        self._out: zmq.Socket | None = None
+        self._reading = False
+        self._closed: asyncio.Event | None = None   # set once the core's last message was read
         self._encode = M.encoder().encode
+        self._decode = M.outputs_decoder().decode
         self._channels: dict[str, _Channel] = {}
         self._calls: dict[int, asyncio.Future] = {}
         self._call_ids = itertools.count()
@@ -263,18 +268,21 @@ class AsyncEngine:
 
     def start(self) -> None:
         """Connect to the core (launching it first if needed); call with the event loop running."""
-        if self._reader is not None:
+        if self._reading or self._closed is not None:
             raise RuntimeError("AsyncEngine.start() called twice")
         self.launch()
-        ctx = zmq.asyncio.Context.instance()
-        self._cmd = zmq.Context.instance().socket(zmq.PUSH)
+        ctx = zmq.Context.instance()
+        self._cmd = ctx.socket(zmq.PUSH)
         self._cmd.setsockopt(zmq.LINGER, 0)
         self._cmd.connect(self._addresses.commands)
         self._out = ctx.socket(zmq.PULL)
         self._out.setsockopt(zmq.LINGER, 0)
         self._out.connect(self._addresses.outputs)
         loop = asyncio.get_running_loop()
-        self._reader = loop.create_task(self._read_outputs())
+        self._closed = asyncio.Event()
+        self._reading = True
+        loop.add_reader(self._out.getsockopt(zmq.FD), self._read_outputs)
+        loop.call_soon(self._read_outputs)  # anything that arrived before the reader was added
         if isinstance(self._worker, multiprocessing.process.BaseProcess):
             loop.add_reader(self._worker.sentinel, self._on_worker_exit)
         self._accepting = True
@@ -293,13 +301,14 @@ class AsyncEngine:
 
     async def shutdown(self, drain_timeout_s: float = 0.0, join_timeout_s: float = 60.0) -> None:
         """drain(), then stop the core and wait for it (a process that does not stop is killed)."""
-        if self._reader is None:
+        if self._closed is None:
             return
         await self.drain(drain_timeout_s)
-        try:  # the core's last message (closed=True) ends the reader
-            await asyncio.wait_for(asyncio.shield(self._reader), join_timeout_s)
-        except (asyncio.TimeoutError, Exception):
-            pass
+        if self._reading:  # the core's last message (closed=True) ends the reading
+            try:
+                await asyncio.wait_for(self._closed.wait(), 5.0 if self.death else join_timeout_s)
+            except asyncio.TimeoutError:
+                pass
         await asyncio.to_thread(self._worker.join, 5.0 if self.death else join_timeout_s)
         if self._worker.is_alive():
             log.error("engine core still running after shutdown (a step is stuck?)")
@@ -313,8 +322,7 @@ class AsyncEngine:
                 asyncio.get_running_loop().remove_reader(self._worker.sentinel)
             except (RuntimeError, ValueError, OSError):
                 pass
-        if self._reader is not None and not self._reader.done():
-            self._reader.cancel()
+        self._stop_reading()
         self._fail_everything(error)
         for sock in (self._cmd, self._out):
             if sock is not None:
@@ -444,18 +452,30 @@ class AsyncEngine:
         return "none" if getattr(spec, "num_tokens", None) == 0 else method
 
     # ------------------------------------------------------------------ core -> front end
-    async def _read_outputs(self) -> None:
-        decode = M.outputs_decoder().decode
-        while True:
-            message = decode(await self._out.recv())
+    def _read_outputs(self) -> None:
+        """Drain the output socket (an add_reader callback: zmq's descriptor signals edges, so
+        read until nothing is left). A plain socket on the loop's selector costs a tenth of
+        zmq.asyncio's futures per message, and this runs once per engine step."""
+        while self._out.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+            message = self._decode(self._out.recv(zmq.NOBLOCK))
             try:
                 self._handle(message)
             except Exception:
                 log.exception("handling the engine core's outputs failed")
             if message.closed:
+                self._stop_reading()
                 if message.fatal:
                     self._on_core_lost(message.fatal)
                 return
+
+    def _stop_reading(self) -> None:
+        if self._reading:
+            self._reading = False
+            self._closed.set()
+            try:
+                asyncio.get_running_loop().remove_reader(self._out.getsockopt(zmq.FD))
+            except (RuntimeError, ValueError, OSError):
+                pass
 
     def _handle(self, message: M.CoreOutputs) -> None:
         if message.stats is not None:

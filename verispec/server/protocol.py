@@ -72,6 +72,7 @@ class SpeculativeOptions(_Strict):
 
 class StreamOptions(_Strict):
     include_usage: bool = False
+    continuous_usage_stats: bool = False  # vLLM's: usage so far on every chunk (with include_usage)
 
 
 class _GenerationRequest(_Strict):
@@ -133,8 +134,12 @@ class _GenerationRequest(_Strict):
             raise APIError(400, "stream_options is only allowed when stream is true",
                            param="stream_options", code="invalid_value")
 
-    def include_usage_in_stream(self) -> bool:
-        return bool(self.stream_options and self.stream_options.include_usage)
+    def stream_usage_mode(self) -> str:
+        """"none", "final" (include_usage) or "continuous" (and continuous_usage_stats)."""
+        o = self.stream_options
+        if o is None or not o.include_usage:
+            return "none"
+        return "continuous" if o.continuous_usage_stats else "final"
 
 
 class CompletionRequest(_GenerationRequest):
