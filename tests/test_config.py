@@ -62,3 +62,25 @@ def test_huge_pages_are_on_by_default_and_a_flag_turns_them_off_over_the_yaml(tm
     path.write_text("huge_pages: false\n")
     assert config_from_args(parse(["--config", str(path)])).huge_pages is False
     assert config_from_args(parse(["--config", str(path), "--huge-pages"])).huge_pages is True
+
+
+def test_auto_threads_uses_every_core_and_serve_spares_one_only_on_wide_machines(monkeypatch):
+    from verispec import config as C
+    for cores, serve, generate in ((1, 1, 1), (2, 2, 2), (8, 8, 8), (9, 8, 9), (64, 63, 64)):
+        monkeypatch.setattr(C, "physical_cores", lambda cores=cores: cores)
+        assert (C.auto_threads("serve"), C.auto_threads("generate")) == (serve, generate)
+    with pytest.raises(ValueError, match="mode must be"):
+        C.auto_threads("train")
+
+
+def test_physical_cores_counts_usable_cores_once():
+    import os
+
+    from verispec.config import physical_cores
+    assert 1 <= physical_cores() <= len(os.sched_getaffinity(0))
+
+
+def test_resolved_for_fills_threads_only_when_unset():
+    from verispec.config import auto_threads
+    assert EngineConfig().resolved_for("serve").threads == auto_threads("serve")
+    assert EngineConfig(threads=3).resolved_for("serve").threads == 3

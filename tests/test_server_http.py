@@ -428,3 +428,75 @@ def test_sigterm_with_a_stream_in_flight_ends_it_cleanly_and_exits():
     finally:
         srv.stop()
         srv.log.close()
+
+
+def test_engine_runs_in_its_own_process_apart_from_the_http_front_end(server):
+    """The design's invariant (engine/core.py): the engine computes on the main thread of a
+    process of its own, never on a thread beside the event loop, where a second OpenMP team
+    turned every barrier into a futex wait and halved decoding. A server that ran the engine
+    in its own process (the old thread design) reports its own pid and fails this."""
+    health = server.health()
+    assert health["engine_pid"] not in (None, server.proc.pid)
+    parent = Path(f"/proc/{health['engine_pid']}/stat").read_text().rsplit(")", 1)[1].split()[1]
+    assert int(parent) == server.proc.pid  # the server's own child, not a stray process
+
+
+def test_killing_the_engine_process_ends_every_open_request_and_the_server():
+    """SIGKILL to the engine core mid-stream: open streams end with an error event naming the
+    cause and non-streaming requests with a 503 within 5 s, /health stops saying ok, and the
+    server exits non-zero (a supervisor restarts it); nothing hangs."""
+    srv = ServerProcess(BACKEND)
+    try:
+        engine_pid = srv.health()["engine_pid"]
+        c = aclient(srv)
+        long = dict(max_tokens=450, extra_body={"ignore_eos": True})  # seconds on either backend
+
+        async def streamed() -> str:
+            stream = await c.completions.create(model=BACKEND.model, prompt="a long tale", stream=True, **long)
+            try:
+                async for _ in stream:
+                    pass
+            except openai.APIError as exc:
+                return str(exc)
+            return "ended without an error"
+
+        async def plain() -> int:
+            try:
+                await c.completions.create(model=BACKEND.model, prompt="another tale", **long)
+            except openai.APIStatusError as exc:
+                return exc.status_code
+            return 200
+
+        async def scenario():
+            tasks = [asyncio.create_task(streamed()), asyncio.create_task(plain())]
+            while srv.health()["in_flight"] < 2:
+                await asyncio.sleep(0.01)
+            os.kill(engine_pid, signal.SIGKILL)
+            t0 = time.monotonic()
+            results = await asyncio.wait_for(asyncio.gather(*tasks), 5)
+            return results, time.monotonic() - t0
+
+        (stream_error, status), elapsed = asyncio.run(scenario())
+        assert "engine process exited unexpectedly (killed by SIGKILL)" in stream_error
+        assert status == 503 and elapsed < 5
+        try:
+            assert httpx.get(f"{srv.url}/health", timeout=5).status_code == 503
+        except httpx.TransportError:
+            pass  # already gone: also not ok
+        assert srv.proc.wait(15) == 1, srv.log_text()
+    finally:
+        srv.stop()
+        srv.log.close()
+
+
+def test_continuous_usage_stats_count_every_chunk(server):
+    """stream_options.continuous_usage_stats: each chunk carries the usage so far, so a client
+    (verispec bench) knows the tokens of every chunk; they add up to the final usage."""
+    chunks = list(client(server).chat.completions.create(
+        model=BACKEND.model, messages=[{"role": "user", "content": "count with me"}], max_tokens=12,
+        temperature=0, stream=True, stream_options={"include_usage": True, "continuous_usage_stats": True},
+        extra_body={"ignore_eos": True}))
+    counted = [c.usage.completion_tokens for c in chunks if c.choices]
+    assert counted[0] == 0 and counted == sorted(counted)  # the role chunk, then growing
+    assert counted[-1] == chunks[-1].usage.completion_tokens == 12
+    assert all(c.usage.prompt_tokens == chunks[-1].usage.prompt_tokens for c in chunks)

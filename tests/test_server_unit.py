@@ -560,3 +560,82 @@ def test_request_failed_is_raised_from_the_stream():
                 async for _ in ae.generate("f", list(b"FAIL_REQUEST"), GREEDY):
                     pass
     run(scenario())
+
+
+def test_a_client_that_never_reads_its_stream_is_aborted_at_the_buffer_bound():
+    """A stalled reader (the ASGI `send` never returns, as when a client stops reading and
+    the socket fills) must not make its request's buffer grow: at max_buffered_outputs
+    unread outputs the request is aborted and its KV freed. Without the bound the request
+    runs to max_tokens with every output queued (the engine's steps show it)."""
+    async def scenario():
+        engine = FakeEngine(step_delay_s=0.002)
+        app = create_app(engine, ServerConfig(max_buffered_outputs=8))
+        async with app.router.lifespan_context(app):
+            body = {"prompt": "never read", "max_tokens": 450, "ignore_eos": True, "stream": True}
+            stuck = asyncio.Event()
+
+            async def receive():
+                await asyncio.Event().wait()  # no disconnect: the client is there, not reading
+
+            async def send(message):
+                if message.get("more_body") and message.get("body"):
+                    stuck.set()
+                    await asyncio.Event().wait()  # the socket is full: send never returns
+
+            scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST",
+                     "path": COMP, "raw_path": COMP.encode(), "query_string": b"",
+                     "headers": [(b"content-type", b"application/json")], "scheme": "http",
+                     "server": ("test", 80), "client": ("test", 1), "root_path": ""}
+            task = asyncio.create_task(app(scope, _once(json.dumps(body).encode(), receive), send))
+            await stuck.wait()
+            ae = app.state.server.async_engine
+            for _ in range(500):
+                if ae.num_in_flight == 0:
+                    break
+                await asyncio.sleep(0.01)
+            stats, live = await engine_state(ae, engine)
+            assert live == [] and stats.kv_blocks_used == 0
+            assert engine.steps < 100, "the request ran on while nobody read it"
+            m = scrape(app.state.server.metrics.render()[0].decode())
+            assert total(m, "verispec:request_aborted_total") == 1
+            task.cancel()
+    run(scenario())
+
+
+def _once(body: bytes, then):
+    """An ASGI receive that delivers `body` once, then defers to `then`."""
+    sent = False
+
+    async def receive():
+        nonlocal sent
+        if not sent:
+            sent = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        return await then()
+    return receive
+
+
+def _where(engine: FakeEngine) -> tuple[int, bool]:
+    import threading
+    return os.getpid(), threading.current_thread() is threading.main_thread()
+
+
+def test_a_spawned_engine_runs_on_the_main_thread_of_another_process():
+    """AsyncEngine.spawn (what `verispec serve` uses) builds and steps the engine on the main
+    thread of a child process; the thread form (tests) shares this process."""
+    import functools
+
+    async def scenario():
+        ae = AsyncEngine.spawn(functools.partial(FakeEngine, step_delay_s=0.001))
+        ae.start()
+        try:
+            pid, on_main = await ae.call(_where)
+            assert pid == ae.engine_pid != os.getpid() and on_main
+            outs = [o async for o in ae.generate("r", [1, 2, 3], SamplingParams(max_tokens=5, ignore_eos=True))]
+            assert outs[-1].finished and len(outs[-1].token_ids) == 5
+        finally:
+            await ae.shutdown()
+        assert not ae.is_alive
+        async with async_engine(FakeEngine()) as threaded:
+            assert (await threaded.call(_where))[0] == os.getpid()
+    run(scenario())

@@ -101,7 +101,7 @@ def cmd_generate(args) -> int:
     # Validate the cheap things before loading any weights.
     params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
                             min_p=args.min_p, max_tokens=args.max_tokens, seed=args.seed)
-    config = config_from_args(args)
+    config = config_from_args(args).resolved_for("generate")
     from verispec.engine.engine import LLMEngine
     t_launch = time.perf_counter()
     engine = LLMEngine.from_config(config)
@@ -152,7 +152,7 @@ def cmd_serve(args) -> int:
 
     from verispec.engine.core import build_engine
     from verispec.server.app import serve
-    return serve(functools.partial(build_engine, config_from_args(args)), args)
+    return serve(functools.partial(build_engine, config_from_args(args).resolved_for("serve")), args)
 
 
 def cmd_check_pair(args) -> int:

@@ -109,6 +109,8 @@ class LLMEngine:
     # ------------------------------------------------------------------ construction
     @classmethod
     def from_config(cls, config: EngineConfig) -> "LLMEngine":
+        """The engine for `config`; threads None leaves torch's setting (the CLI, the server
+        and LLM resolve it first: EngineConfig.resolved_for)."""
         if config.threads is not None:
             torch.set_num_threads(config.threads)
         if config.spec.method == "draft" and not config.draft_model:

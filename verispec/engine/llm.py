@@ -25,7 +25,7 @@ class LLM:
             config = EngineConfig(model=model, draft_model=draft, dtype=dtype, spec=spec_cfg)
         if engine_options:
             config = replace(config, **engine_options)
-        self.engine = LLMEngine.from_config(config)
+        self.engine = LLMEngine.from_config(config.resolved_for("generate"))
         self.config = self.engine.config  # resolved (e.g. the registered draft's directory)
         self.tokenizer = self.engine.tokenizer
         self._next_id = 0
