@@ -132,6 +132,10 @@ def test_refined_head_greedy_equals_float32_head(kind):
     weight = _near_tie_head()
     head = _refined_head(kind, weight)
     assert _refined_argmax_mismatches(head) == 0
+    if kind == "bf16" and not head.parts[0].kernels.bf16_vector:
+        # no vector bf16 kernel on this CPU (kernels.cpp, kBf16Vector): no bound, the float32 head
+        assert head.last_num_refined == 0
+        return
     assert 0 < head.last_num_refined < 400 * weight.shape[0] // 8  # refined some, not everything
 
 

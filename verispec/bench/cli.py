@@ -27,6 +27,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--launch", metavar="ENGINE_ARGS",
                         help="instead of --base-url: start `verispec serve ENGINE_ARGS` on a free "
                              "loopback port for this run, e.g. --launch \"--spec ngram --dtype float32\"")
+    parser.add_argument("--launch-llama-server", metavar="LLAMA_ARGS",
+                        help="instead of --base-url: start llama.cpp's llama-server with LLAMA_ARGS "
+                             "(e.g. \"\" or \"--spec-type ngram-mod\") on the same GGUF and threads")
+    parser.add_argument("--llama-server-bin", help="llama-server to launch (default $LLAMA_SERVER or PATH)")
+    parser.add_argument("--gguf", help="model file for --launch-llama-server (default: the GGUF of "
+                        "--model, or of verispec's default model)")
+    parser.add_argument("--threads", type=int, help="threads of a launched llama-server (default: "
+                        "what `verispec serve` would use on this machine)")
+    parser.add_argument("--fresh-server-per-request", action="store_true",
+                        help="with --launch-llama-server: a new server for every request (its "
+                             "n-gram modes learn across requests); needs --concurrency 1")
     parser.add_argument("--dataset", help=f"built-in name(s), comma-separated ({names}), or a "
                         ".jsonl file of {id, prompt} / {id, messages} records")
     parser.add_argument("--model", help="model id to request (default: first of /v1/models)")
@@ -74,7 +85,9 @@ def _config(args, temperature: float, out_dir: Path) -> BenchConfig:
         metrics_url=args.metrics_url, scrape_metrics=not args.no_metrics,
         continuous_usage=not args.no_continuous_usage, request_seeds=args.request_seeds,
         extra_body_json=args.extra_body, progress=not args.no_progress,
-        launched_engine_args=getattr(args, "launch", None))
+        launched_engine_args=getattr(args, "launch", None),
+        launched_peer=getattr(args, "launched_peer", None),
+        fresh_server_per_request=bool(getattr(args, "fresh_server_per_request", False)))
 
 
 def _err(message: str) -> None:
@@ -128,17 +141,37 @@ def _report_only(args) -> int:
 
 
 def _run_all(args) -> int:
+    targets = [t for t in (args.base_url, args.launch, args.launch_llama_server) if t is not None]
+    if len(targets) > 1:
+        raise ProtocolError("give one of --base-url, --launch and --launch-llama-server")
+    if args.fresh_server_per_request and (args.launch_llama_server is None or args.concurrency != 1):
+        raise ProtocolError("--fresh-server-per-request needs --launch-llama-server and --concurrency 1")
     if args.launch is not None:
-        if args.base_url:
-            raise ProtocolError("give --base-url or --launch, not both")
         from verispec.bench.launch import launched_server
         with launched_server(args.launch) as base_url:
             args.base_url = base_url
             return _run_all_at(args)
+    if args.launch_llama_server is not None:
+        return _run_llama_server(args)
     return _run_all_at(args)
 
 
-def _run_all_at(args) -> int:
+def _run_llama_server(args) -> int:
+    from verispec.bench.launch import FreshServerBackend, launched_llama_server, llama_server_spec
+    spec = llama_server_spec(args.launch_llama_server, args.llama_server_bin, args.gguf or args.model,
+                             args.threads, args.concurrency)
+    args.launched_peer = " ".join(spec.command(0)).replace(" --port 0", "")
+    if args.fresh_server_per_request:
+        args.base_url = "http://127.0.0.1/fresh-server-per-request"  # each request has its own port
+        args.no_metrics = True
+        return _run_all_at(args, FreshServerBackend(spec, args.api_key, args.request_timeout,
+                                                    not args.no_continuous_usage))
+    with launched_llama_server(spec) as base_url:
+        args.base_url = base_url
+        return _run_all_at(args)
+
+
+def _run_all_at(args, backend=None) -> int:
     if not args.base_url or not args.dataset:
         raise ProtocolError("--base-url (or --launch) and --dataset are required (or use --report-only)")
     out = Path(args.out or f"bench_results/{args.config_name}-{time.strftime('%Y%m%dT%H%M%S')}")
@@ -151,7 +184,7 @@ def _run_all_at(args) -> int:
     for config, run_dir in configs:
         sub = run_dir.name if sweep else None
         baseline = _baseline_for(args, sub)
-        outcome = asyncio.run(run_benchmark(config, api_key=args.api_key))
+        outcome = asyncio.run(run_benchmark(config, backend, api_key=args.api_key))
         print(f"run {outcome.manifest['run_id']}: {outcome.manifest['status']} "
               f"({outcome.manifest['counts']['completed']}/{outcome.manifest['counts']['expected']})")
         codes.append(_report(run_dir, baseline, args))

@@ -29,6 +29,8 @@ class BenchConfig:
     extra_body_json: str = "{}"         # merged into every request body
     progress: bool = True
     launched_engine_args: str | None = None  # `verispec serve` flags when --launch started it
+    launched_peer: str | None = None         # the llama-server command line, when one was launched
+    fresh_server_per_request: bool = False   # a new llama-server for every request
 
     def __post_init__(self):
         _check(self.base_url.startswith(("http://", "https://")),
