@@ -184,48 +184,49 @@ def _key(p: BenchPrompt) -> str:
 
 
 # ---------------------------------------------------------------- the run
-def launch(stack: contextlib.ExitStack, name: str, args, concurrency: int, urls: dict):
-    """What run_http needs for a contender (a base URL or a LlamaServer); servers started here
-    live until the stack closes, one per configuration (serve: and post: share theirs)."""
+@contextlib.contextmanager
+def started(name: str, args, concurrency: int):
+    """What run_http needs for a contender (a base URL, or a LlamaServer to start per
+    request), with its server running for the block: a fresh one for every run, as the
+    in-process contender gets a fresh engine (a prefix cache warm from an earlier repeat
+    would make the next repeat of the same prompts cheaper)."""
     kind, mode = name.split(":")
     if kind in ("serve", "post"):
-        if mode not in urls:
-            urls[mode] = stack.enter_context(launched_server(f"--spec {mode} {args.serve_args}"))
-        return urls[mode]
+        with launched_server(f"--spec {mode} {args.serve_args}") as url:
+            yield url
+        return
     spec = llama_server_spec("" if mode == "plain" else f"--spec-type {mode}", args.llama_server_bin,
                              None, None, concurrency)
     if mode == "plain":
-        return stack.enter_context(launched_llama_server(spec))
+        with launched_llama_server(spec) as url:
+            yield url
+        return
     if concurrency != 1:
         raise SystemExit(f"{name}: n-gram modes run a fresh server per request, at concurrency 1 only")
-    return spec
+    yield spec
 
 
 def measure(args, concurrency: int, prompts, warm) -> dict:
     names = args.contenders
     runs = {n: [] for n in names}
     configs = {}
-    with contextlib.ExitStack() as stack:
-        urls: dict = {}
-        started = {n: launch(stack, n, args, concurrency, urls) for n in names if not n.startswith("inproc")}
-        for repeat in range(args.repeats):
-            order = list(names)
-            random.Random(f"{args.seed}:{concurrency}:{repeat}").shuffle(order)
-            for name in order:
-                if name.startswith("inproc"):
-                    config = serve_config(name.split(":")[1], args.serve_args)
-                    answers, wall, configs[name] = run_inproc(config, prompts, warm, concurrency,
-                                                              args.max_tokens)
-                else:
-                    stream = not name.startswith("post")
-                    asyncio.run(run_http(started[name], warm, concurrency, args.max_tokens, stream))
-                    answers, wall = asyncio.run(run_http(started[name], prompts, concurrency,
-                                                         args.max_tokens, stream))
-                seconds = sum(a.seconds for a in answers) if concurrency == 1 else wall
-                runs[name].append({"tokens_per_s": sum(a.completion_tokens for a in answers) / seconds,
-                                   "answers": [a.__dict__ for a in answers]})
-                print(f"[serving] C={concurrency} repeat {repeat} {name}: "
-                      f"{runs[name][-1]['tokens_per_s']:.1f} tok/s", file=sys.stderr)
+    for repeat in range(args.repeats):
+        order = list(names)
+        random.Random(f"{args.seed}:{concurrency}:{repeat}").shuffle(order)
+        for name in order:
+            if name.startswith("inproc"):
+                config = serve_config(name.split(":")[1], args.serve_args)
+                answers, wall, configs[name] = run_inproc(config, prompts, warm, concurrency, args.max_tokens)
+            else:
+                stream = not name.startswith("post")
+                with started(name, args, concurrency) as target:
+                    asyncio.run(run_http(target, warm, concurrency, args.max_tokens, stream))
+                    answers, wall = asyncio.run(run_http(target, prompts, concurrency, args.max_tokens, stream))
+            seconds = sum(a.seconds for a in answers) if concurrency == 1 else wall
+            runs[name].append({"tokens_per_s": sum(a.completion_tokens for a in answers) / seconds,
+                               "answers": [a.__dict__ for a in answers]})
+            print(f"[serving] C={concurrency} repeat {repeat} {name}: "
+                  f"{runs[name][-1]['tokens_per_s']:.1f} tok/s", file=sys.stderr)
     return {"concurrency": concurrency, "runs": runs, "inproc_configs": configs}
 
 

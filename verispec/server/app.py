@@ -156,7 +156,7 @@ def serve(engine_factory: Callable[[], Any], args: argparse.Namespace) -> int:
     except SystemExit as exc:  # uvicorn exits this way when it cannot bind or start
         return exc.code if isinstance(exc.code, int) else 1
     finally:
-        engine._kill()
+        engine.kill()
     if engine.death is not None:
         log.error("exiting: %s", engine.death)
         return 1

@@ -256,7 +256,7 @@ class AsyncEngine:
                 raise EngineStartError(f"the engine process exited during startup "
                                        f"({_exit_text(self._worker)})", bad_input=False)
             if time.monotonic() > deadline:
-                self._kill()
+                self.kill()
                 raise EngineStartError(f"the engine was not ready within {self.startup_timeout_s:.0f} s",
                                        bad_input=False)
         message = conn.recv()
@@ -312,7 +312,7 @@ class AsyncEngine:
         await asyncio.to_thread(self._worker.join, 5.0 if self.death else join_timeout_s)
         if self._worker.is_alive():
             log.error("engine core still running after shutdown (a step is stuck?)")
-            self._kill()
+            self.kill()
         self._close(EngineClosed("the server is shutting down"))
 
     def _close(self, error: BaseException) -> None:
@@ -331,7 +331,8 @@ class AsyncEngine:
             shutil.rmtree(self._dir, ignore_errors=True)
             self._dir = None
 
-    def _kill(self) -> None:
+    def kill(self) -> None:
+        """Kill the core process if it still runs (a last resort at exit)."""
         if isinstance(self._worker, multiprocessing.process.BaseProcess) and self._worker.is_alive():
             self._worker.kill()
             self._worker.join(5)
@@ -565,6 +566,7 @@ class AsyncEngine:
         log.error("%s; failing %d request(s) in flight", why, len(self._channels))
         self.death = self.last_step_error = why
         self._accepting = False
+        self._stop_reading()
         self._fail_everything(EngineDied(why))
         if self.on_death is not None:
             self.on_death(why)

@@ -2,14 +2,14 @@
 
 Every metric lives in a per-app CollectorRegistry (never the process-global one), so two
 servers in one process (tests) do not share counters. ServerMetrics is also the
-AsyncEngine's RequestObserver: it is called on the engine thread as requests start,
-progress and end (prometheus_client metrics are thread-safe).
+AsyncEngine's RequestObserver: it is called on the event loop as the engine core reports
+requests starting, progressing and ending.
 
 Speculation counters are added once per request, from its final SpecStats, when it
 finishes, fails or is aborted; so over any window the counter deltas equal the sums of
 the `spec` blocks of the responses of that window (plus the aborted requests' stats).
 Engine-state gauges (running/waiting, KV usage, prefix cache) are read at scrape time from
-the latest EngineStats snapshot the engine thread published.
+the latest stats the engine core sent (with every step).
 """
 from __future__ import annotations
 
@@ -85,7 +85,7 @@ class ServerMetrics:
             for c in (self.spec_drafts, self.spec_draft_tokens, self.spec_accepted):
                 c.labels(m, method)
 
-    # ------------------------------------------------------------------ observer (engine thread)
+    # ------------------------------------------------------------------ observer (event loop)
     def on_request_started(self, record) -> None:
         self.prompt_tokens.labels(self.model_name).inc(record.prompt_len)
 
