@@ -36,7 +36,6 @@ from starlette.routing import Route
 
 from verispec.outputs import RequestOutput
 from verispec.server import protocol as P
-from verispec.engine.core import health_probe
 from verispec.server.async_engine import (AsyncEngine, EngineClosed, EngineStartError, QueueFull,
                                           RequestFailed, RequestStream)
 from verispec.server.metrics import ServerMetrics
@@ -254,7 +253,7 @@ class OpenAIServer:
         if not ae.is_alive:
             return JSONResponse({**body, "status": "unavailable", "error": ae.death}, 503)
         try:
-            stats, integrity = await ae.call(health_probe, timeout_s=5.0)
+            stats, integrity = await ae.health(timeout_s=5.0)
         except (asyncio.TimeoutError, EngineClosed):
             stats, integrity = ae.latest_stats, "skipped: engine busy"
         body.update(_stats_dict(stats), integrity=integrity)

@@ -41,7 +41,7 @@ from typing import Any, AsyncIterator, Callable, Protocol
 import zmq
 
 from verispec.engine import messages as M
-from verispec.engine.core import CoreAddresses, EngineCore, run_core_process
+from verispec.engine.core import CoreAddresses, EngineCore, health_probe, run_core_process
 from verispec.outputs import RequestOutput, SpecStats
 from verispec.sampling import SamplingParams
 
@@ -423,6 +423,10 @@ class AsyncEngine:
             return await asyncio.wait_for(future, timeout_s)
         finally:
             self._calls.pop(call_id, None)
+
+    async def health(self, timeout_s: float) -> tuple[Any, str]:
+        """(stats, integrity verdict) from the core; the KV check runs only when it is idle."""
+        return await self.call(health_probe, timeout_s)
 
     def _submit_abort(self, channel: _Channel) -> None:
         rid = channel.record.request_id
