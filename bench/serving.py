@@ -219,9 +219,13 @@ def measure(args, concurrency: int, prompts, warm) -> dict:
                 answers, wall, configs[name] = run_inproc(config, prompts, warm, concurrency, args.max_tokens)
             else:
                 stream = not name.startswith("post")
-                with started(name, args, concurrency) as target:
-                    asyncio.run(run_http(target, warm, concurrency, args.max_tokens, stream))
-                    answers, wall = asyncio.run(run_http(target, prompts, concurrency, args.max_tokens, stream))
+                try:
+                    with started(name, args, concurrency) as target:
+                        asyncio.run(run_http(target, warm, concurrency, args.max_tokens, stream))
+                        answers, wall = asyncio.run(run_http(target, prompts, concurrency, args.max_tokens,
+                                                             stream))
+                except Exception as exc:
+                    raise RuntimeError(f"{name} at {concurrency} in flight, repeat {repeat}: {exc}") from exc
             seconds = sum(a.seconds for a in answers) if concurrency == 1 else wall
             runs[name].append({"tokens_per_s": sum(a.completion_tokens for a in answers) / seconds,
                                "answers": [a.__dict__ for a in answers]})

@@ -22,8 +22,9 @@ import shutil
 import socket
 import subprocess
 import sys
+import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import httpx
 
@@ -98,14 +99,17 @@ def launched_llama_server(spec: LlamaServer, ready_timeout_s: float = 120.0):
 
 @contextlib.contextmanager
 def _running(cmd: list[str], port: int, name: str, ready_timeout_s: float):
-    """Run `cmd` until the block ends; wait first until its /health answers 200."""
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    """Run `cmd` until the block ends; wait first until its /health answers 200. Its output
+    goes to a temporary file (a pipe nobody reads would block a chatty server)."""
+    log = tempfile.TemporaryFile("w+")
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, text=True)
     try:
         deadline = time.monotonic() + ready_timeout_s
         while True:
             if proc.poll() is not None:
+                log.seek(0)
                 raise LaunchError(f"`{name}` exited with {proc.returncode}: "
-                                  f"{(proc.stderr.read() or '').strip().splitlines()[-1:]}")
+                                  f"{log.read().strip().splitlines()[-1:]}")
             try:
                 if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
                     break
@@ -122,11 +126,13 @@ def _running(cmd: list[str], port: int, name: str, ready_timeout_s: float):
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
+        log.close()
 
 
 class FreshServerBackend:
     """A ChatBackend that starts a new llama-server for every request (n-gram modes keep
-    what they learnt across requests); start-up is outside the request's timings."""
+    what they learnt across requests); start-up and a one-token warm-up request are outside
+    the request's timings."""
 
     def __init__(self, spec: LlamaServer, api_key: str | None = None, timeout_s: float = 600.0,
                  continuous_usage: bool = True):
@@ -148,6 +154,10 @@ class FreshServerBackend:
         with launched_llama_server(self.spec) as url:
             backend = self._backend(url)
             try:
+                # untimed: a new process's first request pages the weights in and sizes its
+                # buffers; one token on an unrelated prompt leaves its n-gram state ~empty
+                await backend.chat(replace(request, messages=({"role": "user", "content": "Hi"},),
+                                           max_tokens=1))
                 return await backend.chat(request)
             finally:
                 await backend.aclose()
