@@ -15,6 +15,8 @@ repeat. Contenders, named KIND:MODE:
                          model's own chat template, -np C; its n-gram modes (--spec-type MODE)
                          get a fresh server per request (they learn across requests), C = 1 only
 
+A peer's failed request (llama-server in an n-gram mode sometimes closes the connection
+without an answer) is counted in the table and left out of its rate; verispec's fail the run.
 tokens/s is completion tokens over wall seconds from the first request sent to the last
 answer; at C = 1 over the sum of the requests' own seconds (a fresh server's start-up is
 not the contender's time). Ratios are taken within a repeat and the table shows their
@@ -133,8 +135,9 @@ def run_inproc(config: EngineConfig, prompts: list[BenchPrompt], warm: list[Benc
 
 # ---------------------------------------------------------------- HTTP contenders
 async def run_http(target, prompts: list[BenchPrompt], concurrency: int, max_tokens: int,
-                   stream: bool) -> tuple[list[Answer], float]:
-    """target: a base URL, or a LlamaServer to start afresh for every request."""
+                   stream: bool, failures: list[str] | None = None) -> tuple[list[Answer], float]:
+    """target: a base URL, or a LlamaServer to start afresh for every request. A failed
+    request raises, unless `failures` is given (peers): then it is listed there and left out."""
     backend = OpenAIHTTPBackend(target) if isinstance(target, str) else FreshServerBackend(target)
     try:
         model = (await backend.list_models())[0]
@@ -145,7 +148,13 @@ async def run_http(target, prompts: list[BenchPrompt], concurrency: int, max_tok
             while queue:
                 p = queue.pop(0)
                 request = ChatRequest(tuple(p.messages), model, max_tokens, 0.0)
-                answer = await (_streamed(backend, p, request) if stream else _posted(target, p, request))
+                try:
+                    answer = await (_streamed(backend, p, request) if stream else _posted(target, p, request))
+                except RuntimeError as exc:
+                    if failures is None:
+                        raise
+                    failures.append(str(exc))
+                    continue
                 answers.append(answer)
 
         t0 = time.perf_counter()
@@ -219,16 +228,17 @@ def measure(args, concurrency: int, prompts, warm) -> dict:
                 answers, wall, configs[name] = run_inproc(config, prompts, warm, concurrency, args.max_tokens)
             else:
                 stream = not name.startswith("post")
+                failures = [] if name.startswith("llama") else None  # verispec must not fail a request
                 try:
                     with started(name, args, concurrency) as target:
-                        asyncio.run(run_http(target, warm, concurrency, args.max_tokens, stream))
+                        asyncio.run(run_http(target, warm, concurrency, args.max_tokens, stream, failures))
                         answers, wall = asyncio.run(run_http(target, prompts, concurrency, args.max_tokens,
-                                                             stream))
+                                                             stream, failures))
                 except Exception as exc:
                     raise RuntimeError(f"{name} at {concurrency} in flight, repeat {repeat}: {exc}") from exc
             seconds = sum(a.seconds for a in answers) if concurrency == 1 else wall
             runs[name].append({"tokens_per_s": sum(a.completion_tokens for a in answers) / seconds,
-                               "answers": [a.__dict__ for a in answers]})
+                               "answers": [a.__dict__ for a in answers], "failures": failures or []})
             print(f"[serving] C={concurrency} repeat {repeat} {name}: "
                   f"{runs[name][-1]['tokens_per_s']:.1f} tok/s", file=sys.stderr)
     return {"concurrency": concurrency, "runs": runs, "inproc_configs": configs}
@@ -247,7 +257,8 @@ def summarise(result: dict, reference: str) -> list[dict]:
                      "repeats": [round(r["tokens_per_s"], 1) for r in reps],
                      "ttft_ms_median": 1e3 * statistics.median(ttft) if ttft else None,
                      "decode_tps_median": statistics.median(decode) if decode else None,
-                     "identical_to_reference": f"{same}/{len(reps[0]['answers'])}" if ref_texts else None})
+                     "identical_to_reference": f"{same}/{len(reps[0]['answers'])}" if ref_texts else None,
+                     "failed_requests": sum(len(r.get("failures", [])) for r in reps)})
     return rows
 
 
@@ -291,9 +302,9 @@ def main(argv: list[str] | None = None) -> int:
         r["summary"] = summarise(r, args.reference)
         results.append(r)
         print(common.markdown_table(["contender", "tok/s (median)", "repeats", "TTFT ms", "decode tok/s",
-                                     f"same text as {args.reference}"],
+                                     f"same text as {args.reference}", "failed"],
                                     [[s["contender"], s["tokens_per_s"], s["repeats"], s["ttft_ms_median"],
-                                      s["decode_tps_median"], s["identical_to_reference"]]
+                                      s["decode_tps_median"], s["identical_to_reference"], s["failed_requests"]]
                                      for s in r["summary"]]), file=sys.stderr)
     common.write_json(args.out, {"benchmark": "serving", "args": vars(args) | {"out": str(args.out)},
                                  "run": common.finish_run(header, t0), "results": results})
