@@ -138,7 +138,8 @@ async def run_http(target, prompts: list[BenchPrompt], concurrency: int, max_tok
                    stream: bool, failures: list[str] | None = None) -> tuple[list[Answer], float]:
     """target: a base URL, or a LlamaServer to start afresh for every request. A failed
     request raises, unless `failures` is given (peers): then it is listed there and left out."""
-    backend = OpenAIHTTPBackend(target) if isinstance(target, str) else FreshServerBackend(target)
+    # a new connection per request for every contender: llama-server drops kept-alive ones
+    backend = OpenAIHTTPBackend(target, keepalive=False) if isinstance(target, str) else FreshServerBackend(target)
     try:
         model = (await backend.list_models())[0]
         queue = list(prompts)

@@ -157,6 +157,7 @@ def _run_all(args) -> int:
 
 
 def _run_llama_server(args) -> int:
+    from verispec.bench.client import OpenAIHTTPBackend
     from verispec.bench.launch import FreshServerBackend, launched_llama_server, llama_server_spec
     spec = llama_server_spec(args.launch_llama_server, args.llama_server_bin, args.gguf or args.model,
                              args.threads, args.concurrency)
@@ -168,7 +169,8 @@ def _run_llama_server(args) -> int:
                                                     not args.no_continuous_usage))
     with launched_llama_server(spec) as base_url:
         args.base_url = base_url
-        return _run_all_at(args)
+        return _run_all_at(args, OpenAIHTTPBackend(base_url, args.api_key, args.request_timeout,
+                                                   not args.no_continuous_usage, keepalive=False))
 
 
 def _run_all_at(args, backend=None) -> int:
@@ -190,6 +192,8 @@ def _run_all_at(args, backend=None) -> int:
         codes.append(_report(run_dir, baseline, args))
     if sweep:
         print(f"sweep report: {build_sweep_report(out, [d for _, d in configs])}")
+    if backend is not None:
+        asyncio.run(backend.aclose())
     return max(codes)
 
 

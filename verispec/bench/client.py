@@ -90,14 +90,17 @@ class OpenAIHTTPBackend:
     """Streams /v1/chat/completions over HTTP with usage in the stream; one instance per run."""
 
     def __init__(self, base_url: str, api_key: str | None = None, timeout_s: float = 600.0,
-                 continuous_usage: bool = True):
+                 continuous_usage: bool = True, keepalive: bool = True):
         self.base_url = base_url.rstrip("/")
         self.timeout_s = timeout_s
         self.continuous_usage = continuous_usage
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         # No connection-pool limit below the semaphore's: the runner decides concurrency.
-        self._client = httpx.AsyncClient(headers=headers, timeout=httpx.Timeout(timeout_s),
-                                         limits=httpx.Limits(max_connections=None))
+        # keepalive=False: a new connection per request, for servers that close kept-alive
+        # connections after a few requests (llama-server's HTTP library: after 5), where a
+        # request sent on one just closed fails with "Server disconnected".
+        limits = httpx.Limits(max_connections=None, max_keepalive_connections=None if keepalive else 0)
+        self._client = httpx.AsyncClient(headers=headers, timeout=httpx.Timeout(timeout_s), limits=limits)
 
     def body(self, request: ChatRequest) -> dict:
         """The JSON body sent for `request` (extra_body keys override ours, on purpose)."""

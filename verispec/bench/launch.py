@@ -140,7 +140,7 @@ class FreshServerBackend:
 
     def _backend(self, base_url: str):
         from verispec.bench.client import OpenAIHTTPBackend
-        return OpenAIHTTPBackend(base_url, self.api_key, self.timeout_s, self.continuous_usage)
+        return OpenAIHTTPBackend(base_url, self.api_key, self.timeout_s, self.continuous_usage, keepalive=False)
 
     async def list_models(self) -> list[str]:
         with launched_llama_server(self.spec) as url:
