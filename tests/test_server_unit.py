@@ -153,11 +153,8 @@ def test_body_limit_stops_reading_early():
         async def send(message):
             sent.append(message)
 
-        scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST",
-                 "path": COMP, "raw_path": COMP.encode(), "query_string": b"", "headers": [],
-                 "scheme": "http", "server": ("test", 80), "client": ("test", 1), "root_path": ""}
         async with app.router.lifespan_context(app):
-            await app(scope, receive, send)
+            await app({**_post_scope(COMP), "headers": []}, receive, send)
         assert sent[0]["status"] == 413
         assert received <= 6, f"read {received} KiB of a 1000 KiB body before refusing"
     run(scenario())
@@ -480,16 +477,35 @@ async def _disconnecting_call(app, body: dict, after_messages: int):
         if len(sent) >= after_messages:
             disconnect.set()
 
-    scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST",
-             "path": COMP, "raw_path": COMP.encode(), "query_string": b"",
-             "headers": [(b"content-type", b"application/json")], "scheme": "http",
-             "server": ("test", 80), "client": ("test", 1), "root_path": ""}
-    task = asyncio.create_task(app(scope, receive, send))
+    task = asyncio.create_task(app(_post_scope(COMP), receive, send))
     if after_messages == 0:
         await asyncio.sleep(0.05)
         disconnect.set()
     await asyncio.wait_for(task, 10)
     return sent
+
+
+async def _assert_aborted_and_freed(app, engine: FakeEngine, ran_on: str) -> None:
+    """The one request in flight ends aborted within a second, its KV blocks free, the
+    engine well short of the steps its max_tokens would take."""
+    ae = app.state.server.async_engine
+    for _ in range(100):
+        if ae.num_in_flight == 0:
+            break
+        await asyncio.sleep(0.01)
+    stats, live = await engine_state(ae, engine)
+    assert live == [] and stats.kv_blocks_used == 0
+    assert engine.steps < 100, ran_on
+    m = scrape(app.state.server.metrics.render()[0].decode())
+    assert total(m, "verispec:request_aborted_total") == 1
+
+
+def _post_scope(path: str) -> dict:
+    """An ASGI scope for a JSON POST to `path`."""
+    return {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST",
+            "path": path, "raw_path": path.encode(), "query_string": b"",
+            "headers": [(b"content-type", b"application/json")], "scheme": "http",
+            "server": ("test", 80), "client": ("test", 1), "root_path": ""}
 
 
 @pytest.mark.parametrize("stream", [False, True])
@@ -500,16 +516,7 @@ def test_client_disconnect_aborts_the_request_at_once(stream):
         async with app.router.lifespan_context(app):
             body = {"prompt": "walk away", "max_tokens": 400, "ignore_eos": True, "stream": stream}
             await _disconnecting_call(app, body, after_messages=3 if stream else 0)
-            ae = app.state.server.async_engine
-            for _ in range(100):
-                if ae.num_in_flight == 0:
-                    break
-                await asyncio.sleep(0.01)
-            stats, live = await engine_state(ae, engine)
-            assert live == [] and stats.kv_blocks_used == 0
-            assert engine.steps < 100, "the request ran on after the client left"
-            m = scrape(app.state.server.metrics.render()[0].decode())
-            assert total(m, "verispec:request_aborted_total") == 1
+            await _assert_aborted_and_freed(app, engine, "the request ran on after the client left")
     run(scenario())
 
 
@@ -582,22 +589,9 @@ def test_a_client_that_never_reads_its_stream_is_aborted_at_the_buffer_bound():
                     stuck.set()
                     await asyncio.Event().wait()  # the socket is full: send never returns
 
-            scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST",
-                     "path": COMP, "raw_path": COMP.encode(), "query_string": b"",
-                     "headers": [(b"content-type", b"application/json")], "scheme": "http",
-                     "server": ("test", 80), "client": ("test", 1), "root_path": ""}
-            task = asyncio.create_task(app(scope, _once(json.dumps(body).encode(), receive), send))
+            task = asyncio.create_task(app(_post_scope(COMP), _once(json.dumps(body).encode(), receive), send))
             await stuck.wait()
-            ae = app.state.server.async_engine
-            for _ in range(500):
-                if ae.num_in_flight == 0:
-                    break
-                await asyncio.sleep(0.01)
-            stats, live = await engine_state(ae, engine)
-            assert live == [] and stats.kv_blocks_used == 0
-            assert engine.steps < 100, "the request ran on while nobody read it"
-            m = scrape(app.state.server.metrics.render()[0].decode())
-            assert total(m, "verispec:request_aborted_total") == 1
+            await _assert_aborted_and_freed(app, engine, "the request ran on while nobody read it")
             task.cancel()
     run(scenario())
 

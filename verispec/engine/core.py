@@ -195,17 +195,15 @@ class EngineCore:
         except Exception:
             log.exception("engine.check_integrity() raised")
 
-    def stats(self) -> M.Stats | None:
+    def stats(self) -> M.EngineStats | None:
         try:
-            s = self.engine.stats()
-            return M.Stats(s.num_running, s.num_waiting, s.kv_blocks_used, s.kv_blocks_total,
-                           s.prefix_hit_tokens, s.prefix_query_tokens)
+            return self.engine.stats()
         except Exception:
             log.exception("engine.stats() raised")
             return None
 
 
-def health_probe(engine) -> tuple[M.Stats | None, str]:
+def health_probe(engine) -> tuple[M.EngineStats | None, str]:
     """(stats, integrity verdict) for /health: the KV integrity check runs only when idle."""
     stats = EngineCore(engine).stats()
     if engine.has_unfinished_requests():

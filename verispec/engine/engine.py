@@ -22,6 +22,7 @@ import torch
 
 from verispec.cache.manager import KVCacheManager, OutOfBlocks
 from verispec.config import EngineConfig
+from verispec.engine.messages import EngineStats
 from verispec.engine.runner import ModelRunner, RowInput
 from verispec.engine.scheduler import ScheduledBatch, Scheduler
 from verispec.model import kernels, memory
@@ -45,16 +46,6 @@ class SpecOverride:
     method: str | None = None        # "ngram" | "draft" | "none"
     num_tokens: int | None = None    # k (k_max when adaptive)
     adaptive: bool | None = None
-
-
-@dataclass
-class EngineStats:
-    num_running: int
-    num_waiting: int
-    kv_blocks_used: int
-    kv_blocks_total: int
-    prefix_hit_tokens: int
-    prefix_query_tokens: int
 
 
 class LLMEngine:

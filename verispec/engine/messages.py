@@ -83,8 +83,8 @@ class RequestEvent(msgspec.Struct, array_like=True, omit_defaults=True):
     spec: SpecSnapshot | None = None   # with the event that ends the request
 
 
-class Stats(msgspec.Struct, array_like=True):
-    """The engine's EngineStats after a loop turn."""
+class EngineStats(msgspec.Struct, array_like=True):
+    """What LLMEngine.stats() reports (sent after every loop turn of the core)."""
 
     num_running: int
     num_waiting: int
@@ -103,7 +103,7 @@ class CallResult(msgspec.Struct, array_like=True):
 class CoreOutputs(msgspec.Struct, array_like=True, omit_defaults=True):
     events: list[RequestEvent] = []
     calls: list[CallResult] = []
-    stats: Stats | None = None
+    stats: EngineStats | None = None
     step_error: str | None = None        # a step raised: its text (server log, /health)
     integrity_error: str | None = None   # the idle KV integrity check failed
     integrity_checked: bool = False      # the check ran this turn (passing clears the error)
