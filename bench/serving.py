@@ -224,12 +224,12 @@ def measure(args, concurrency: int, prompts, warm) -> dict:
         order = list(names)
         random.Random(f"{args.seed}:{concurrency}:{repeat}").shuffle(order)
         for name in order:
+            failures: list[str] | None = [] if name.startswith("llama") else None  # verispec must not fail
             if name.startswith("inproc"):
                 config = serve_config(name.split(":")[1], args.serve_args)
                 answers, wall, configs[name] = run_inproc(config, prompts, warm, concurrency, args.max_tokens)
             else:
                 stream = not name.startswith("post")
-                failures = [] if name.startswith("llama") else None  # verispec must not fail a request
                 try:
                     with started(name, args, concurrency) as target:
                         asyncio.run(run_http(target, warm, concurrency, args.max_tokens, stream, failures))
@@ -287,12 +287,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--llama-server-bin", help="llama-server for llama: contenders")
     p.add_argument("--reference", default="serve:none", help="outputs are compared with this one's")
     p.add_argument("--allow-noisy", action="store_true", help="run even on a busy machine (recorded)")
-    p.add_argument("--wait-quiet-s", type=float, default=300.0, help="how long to wait for a quiet machine")
+    p.add_argument("--wait-quiet-s", type=float, default=300.0,
+                   help="how long to wait for a quiet machine (0: neither wait nor check)")
     p.add_argument("--out", type=Path, required=True)
     args = p.parse_args(argv)
     t0 = time.perf_counter()
-    header = common.start_run(argparse.Namespace(threads=None, max_load=1.3, wait_quiet_s=args.wait_quiet_s,
-                                                 allow_noisy=args.allow_noisy))
+    if args.wait_quiet_s > 0:
+        header = common.start_run(argparse.Namespace(threads=None, max_load=1.3, wait_quiet_s=args.wait_quiet_s,
+                                                     allow_noisy=args.allow_noisy))
+    else:  # no wait, no check (tests): recorded as such
+        header = {"argv": sys.argv, "started": common.now_iso(),
+                  "machine_load": {"quiet": None, "load_at_start": round(common.load_average(), 2)},
+                  **common.provenance()}
     base = pick(args.datasets, args.prompts, args.seed)
     warm = pick(args.datasets, 2, args.seed, evaluation=False)[:2]
     results = []

@@ -205,7 +205,8 @@ class AsyncEngine:
         self.integrity_error: str | None = None
         self.death: str | None = None       # why the core ended unasked (None while it runs)
         self._worker: threading.Thread | multiprocessing.Process | None = None
-        self._dir: str | None = None
+        self._dir: str | None = None        # the core's ipc sockets live here
+        self._addresses: CoreAddresses | None = None
         self._cmd: zmq.Socket | None = None
         self._out: zmq.Socket | None = None
         self._reading = False
@@ -246,7 +247,11 @@ class AsyncEngine:
                 target=core.serve, name="verispec-engine-core", daemon=True,
                 args=(addresses, None, lambda: theirs.send(("ready", core.info(), None))))
         self._worker.start()
-        self._await_ready(ours)
+        try:
+            self._await_ready(ours)
+        except BaseException:
+            shutil.rmtree(self._dir, ignore_errors=True)
+            raise
         self._addresses = addresses
 
     def _await_ready(self, conn) -> None:
@@ -560,7 +565,7 @@ class AsyncEngine:
     def _on_worker_exit(self) -> None:
         """The core process ended (its sentinel became readable)."""
         asyncio.get_running_loop().remove_reader(self._worker.sentinel)
-        self._worker.join(0)
+        self._worker.join(1.0)  # the sentinel closes as it exits, a moment before it can be reaped
         if not self._shutdown_sent:
             self._on_core_lost(f"the engine process exited unexpectedly ({_exit_text(self._worker)})")
 
