@@ -34,7 +34,8 @@ if __name__ == "__main__":  # running as a script: make `verispec` importable fr
 from verispec.outputs import RequestOutput, SpecStats  # noqa: E402
 from verispec.sampling import SamplingParams  # noqa: E402
 
-from verispec.engine.engine import EngineStats, SpecOverride  # noqa: E402,F401
+from verispec.engine.messages import EngineStats  # noqa: E402
+from verispec.request import SpecOverride  # noqa: E402,F401
 
 EOS = 256
 BOS = 257

@@ -13,6 +13,15 @@ from verispec.outputs import SpecStats
 from verispec.sampling import SamplingParams
 
 
+@dataclass(frozen=True)
+class SpecOverride:
+    """Per-request speculation control (the server's `speculative` field); None: the engine's."""
+
+    method: str | None = None        # "ngram" | "draft" | "none"
+    num_tokens: int | None = None    # k (k_max when adaptive)
+    adaptive: bool | None = None
+
+
 class Status(enum.Enum):
     WAITING = "waiting"      # not yet admitted, or preempted and waiting to recompute
     RUNNING = "running"

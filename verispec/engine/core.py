@@ -31,6 +31,7 @@ from typing import Any, Callable
 import zmq
 
 from verispec.engine import messages as M
+from verispec.request import SpecOverride
 
 log = logging.getLogger("verispec.engine")
 
@@ -242,7 +243,6 @@ def run_core_process(factory: Callable[[], Any], addresses: CoreAddresses, ready
 def _spec_override(fields: M.SpecFields | None):
     if fields is None:
         return None
-    from verispec.engine.engine import SpecOverride
     return SpecOverride(fields.method, fields.num_tokens, fields.adaptive)
 
 

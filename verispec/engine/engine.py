@@ -29,7 +29,7 @@ from verispec.model import kernels, memory
 from verispec.model.llama import LlamaModel
 from verispec.model.tokenizer import IncrementalDetokenizer, Tokenizer
 from verispec.outputs import RequestOutput
-from verispec.request import Request, Status
+from verispec.request import Request, SpecOverride, Status  # noqa: F401 (SpecOverride: the engine's API)
 from verispec.sampling import SamplingParams, SamplingTensors, make_generator, sample
 from verispec.spec.draft_model import DraftModelProposer
 from verispec.spec.controller import AdaptiveController, ControllerConfig
@@ -37,15 +37,6 @@ from verispec.spec.ngram import NgramProposer
 from verispec.spec.rejection import RejectionResult, greedy_accept, rejection_sample
 
 log = logging.getLogger("verispec")
-
-
-@dataclass(frozen=True)
-class SpecOverride:
-    """Per-request speculation control (the server's `speculative` field)."""
-
-    method: str | None = None        # "ngram" | "draft" | "none"
-    num_tokens: int | None = None    # k (k_max when adaptive)
-    adaptive: bool | None = None
 
 
 class LLMEngine:

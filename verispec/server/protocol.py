@@ -13,12 +13,12 @@ from __future__ import annotations
 
 import json
 import time
-from dataclasses import dataclass
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from verispec.outputs import SpecStats
+from verispec.request import SpecOverride
 from verispec.sampling import SamplingParams
 
 MAX_STOP_STRINGS = 16
@@ -292,15 +292,6 @@ def format_param(loc: tuple) -> str:
 
 
 # ---------------------------------------------------------------------------- to the engine
-@dataclass(frozen=True)
-class SpecOverride:
-    """Same fields as the engine's SpecOverride; used only if the engine module has none."""
-
-    method: str | None = None
-    num_tokens: int | None = None
-    adaptive: bool | None = None
-
-
 def sampling_params(request: _GenerationRequest, max_tokens: int) -> SamplingParams:
     """SamplingParams for a validated request; `max_tokens` is already resolved."""
     try:
@@ -311,12 +302,12 @@ def sampling_params(request: _GenerationRequest, max_tokens: int) -> SamplingPar
         raise APIError(400, str(exc), param=engine_error_param(str(exc))) from None
 
 
-def spec_override(request: _GenerationRequest, cls: type = SpecOverride):
-    """The request's speculative options as the engine's SpecOverride, or None."""
+def spec_override(request: _GenerationRequest) -> SpecOverride | None:
+    """The request's speculative options as a SpecOverride, or None."""
     s = request.speculative
     if s is None:
         return None
-    return cls(method=s.method, num_tokens=s.num_tokens, adaptive=s.adaptive)
+    return SpecOverride(method=s.method, num_tokens=s.num_tokens, adaptive=s.adaptive)
 
 
 _KNOWN_PARAMS = ("speculative.method", "speculative.num_tokens", "speculative.adaptive",
