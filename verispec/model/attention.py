@@ -143,7 +143,7 @@ class AttentionGroup:
 # chunks) are attended by the fused kernel when the model has it, longer prefill chunks by
 # SDPA, where the kernel has no vector form for the model's dtype and head size (its
 # portable loop; see `kernel_query_limit`). There is no cap on the pairs a pass sends
-# through the kernel: until session 11 rows went to SDPA past 2,560 (query, key) pairs (on
+# through the kernel: an earlier cap sent rows to SDPA past 2,560 (query, key) pairs (on
 # the Intel machine 16 decode rows at ~250 keys were 6% faster a step there), but on the AMD
 # Zen 4 machine bf16 SDPA over single queries runs 4-14x slower than the kernel (1 x 2,800
 # keys 1.56 ms a layer vs ~0.11; 16 x 700 keys 6.3 ms), and whole steps were 4-6x slower
@@ -158,7 +158,7 @@ def kernel_query_limit(ops, dtype: torch.dtype, head_dim: int) -> int:
     AVX2 or AVX-512 build) every row does, prefill chunks of any length included: then
     every pass runs in the decoder stack (one C++ call) and each query's result is
     independent of the pass it is in (a prompt's chunking, the rows beside it). Measured on
-    the Zen 4 machine (default model, 2 threads, session 18), against SDPA for rows over 32
+    the Zen 4 machine (default model, 2 threads), against SDPA for rows over 32
     tokens: prefill of chat and GSM8K prompts (42-210 tokens) 0.58-0.94x the time, of
     essays and CNN stories (205-443 tokens) 0.56-0.86x, a 2,048-token prompt in 512-token
     chunks 0.75x (its last chunk, 512 queries over 2,048 keys, 0.70x), and a step adding a

@@ -1505,7 +1505,7 @@ std::atomic<bool> g_int4_amx{true};
 // the adaptive controller's bounds (cost convex in tokens) do not model. Plain engines at 16
 // in flight ran 3-4% faster, adaptive ones not (0.99x with and without the tiles, chat), so
 // adaptive's ratio to plain fell by that. From 32 tokens on (prefill chunks, wide verify
-// passes) 16-row decode steps run as before and prefill gains (docs/benchmarks.md, session 27).
+// passes) 16-row decode steps run as before and prefill gains (docs/benchmarks.md).
 constexpr int64_t kAmxMinTokens = 32;
 
 #if defined(__AMX_TILE__) && defined(__AMX_INT8__) && defined(__AVX512F__) && defined(__AVX512BW__)

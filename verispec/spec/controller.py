@@ -95,8 +95,8 @@ Simulated: first 0.4, then 0.85, n-gram costs of this CPU at batch 1: 0.974x the
 k, against 0.953x with one alpha (k = 1 throughout); geometric workloads within 0.5% of
 before. `alpha()` and the 0.02 accuracy claim above stay the pooled estimate.
 (At `prior_weight_tokens` whatever the spread, one rejected continuation parked a draft
-model's request at k = 1: Qwen2.5-Coder code at 1 in flight, acceptance ~0.98, a trace,
-session 33. Its first round drafted 6 and the third was rejected, its continuation read
+model's request at k = 1: Qwen2.5-Coder code at 1 in flight, acceptance ~0.98, a trace.
+Its first round drafted 6 and the third was rejected, its continuation read
 0.88 against 8 trials, a draft of 1 priced best, and k = 1 tests no continuation, so the
 estimate never moved: 30 rounds at 55 ms a token where 6 drafts made 47. With the alike
 requests' 64 trials it reads 0.96 and the request drafts deep.)
@@ -230,7 +230,7 @@ alternating in 25-round chunks, 5% noise, the modal k at 16 went from the oracle
 Simulated (tests): 8 rounds at 1.6x visiting both cells, then 16 plain ones: the drafting
 cell ends 30% high without f, 4.5% with it. Young cells do not move f: a cell that spans
 several sizes, filled in one sweep of rising sizes, would read as a machine slowing down.
-(Before session 24 the reference was the cell's whole mean, the run of evidence included,
+(Formerly the reference was the cell's whole mean, the run of evidence included,
 and 10% the only bar. On the Intel VM, whose 16-row rounds wander by 15% in stretches of a
 few rounds, f then moved on that wander, down 12-14% in two traced runs of math at 16 in
 flight, and the plain cell, visited every round, took the way back into its own mean while f
@@ -335,8 +335,7 @@ Over the finished ones (decayed, half-life `spread_half_life_requests` requests,
 its budget out adding its tokens and no end; a constant chance h of ending at each token
 leaves (1 - (1 - h)^b) / h of a budget b. (Over the budget itself: Qwen2.5-Coder chat at 1
 in flight, answers of 45 of their 64 tokens on average, each catch-up priced at 0.7 of its
-share, and adaptive drafted as a fixed k = 1 does, 0.961x plain against k = 1's 0.954x;
-session 33.) (Charging the catch-up at the row's cap instead of E overcharged a plan at
+share, and adaptive drafted as a fixed k = 1 does, 0.961x plain against k = 1's 0.954x.) (Charging the catch-up at the row's cap instead of E overcharged a plan at
 depth 1 4x, and a cold controller never drafted at 4 in flight.) At 16 in flight with
 64-token answers to ~150-token prompts (Qwen2.5-Coder pair), a draft model that catches
 every row up paid more than drafting saved (0.85x plain at acceptance 0.98). Before any
@@ -356,7 +355,7 @@ Choosing is not free: the n-gram lookup and choose_k take 0.2-0.55 ms of a step 
 default model (0.18 ms of a 6.5 ms step at 4 rows; at 16, 0.19-0.26 + 0.31 ms of a 21 ms
 step on Zen 4), and a round that chooses pays it whatever it chooses, so a controller that
 chose every round would never see that a plain engine's round is 1.5-3% cheaper than its
-plain round (lockstep traces, session 17). Where plain decoding wins (16 in flight, most
+plain round (lockstep traces). Where plain decoding wins (16 in flight, most
 tasks) that is most of what a 0.97 target allows. So a controller that chose plain for
 every row while some had drafts at hand (as the best plan, not as a probe or a stale cell's
 re-timing in the middle of drafting) rests: the engine skips the lookup and the choice for
@@ -378,7 +377,7 @@ Hold (choosing less often while drafting)
 Drafting chooses every round, and the choice is what drafting loses to the best fixed k
 where the best plan does not change: at 1 in flight on math (default model, Sapphire Rapids
 VM) choose_k took 80 us of a 4.6 ms step solo and ~1.5x that in lockstep, and the adaptive
-cell missed the best fixed k by 3% with decisions that matched it (session 34). So a batch
+cell missed the best fixed k by 3% with decisions that matched it. So a batch
 whose choice priced its plans and picked the same drafting plan as its last such choice
 (same rows in the same order, same batch size, the same k for each row), the best plan on
 trusted cells (not a probe, an exploration or a stale cell's re-timing) and no row's k set
