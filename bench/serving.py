@@ -259,16 +259,16 @@ def summarise(result: dict, reference: str) -> list[dict]:
                      "ttft_ms_median": 1e3 * statistics.median(ttft) if ttft else None,
                      "decode_tps_median": statistics.median(decode) if decode else None,
                      "identical_to_reference": f"{same}/{len(reps[0]['answers'])}" if ref_texts else None,
-                     "failed_requests": sum(len(r.get("failures", [])) for r in reps)})
+                     "failed_requests": sum(len(r.get("failures", [])) for r in reps),
+                     "ratio_to_reference": _paired_ratio(reps, runs.get(reference))})
     return rows
 
 
-def ratio(result: dict, a: str, b: str) -> float | None:
-    """Median over repeats of a's tokens/s over b's within the same repeat."""
-    runs = result["runs"]
-    if a not in runs or b not in runs:
+def _paired_ratio(reps: list[dict], reference: list[dict] | None) -> float | None:
+    """Median over repeats of tokens/s over the reference's in the same repeat."""
+    if not reference:
         return None
-    return statistics.median(x["tokens_per_s"] / y["tokens_per_s"] for x, y in zip(runs[a], runs[b]))
+    return statistics.median(x["tokens_per_s"] / y["tokens_per_s"] for x, y in zip(reps, reference))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -309,9 +309,10 @@ def main(argv: list[str] | None = None) -> int:
         r["summary"] = summarise(r, args.reference)
         results.append(r)
         print(common.markdown_table(["contender", "tok/s (median)", "repeats", "TTFT ms", "decode tok/s",
-                                     f"same text as {args.reference}", "failed"],
+                                     f"same text as {args.reference}", f"x {args.reference}", "failed"],
                                     [[s["contender"], s["tokens_per_s"], s["repeats"], s["ttft_ms_median"],
-                                      s["decode_tps_median"], s["identical_to_reference"], s["failed_requests"]]
+                                      s["decode_tps_median"], s["identical_to_reference"],
+                                      s["ratio_to_reference"], s["failed_requests"]]
                                      for s in r["summary"]]), file=sys.stderr)
     common.write_json(args.out, {"benchmark": "serving", "args": vars(args) | {"out": str(args.out)},
                                  "run": common.finish_run(header, t0), "results": results})

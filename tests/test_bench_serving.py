@@ -27,6 +27,7 @@ def test_serving_benchmark_compares_server_inprocess_and_peer(tmp_path, monkeypa
     rows = {r["contender"]: r for r in result["summary"]}
     assert set(rows) == {"inproc:none", "serve:none", "llama:plain"}
     assert all(r["tokens_per_s"] > 0 for r in rows.values())
+    assert rows["serve:none"]["ratio_to_reference"] == 1.0  # the reference against itself
     assert rows["inproc:none"]["identical_to_reference"] == "2/2"  # served == in-process, greedy
     assert len(log.read_text().splitlines()) == 1  # one llama-server for all its runs
 

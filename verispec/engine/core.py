@@ -206,7 +206,7 @@ class EngineCore:
 
 def health_probe(engine) -> tuple[M.EngineStats | None, str]:
     """(stats, integrity verdict) for /health: the KV integrity check runs only when idle."""
-    stats = EngineCore(engine).stats()
+    stats = engine.stats()
     if engine.has_unfinished_requests():
         return stats, "skipped: requests in flight"
     try:
