@@ -32,7 +32,7 @@ finite closed loop, a tail whose length speculation itself sets by moving rows a
 drain's own ratio (adaptive over plain) and its share of each one's seconds are reported
 beside them: rows that drafted finish early and their slots stay empty while the longest
 ones drain, so a drafted token saves less there than the controller's rate credits it with
-(docs/benchmarks.md, session 21). And each cell reports adaptive's mean request latency
+(docs/benchmarks.md, "Adaptive draft length"). And each cell reports adaptive's mean request latency
 (submission to last token) over plain's: what a request waits, the objective the
 controller's per-round rate also serves, where a finite job's whole-run rate is its makespan.
 At 1 in flight, where each request runs alone and so is a pair across the contenders, a
