@@ -19,7 +19,8 @@ from verispec.config import EngineConfig
 from verispec.engine.engine import LLMEngine
 from verispec.model import kernels
 from verispec.model.attention import KERNEL_QUERY_LIMIT, AttentionMetadata
-from verispec.model.llama import LlamaModel, _build_stack, _pack_bf16_linears, apply_rotary
+from verispec.model.fused import build_stack, decoder_stack
+from verispec.model.llama import LlamaModel, _pack_bf16_linears, apply_rotary
 from verispec.model.quant import (Bf16Linear, Q8Linear, make_int4_linear, pack_bf16, pack_q8, quantize_int4, unpack_bf16,
                                   unpack_int4, unpack_q8)
 
@@ -736,7 +737,7 @@ def test_decoder_stack_equals_the_per_layer_path(fmt, threads):
     assert torch.equal(got_some, run(False, some)[0])
     assert torch.allclose(got_some, want[some], atol=1e-5)  # (the float32 head's matmul over 3 rows, not 7)
     model.layers = torch.nn.ModuleList(reversed(list(model.layers)))  # a stack wired wrong
-    wrong = _build_stack(model, OPS)
+    wrong = build_stack(model, OPS)
     model.layers = torch.nn.ModuleList(reversed(list(model.layers)))
     model._stack = wrong
     assert not torch.equal(run(True)[0], want)
@@ -766,7 +767,7 @@ def test_prefill_chunks_of_any_length_run_in_the_stack_and_do_not_depend_on_thei
         def forward(self, *args, **kwargs):
             calls.append(args[0].shape[0])  # tokens in the pass
             return self.stack.forward(*args, **kwargs)
-    model._stack = Spy(model._decoder_stack())
+    model._stack = Spy(decoder_stack(model))
     ids = [int(t) for t in torch.randint(0, 64, (100,), generator=torch.Generator().manual_seed(7))]
     table = list(range(8))  # blocks of 16: 128 slots
 
@@ -790,7 +791,7 @@ def test_decoder_stack_checks_its_arguments_before_running():
     """Bad input to the stack raises naming the problem (before its parallel region, where
     nothing may throw) and leaves the pools untouched."""
     model = _packed_tiny_model("int4")
-    stack = _build_stack(model, OPS)
+    stack = build_stack(model, OPS)
     d, hkv = model.cfg.head_dim, model.cfg.num_kv_heads
     pools = [torch.zeros(64, hkv, d, dtype=torch.bfloat16) for _ in range(3)]
     x = torch.randn(1, 64).bfloat16()
@@ -814,7 +815,7 @@ def test_decoder_stack_checks_its_arguments_before_running():
 def test_decoder_stack_is_not_built_for_layers_off_the_packed_kernels():
     """A dense float32 model (nn.Linear layers): the per-layer path runs."""
     model = LlamaModel(tiny_config(vocab=64, hidden=64, layers=2)).eval()
-    assert _build_stack(model, OPS) is None
+    assert build_stack(model, OPS) is None
 
 
 class BrokenOps:

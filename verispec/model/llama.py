@@ -3,6 +3,10 @@
 Tokens, positions, attention metadata and a KV store in; logits out. Nothing here knows
 about requests, scheduling or speculation. Q/K/V and gate/up projections are fused into
 one matrix each (one GEMM instead of three / two per layer on the decode path).
+
+The forward here is plain PyTorch, the reference the fused kernels are tested against.
+With `LlamaModel.kernels` set, a pass runs the same modules on the kernels instead
+(verispec.model.fused).
 """
 from __future__ import annotations
 
@@ -15,6 +19,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from verispec.model import fused
 from verispec.model.attention import AttentionMetadata, KVStore, paged_attention
 from verispec.model.config import ModelConfig
 from verispec.model.quant import (INT4_FORMATS, INT4_GROUP, ApproxHead, Bf16Linear, Int4Linear, Q8Linear, RefinedHead,
@@ -112,26 +117,27 @@ class Attention(nn.Module):
             self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttentionMetadata,
-                kv: KVStore, context: tuple[torch.Tensor, torch.Tensor] | None = None, ops=None) -> torch.Tensor:
-        """`ops`: the fused kernels (verispec.model.kernels), or None for PyTorch ops."""
+    def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x (T, hidden) -> qk (T, H + Hkv, D), q/k-normed where the model has the norms,
+        not yet rotated; v (T, Hkv, D). qk is a new tensor of this pass (rotating it in
+        place, as the fused path does, touches no weight)."""
         cfg, heads, kv_heads, d = self.cfg, self.cfg.num_heads, self.cfg.num_kv_heads, self.cfg.head_dim
         qkv = self.qkv_proj.forward(x)                                      # (T, (H + 2 Hkv) D)
-        t = qkv.shape[0]
-        per_head = qkv.view(t, heads + 2 * kv_heads, d)                     # (T, H + 2 Hkv, D)
+        per_head = qkv.view(qkv.shape[0], heads + 2 * kv_heads, d)          # (T, H + 2 Hkv, D)
         if cfg.qk_norm:
             q = self.q_norm.forward(per_head[:, :heads])
             k = self.k_norm.forward(per_head[:, heads: heads + kv_heads])
             qk = torch.cat([q, k], dim=1)                                   # (T, H + Hkv, D)
         else:  # q and k are adjacent in the fused output: rotate them in one go
             qk = per_head[:, : heads + kv_heads]
-        v = per_head[:, heads + kv_heads:]                                  # (T, Hkv, D)
-        if ops is not None:  # rotated in place (qk is this pass's own) and K/V written in one call
-            ops.rotary_store_(qk, v, cos, sin, kv.k_layers[self.layer], kv.v_layers[self.layer], meta.slot_mapping)
-            out = paged_attention(qk[:, :heads], None, None, self.layer, kv, meta, context, ops)
-        else:
-            qk = apply_rotary(qk, cos, sin)                                 # (T, H + Hkv, D)
-            out = paged_attention(qk[:, :heads], qk[:, heads:], v, self.layer, kv, meta, context)  # (T, H*D)
+        return qk, per_head[:, heads + kv_heads:]
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttentionMetadata,
+                kv: KVStore, context: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        heads = self.cfg.num_heads
+        qk, v = self.project(x)
+        qk = apply_rotary(qk, cos, sin)                                     # (T, H + Hkv, D)
+        out = paged_attention(qk[:, :heads], qk[:, heads:], v, self.layer, kv, meta, context)  # (T, H*D)
         return self.o_proj.forward(out)
 
 
@@ -141,9 +147,7 @@ class MLP(nn.Module):
         self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
-    def forward(self, x: torch.Tensor, ops=None) -> torch.Tensor:
-        if ops is not None:
-            return self.down_proj.forward(ops.silu_mul(self.gate_up_proj.forward(x)))
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj.forward(x).chunk(2, dim=-1)
         return self.down_proj.forward(F.silu(gate) * up)
 
@@ -162,18 +166,6 @@ class Block(nn.Module):
     def forward(self, x, cos, sin, meta, kv, context=None):
         x = x + self.self_attn.forward(self.input_layernorm.forward(x), cos, sin, meta, kv, context)
         return x + self.mlp.forward(self.post_attention_layernorm.forward(x))
-
-    def forward_fused(self, x, delta, cos, sin, meta, kv, context, ops):
-        """`forward` with the fused kernels: the residual add of the previous layer's MLP
-        (`delta`, None for the first layer) and of this attention each fused with the norm
-        after it. Returns (x, this MLP's output), the caller adding the last one."""
-        if delta is None:
-            h = ops.rms_norm(x, self.input_layernorm.weight, self.input_layernorm.eps)
-        else:
-            x, h = ops.add_rms_norm(x, delta, self.input_layernorm.weight, self.input_layernorm.eps)
-        a = self.self_attn.forward(h, cos, sin, meta, kv, context, ops)
-        x, h = ops.add_rms_norm(x, a, self.post_attention_layernorm.weight, self.post_attention_layernorm.eps)
-        return x, self.mlp.forward(h, ops)
 
 
 class LlamaModel(nn.Module):
@@ -195,9 +187,10 @@ class LlamaModel(nn.Module):
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.weight_format = "dense"  # see verispec.model.quant; set by from_state_dict
         self.kernels = None  # verispec.model.kernels' module when the engine enables them
-        # Decode and verify passes run the layers in one C++ call (`kernels.DecoderStack`)
-        # when the kernels are on and every linear is on a packed kernel; False: never
-        # (the per-layer Python path, which the stack must equal bit for bit).
+        # With the kernels on, decode and verify passes run the layers in one C++ call
+        # (`kernels.DecoderStack`, see verispec.model.fused) when every linear is on a
+        # packed kernel; False: never (the per-layer path, which the stack must equal bit
+        # for bit).
         self.fused_stack = True
 
     @property
@@ -208,42 +201,19 @@ class LlamaModel(nn.Module):
     def kernels(self, ops) -> None:
         """Fused kernels on (the compiled module) or off (None), for every layer at once."""
         self._kernels = ops
-        self._stack = None  # built on first use (the weights are final by then)
+        self._stack = None  # fused.decoder_stack's, built from these kernels on first use
         for module in self.modules():
             if isinstance(module, (Int4Linear, Bf16Linear, Q8Linear)):
                 module.kernels = ops
-
-    def _decoder_stack(self):
-        """The layers as one `kernels.DecoderStack`, or False where it cannot run them (a
-        linear not on a packed kernel, q/k norms)."""
-        if self._stack is None:
-            self._stack = _build_stack(self, self._kernels) or False
-        return self._stack
 
     @torch.inference_mode()
     def forward(self, token_ids: torch.Tensor, meta: AttentionMetadata, kv: KVStore,
                 logits_index: torch.Tensor | None = None) -> torch.Tensor:
         x = self.embed_tokens(token_ids)  # (T, hidden)
         cos, sin = self.rotary.cos_sin(meta.positions, meta.max_position, x.dtype)  # (T, 1, D), all layers
-        kq = meta.kernel
-        if self.kernels is not None and self.fused_stack and kq is not None and kq.tokens is None \
-                and not meta.groups and self._decoder_stack():
-            # every query in the attention kernel: the layers and the final norm in one call,
-            # bit-identical to the per-layer kernels below
-            h = self._stack.forward(x, cos, sin, kv.k_layers, kv.v_layers, meta.slot_mapping, kq.context_slots,
-                                    kq.rows, kq.lens, self.cfg.head_dim ** -0.5, final_norm=self.norm.weight.float())
-            return self.lm_head(h if logits_index is None else h[logits_index])  # (N, V) float32
-        if self.kernels is not None:
-            context = kv.context_views(meta)  # every layer's K/V context as views, or None (gather)
-            delta = None
-            for block in self.layers:
-                x, delta = block.forward_fused(x, delta, cos, sin, meta, kv, context, self.kernels)
-            if logits_index is not None:  # only the positions we sample from
-                x, delta = x[logits_index], delta[logits_index]
-            # the last residual add and the final norm in one kernel (float32 out: the head's input)
-            h = self.kernels.rms_norm(x, self.norm.weight.float(), self.norm.eps, delta)
-            return self.lm_head(h)  # (N, V) float32
-        context = kv.context_views(meta)
+        if self._kernels is not None:  # these layers on the fused kernels
+            return fused.forward(self, x, cos, sin, meta, kv, logits_index)
+        context = kv.context_views(meta)  # every layer's K/V context as views, or None (gather)
         for block in self.layers:
             x = block.forward(x, cos, sin, meta, kv, context)
         if logits_index is not None:
@@ -336,29 +306,6 @@ class LlamaModel(nn.Module):
 
 # Linear layers a quantized weight format replaces (the last name component).
 _QUANTIZED_LINEARS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
-
-
-def _build_stack(model: LlamaModel, ops):
-    """`ops.DecoderStack` over the model's layers, or None if a layer is not eligible."""
-    cfg = model.cfg
-    if cfg.qk_norm:
-        return None
-
-    def spec(layer: nn.Module):
-        if isinstance(layer, Int4Linear) and (layer.act_bits == 8 or ops.int4_vector):
-            return 0 if layer.act_bits == 16 else 2, [layer.q4, layer.scale, layer.min], layer.out_features, layer.bias
-        if isinstance(layer, Bf16Linear) and ops.bf16_vector:
-            return 1, [layer.w16], layer.out_features, layer.bias
-        return None
-
-    stack = ops.DecoderStack(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.rms_norm_eps)
-    for block in model.layers:
-        attn, mlp = block.self_attn, block.mlp
-        linears = [spec(m) for m in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)]
-        if None in linears:
-            return None
-        stack.add_layer(block.input_layernorm.weight, block.post_attention_layernorm.weight, linears)
-    return stack
 
 
 def _pack_bf16_linears(model: LlamaModel) -> None:
