@@ -1,7 +1,7 @@
 """Adaptive draft length vs fixed k in {1, 2, 4, 8} vs plain decoding (issue 6).
 
 One cell = one task at one concurrency. In every cell each contender gets a fresh engine
-over the shared weights (own KV pool, prefix cache and controller), runs unmeasured warm-up
+over the shared weights (own KV pool, prefix cache and policy), runs unmeasured warm-up
 prompts of the same task (disjoint from the measured ones), then the measured prompts
 closed-loop (exactly C in flight, refilled as they finish), greedy. Contenders run one
 after the other in an order rotated from cell to cell. With --repeats R every contender runs
@@ -31,10 +31,10 @@ all C requests in flight; `common.ClosedLoop`), which leave out the drain at the
 finite closed loop, a tail whose length speculation itself sets by moving rows apart. The
 drain's own ratio (adaptive over plain) and its share of each one's seconds are reported
 beside them: rows that drafted finish early and their slots stay empty while the longest
-ones drain, so a drafted token saves less there than the controller's rate credits it with
+ones drain, so a drafted token saves less there than the policy's rate credits it with
 (docs/benchmarks.md, "Adaptive draft length"). And each cell reports adaptive's mean request latency
 (submission to last token) over plain's: what a request waits, the objective the
-controller's per-round rate also serves, where a finite job's whole-run rate is its makespan.
+policy's per-round rate also serves, where a finite job's whole-run rate is its makespan.
 At 1 in flight, where each request runs alone and so is a pair across the contenders, a
 cell also carries a paired bootstrap interval over its prompts for both ratios
 (`paired_interval`): whether its verdict would survive another draw of prompts.
@@ -132,7 +132,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 def run_cell(models, configs: dict[str, EngineConfig], task: str, c: int, cell_index: int, args) -> dict:
     """Every contender on one task at one concurrency, each on a fresh engine."""
     n = max(args.num_prompts, args.prompts_per_slot * c)
-    measured, warm, sources = common.pick_prompts(TASKS[task], n, args.num_warmup, seed=args.seed)
+    measured, warm, sources = common.pick_prompts(TASKS[task], n, args.num_warmup, seed=args.seed, split=args.split)
     items = common.encode(models.tokenizer, measured, task)
     warm_items = common.encode(models.tokenizer, warm, task)
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens)
@@ -186,7 +186,7 @@ def _contender(runs: list) -> dict:
             "mean_latency_s": statistics.median(r.mean_latency_s for r in runs),
             "others_cpu_share": max((r.others_cpu_share for r in runs if r.others_cpu_share is not None), default=None),
             "chosen_k_histogram": [sum(h) for h in zip(*(r.chosen_k for r in runs))],
-            **({"controller_snapshots": [r.controller for r in runs]} if runs[0].controller is not None else {})}
+            **({"policy_snapshots": [r.policy for r in runs]} if runs[0].policy is not None else {})}
 
 
 def _cell_result(runs: dict[str, list], task, c, measured, warm, sources, orders) -> dict:
@@ -439,7 +439,7 @@ def main(argv=None) -> int:
                             "num_warmup": args.num_warmup, "warmup_tokens": args.warmup_tokens,
                             "adaptive_k_max": args.adaptive_k_max, "repeats": args.repeats,
                             "lockstep": args.lockstep, "target": TARGET, "control": args.control,
-                            "quick": args.quick,
+                            "quick": args.quick, "split": args.split,
                             "model_load_s": models.load_seconds},
                "engine_configs": {name: common.resolved(models, cfg).to_dict() for name, cfg in configs.items()},
                "cells": cells, "pooled": pooled, "cells_missing_target": misses,

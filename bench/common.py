@@ -5,7 +5,7 @@ numbers are the engine's own: no client, network or JSON in the loop.
 
 What every script here does the same way:
   * models are loaded once and shared by every engine built from them (an engine owns its
-    KV pool, scheduler, prefix cache and controller, so a fresh engine is cheap);
+    KV pool, scheduler, prefix cache and speculation policy, so a fresh engine is cheap);
   * a workload runs closed-loop: exactly C requests are in flight, and a finished one is
     replaced at once by the next prompt until none is left (`run_closed_loop`);
   * timing runs start only on a quiet machine (1-minute load average under a threshold),
@@ -68,7 +68,7 @@ def load_models(config: EngineConfig) -> Models:
     """Load through LLMEngine.from_config (its formats and pair check), keep only the weights."""
     t0 = time.perf_counter()
     engine = LLMEngine.from_config(config)
-    draft = engine.drafter.runner.model if engine.drafter is not None else None
+    draft = engine.draft_runner.model if engine.draft_runner is not None else None
     models = Models(config, engine.target.model, engine.tokenizer, draft, engine.target.vocab_limit,
                     time.perf_counter() - t0)
     del engine  # its KV pools; the next engines allocate their own
@@ -83,7 +83,7 @@ def resolved(models: Models, config: EngineConfig) -> EngineConfig:
 
 
 def make_engine(models: Models, config: EngineConfig) -> LLMEngine:
-    """A fresh engine (own KV pool, prefix cache, controller) over the shared weights.
+    """A fresh engine (own KV pool, prefix cache, policy) over the shared weights.
 
     `config` may differ from the loading config in anything but the weights: a config
     without a draft model gets an engine without one (plain decoding runs no draft passes).
@@ -113,20 +113,43 @@ class WorkItem:
     token_ids: tuple[int, ...]
 
 
-def pick_prompts(datasets: list[str], num_prompts: int, num_warmup: int,
-                 seed: int) -> tuple[list[BenchPrompt], list[BenchPrompt], list[dict]]:
+SPLITS = ("eval", "tuning", "all")
+
+
+def prompt_half(dataset: str, prompt_id: str) -> str:
+    """"tuning" or "eval": a fixed half of every dataset by a hash of the prompt's id, so a
+    mechanism is tuned on one half and judged on the other."""
+    return "tuning" if hashlib.sha256(f"{dataset}:{prompt_id}".encode()).digest()[0] % 2 == 0 else "eval"
+
+
+def pick_prompts(datasets: list[str], num_prompts: int, num_warmup: int, seed: int,
+                 split: str = "all") -> tuple[list[BenchPrompt], list[BenchPrompt], list[dict]]:
     """Seeded pick of measured and (disjoint) warm-up prompts, interleaved across datasets.
 
     `num_prompts` and `num_warmup` are totals over all datasets; datasets take turns so a
-    prefix of either list mixes them evenly.
+    prefix of either list mixes them evenly. With `split` "eval" or "tuning" the measured
+    prompts come from that half (`prompt_half`) and the warm-ups from the other.
     """
+    if split not in SPLITS:
+        raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
     by_name, sources = load_datasets(",".join(datasets))
-    per_dataset = -(-(num_prompts + num_warmup) // len(datasets))
-    sel = select_prompts(by_name, per_dataset, 0, seed)
-    columns = [[p for p in sel.measured if p.dataset == name] for name in by_name]
-    mixed = [col[i] for i in range(per_dataset) for col in columns if i < len(col)]
-    measured, warmup = mixed[:num_prompts], mixed[num_prompts: num_prompts + num_warmup]
+    if split == "all":
+        per_dataset = -(-(num_prompts + num_warmup) // len(datasets))
+        mixed = _interleave(select_prompts(by_name, per_dataset, 0, seed).measured, by_name)
+        measured, warmup = mixed[:num_prompts], mixed[num_prompts: num_prompts + num_warmup]
+    else:
+        halves = {h: {n: [p for p in ps if prompt_half(n, p.prompt_id) == h] for n, ps in by_name.items()}
+                  for h in ("tuning", "eval")}
+        other = "tuning" if split == "eval" else "eval"
+        per_dataset = -(-num_prompts // len(datasets))
+        measured = _interleave(select_prompts(halves[split], per_dataset, 0, seed).measured, by_name)[:num_prompts]
+        warmup = list(select_prompts(halves[other], 0, num_warmup, seed).warmup)
     return measured, warmup, [_source_dict(s) for s in sources]
+
+
+def _interleave(prompts, by_name) -> list[BenchPrompt]:
+    columns = [[p for p in prompts if p.dataset == name] for name in by_name]
+    return [col[i] for i in range(max(map(len, columns), default=0)) for col in columns if i < len(col)]
 
 
 def _source_dict(source) -> dict:
@@ -165,17 +188,17 @@ class RunResult:
     requests: list[RequestResult]
     steps: int
     mean_in_flight: float   # time-weighted; below C while the last requests drain
-    chosen_k: list[int] = field(default_factory=list)  # controller's k histogram (adaptive rows)
+    chosen_k: list[int] = field(default_factory=list)  # the policy's k histogram (speculating rows)
     load_after: float = 0.0  # 1-minute load average when the run ended (this run adds ~1-2)
     others_cpu_share: float | None = None  # cores' time other processes took during the run
     # The steps run with all `concurrency` requests in flight (see `ClosedLoop`): their
     # seconds and the tokens they returned. 0 seconds: none was.
     sustained_tokens: int = 0
     sustained_seconds: float = 0.0
-    # An adaptive engine's controller state when the run ended (`AdaptiveController.snapshot`:
-    # cost cells, acceptance, k counts, warm-up included), so a cell's miss can be read
-    # afterwards; None for a fixed-k or plain engine.
-    controller: dict | None = None
+    # An adaptive engine's policy state when the run ended (`SpeculationPolicy.snapshot`:
+    # cost cells, acceptance pools, k counts, warm-up included), so a cell's miss can be
+    # read afterwards; None for a fixed-k or plain engine.
+    policy: dict | None = None
 
     @property
     def tokens(self) -> int:
@@ -255,7 +278,7 @@ class ClosedLoop:
         if concurrency < 1:
             raise ValueError(f"concurrency must be >= 1, got {concurrency}")
         self.engine, self.items, self.concurrency, self.params, self.tag = engine, items, concurrency, params, tag
-        self._k_before = list(engine.controller.snapshot()["k_counts"])
+        self._k_before = list(engine.policy.snapshot()["k_counts"])
         self._queue = list(items)
         self._added: dict[str, tuple[WorkItem, float]] = {}
         self._first_token: dict[str, float] = {}
@@ -300,15 +323,15 @@ class ClosedLoop:
             self.sustained_seconds += spent
 
     def result(self, others_cpu: float | None) -> RunResult:
-        controller = self.engine.controller
-        snapshot = controller.snapshot()
+        snapshot = self.engine.policy.snapshot()
+        spec = self.engine.config.spec
         k_after = snapshot["k_counts"]
         order = {it.prompt_id: i for i, it in enumerate(self.items)}
         done = sorted(self._done, key=lambda r: order[r.prompt_id])
         return RunResult(self.concurrency, self.clock, done, self.steps, self._in_flight_time / self.clock,
                          [a - b for a, b in zip(k_after, self._k_before)], round(load_average(), 2), others_cpu,
                          self.sustained_tokens, self.sustained_seconds,
-                         snapshot if controller.config.adaptive and self.engine.config.spec.method != "none" else None)
+                         snapshot if spec.adaptive and spec.method != "none" else None)
 
 
 def run_closed_loop(engine: LLMEngine, items: list[WorkItem], concurrency: int,
@@ -339,7 +362,7 @@ def run_lockstep(loops: dict[str, ClosedLoop], seed: int = 0) -> dict[str, RunRe
 
 
 def warm_up(engine: LLMEngine, items: list[WorkItem], concurrency: int, max_tokens: int, tag: str) -> float:
-    """Unmeasured run: first-call overheads, and a first look at costs for the controller."""
+    """Unmeasured run: first-call overheads, and a first look at costs for the policy."""
     if not items:
         return 0.0
     t0 = time.perf_counter()
@@ -476,6 +499,9 @@ def add_common_args(parser: argparse.ArgumentParser, concurrency: str) -> None:
     g.add_argument("--weight-format", default=None,
                    help="EngineConfig.weight_format (default: the engine's default)")
     g.add_argument("--seed", type=int, default=0, help="prompt selection seed")
+    g.add_argument("--split", default="eval", choices=SPLITS,
+                   help="measure the evaluation half of every dataset's prompts (default), the "
+                        "tuning half, or all (warm-ups come from the other half)")
     g.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
     g.add_argument("--max-load", type=float, default=1.3, help="start only below this 1-min load average")
     g.add_argument("--wait-quiet-s", type=float, default=300.0, help="how long to wait for a quiet machine")

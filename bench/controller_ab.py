@@ -1,19 +1,19 @@
-"""The adaptive controller against an earlier version of itself, alternating, same prompts.
+"""The speculation policy against a variant of itself, alternating, same prompts.
 
-A change to the controller moves a cell of bench/adaptive.py by a few percent, while on a
+A change to the policy moves a cell of bench/adaptive.py by a few percent, while on a
 noisy 2-core VM the same contender's runs move by 10-25% within minutes: two grids run at
 different times cannot tell the versions apart. This runs, per task and concurrency, the
-adaptive contender `--repeats` times with the checked-out controller ("new") and as many
-with `verispec/spec/controller.py` as of `--baseline` ("old", loaded from git into its own
-module and swapped into an otherwise identical engine), alternating the order every
-repeat, and reports each cell's medians and their ratio. Same prompts, warm-up and
-settings as bench/adaptive.py. With `--lockstep` each repeat instead steps both versions and
-plain decoding in turn, one engine step each (`common.run_lockstep`), so a slow stretch of
-the machine lands on all three alike; each cell then also reports both versions over plain
-(at 16 in flight a controller change moves a cell by ~1% and whole runs by 2-3%: session 28).
+adaptive contender `--repeats` times with the checked-out policy ("new") and as many with
+a variant ("old"): `--baseline same` is the A/A control (the spread that a mechanism's
+gain must exceed), `--baseline without-MECHANISM` the policy with one mechanism switched
+off (ABLATIONS). The order alternates every repeat; each cell reports the medians and
+their ratio. With `--lockstep` each repeat instead steps both versions and plain decoding
+in turn, one engine step each (`common.run_lockstep`), so a slow stretch of the machine
+lands on all three alike; each cell then also reports both versions over plain.
+Prompts come from the evaluation half of each task by default (`--split`).
 
-    .venv/bin/python bench/controller_ab.py --baseline 56908b1^ --concurrency 1,4 \\
-        --repeats 3 --threads 2 --max-load 1.5
+    .venv/bin/python bench/controller_ab.py --baseline same --concurrency 1,4 \\
+        --repeats 3 --threads 2 --lockstep
 
 With `--draft-model` both versions draft with that model (the Qwen2.5-Coder pair:
 `--model qwen2.5-coder-1.5b-instruct --draft-model qwen2.5-coder-0.5b-instruct`) instead
@@ -23,11 +23,8 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import importlib.util
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -38,47 +35,46 @@ import common  # noqa: E402
 from verispec.config import SpecConfig  # noqa: E402
 from verispec.sampling import SamplingParams  # noqa: E402
 
-REPO = Path(__file__).resolve().parents[1]
-VERSIONS = ("new", "old")  # this checkout's controller, the baseline's
+VERSIONS = ("new", "old")  # this checkout's policy, the variant
 
 
-def baseline_controller(module, config):
-    """The baseline's controller with this run's settings, those the baseline knows (a
-    setting added since is the new version's own: the baseline runs as it was). A baseline
-    from before the engine timed the choice apart (no "choice" cost kind) is told the round's
-    choice inside its verify timing, as the engine of its day reported it."""
-    known = {f.name for f in dataclasses.fields(module.ControllerConfig)}
-    ctl = module.AdaptiveController(module.ControllerConfig(
-        **{k: v for k, v in config.to_dict().items() if k in known}))
-    if "choice" not in getattr(module, "COST_KINDS", ("choice",)):
-        _choice_into_verify(ctl)
-    return ctl
+def _without_keys(engine) -> None:
+    """Acceptance pooled per proposer only: every offer's key (n-gram match length) is 0."""
+    offers = engine._offers
+    engine._offers = lambda rows: [dataclasses.replace(o, key=0) for o in offers(rows)]
 
 
-def _choice_into_verify(ctl) -> None:
-    """Wrap `ctl` so that a round's "choice" report is added to its verify report instead
-    (a step that prefills reports no verify: its choice is dropped at the next step's rest)."""
-    observe, rest = ctl.observe_cost, ctl.rest
-    pending = [0.0]
+def _without_budget(engine) -> None:
+    """Exploration unbounded: untrusted costs always priced by their optimistic bound."""
+    engine.policy._may_explore = lambda: True
 
-    def observe_cost(kind, batch_size, size, seconds):
-        if kind == "choice":
-            pending[0] = seconds
-            return None
-        if kind == "verify":
-            seconds, pending[0] = seconds + pending[0], 0.0
-        return observe(kind, batch_size, size, seconds)
 
-    def rest_(request_ids, batch_size):
-        pending[0] = 0.0  # (every step with adaptive rows asks first)
-        return rest(request_ids, batch_size)
+def _without_relax(engine) -> None:
+    """A request parked at k = 0 keeps its estimate: it never relaxes toward the pool's."""
+    engine.policy.acceptance.declined = lambda request_id, key: None
 
-    ctl.observe_cost, ctl.rest = observe_cost, rest_
+
+def _without_allocation(engine) -> None:
+    """One k for every adaptive row (drafts handed out level by level), not by marginal gain."""
+    gains = engine.policy._gains
+
+    def level_by_level(rows):
+        level, ordered = {}, []
+        for gain, i in gains(rows):
+            level[i] = level.get(i, 0) + 1
+            ordered.append((level[i], -gain, i))
+        return [(-g, i) for _, g, i in sorted(ordered)]
+    engine.policy._gains = level_by_level
+
+
+ABLATIONS = {"same": lambda engine: None, "without-keys": _without_keys, "without-budget": _without_budget,
+             "without-relax": _without_relax, "without-allocation": _without_allocation}
 
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--baseline", required=True, help="git revision whose controller.py is 'old'")
+    p.add_argument("--baseline", required=True, choices=list(ABLATIONS),
+                   help="the 'old' version: the same policy (A/A) or one without a mechanism")
     p.add_argument("--model", default="smollm2-135m-instruct")
     p.add_argument("--draft-model", default=None, help="draft with this model instead of n-gram")
     p.add_argument("--tasks", default=",".join(adaptive.TASKS), help=f"comma-separated, from {list(adaptive.TASKS)}")
@@ -100,23 +96,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     if args.repeats < 1:
         p.error(f"--repeats must be at least 1, got {args.repeats}")
     return args
-
-
-def load_baseline(rev: str):
-    """verispec/spec/controller.py at `rev` as a module of its own; (module, full commit)."""
-    def git(*a: str) -> str:
-        out = subprocess.run(["git", *a], cwd=REPO, capture_output=True, text=True)
-        if out.returncode:
-            raise SystemExit(f"--baseline {rev!r}: git {' '.join(a)} failed: {out.stderr.strip()}")
-        return out.stdout
-    commit = git("rev-parse", "--verify", f"{rev}^{{commit}}").strip()
-    path = Path(tempfile.mkdtemp()) / "baseline_controller.py"
-    path.write_text(git("show", f"{commit}:verispec/spec/controller.py"))
-    spec = importlib.util.spec_from_file_location("baseline_controller", path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["baseline_controller"] = module  # dataclasses need the module registered
-    spec.loader.exec_module(module)
-    return module, commit
 
 
 def engine_configs(args: argparse.Namespace):
@@ -145,7 +124,6 @@ def run_repeat(engine_for, order: tuple[str, ...], items, concurrency: int, para
 def main(argv=None) -> int:
     args = parse_args(argv)
     t0 = time.perf_counter()
-    baseline, commit = load_baseline(args.baseline)
     header = common.start_run(args)
     config, plain_config = engine_configs(args)
     method = config.spec.method
@@ -155,7 +133,8 @@ def main(argv=None) -> int:
     for task in args.tasks:
         for c in args.concurrency:
             n = max(args.num_prompts, args.prompts_per_slot * c)
-            measured, warm, sources = common.pick_prompts(adaptive.TASKS[task], n, args.num_warmup, seed=args.seed)
+            measured, warm, sources = common.pick_prompts(adaptive.TASKS[task], n, args.num_warmup, seed=args.seed,
+                                                               split=args.split)
             items = common.encode(models.tokenizer, measured, task)
             warm_items = common.encode(models.tokenizer, warm, task)
             versions = VERSIONS + (("plain",) if args.lockstep else ())
@@ -164,7 +143,7 @@ def main(argv=None) -> int:
             def engine_for(version: str):
                 engine = common.make_engine(models, plain_config if version == "plain" else config)
                 if version == "old":
-                    engine.controller = baseline_controller(baseline, engine.controller.config)
+                    ABLATIONS[args.baseline](engine)
                 common.warm_up(engine, warm_items, min(c, len(warm_items)), args.warmup_tokens, f"{version}-{task}")
                 return engine
 
@@ -173,7 +152,7 @@ def main(argv=None) -> int:
                                      args.lockstep, args.seed + r, f"{task}-c{c}")
                 for version, run in results.items():
                     runs[version].append(run.tokens_per_s)
-                    print(f"[controller_ab] {task:13s} C={c:2d} {version} {run.tokens_per_s:7.2f} tok/s "
+                    print(f"[controller_ab] {args.baseline} {task:13s} C={c:2d} {version} {run.tokens_per_s:7.2f} tok/s "
                           f"load={common.load_average():.2f}", file=sys.stderr, flush=True)
             medians = {version: statistics.median(v) for version, v in runs.items()}
             new, old = medians["new"], medians["old"]
@@ -193,9 +172,9 @@ def main(argv=None) -> int:
     print(text)
     print(f"geometric mean new / old over {len(ratios)} cells: {statistics.geometric_mean(ratios):.3f}")
     header = common.finish_run(header, t0)
-    payload = {"benchmark": "controller-ab", "schema": "verispec.bench.controller-ab/v2", **header,
+    payload = {"benchmark": "controller-ab", "schema": "verispec.bench.controller-ab/v3", **header,
                "settings": {"model": args.model, "draft_model": args.draft_model, "method": method,
-                            "baseline": args.baseline, "baseline_commit": commit,
+                            "baseline": args.baseline, "split": args.split,
                             "tasks": {t: adaptive.TASKS[t] for t in args.tasks}, "concurrency": args.concurrency,
                             "num_prompts": args.num_prompts, "prompts_per_slot": args.prompts_per_slot,
                             "max_tokens": args.max_tokens, "num_warmup": args.num_warmup,
@@ -204,7 +183,7 @@ def main(argv=None) -> int:
                "engine_config": common.resolved(models, config).to_dict(),
                "cells": cells, "geometric_mean_new_vs_old": statistics.geometric_mean(ratios),
                "table_markdown": text}
-    stem = f"controller_ab_{args.model}" + (f"_{args.draft_model}" if args.draft_model else "")
+    stem = f"controller_ab_{args.baseline}_{args.model}" + (f"_{args.draft_model}" if args.draft_model else "")
     common.write_json(args.out or common.RESULTS_DIR / f"{stem}.json", payload)
     return 0
 

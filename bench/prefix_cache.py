@@ -132,7 +132,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def run_concurrency(models, configs: dict[str, EngineConfig], c: int, args) -> dict:
     measured, warm, sources = common.pick_prompts(["mtbench"], args.num_prompts, args.num_warmup,
-                                                  seed=args.seed + c)
+                                                  seed=args.seed + c, split=args.split)
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens)
     warm_params = replace(params, max_tokens=min(16, args.max_tokens))
     engines = {name: common.make_engine(models, cfg) for name, cfg in configs.items()}
@@ -228,7 +228,7 @@ def main(argv=None) -> int:
                "settings": {"model": args.model, "dtype": args.dtype, "temperature": 0.0,
                             "max_tokens": args.max_tokens, "concurrency": args.concurrency,
                             "num_prompts": args.num_prompts, "blocks": args.blocks,
-                            "num_warmup": args.num_warmup, "quick": args.quick,
+                            "num_warmup": args.num_warmup, "quick": args.quick, "split": args.split,
                             "model_load_s": models.load_seconds},
                "engine_configs": {name: common.resolved(models, cfg).to_dict() for name, cfg in configs.items()},
                "results": results, "table_markdown": text}

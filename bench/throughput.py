@@ -78,7 +78,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 def run_concurrency(models, configs: dict[str, EngineConfig], c: int, n_prompts: int,
                     args) -> dict:
     """All contenders at one concurrency, alternating block by block."""
-    measured, warm, sources = common.pick_prompts(DATASETS, n_prompts, max(2, c), seed=args.seed + c)
+    measured, warm, sources = common.pick_prompts(DATASETS, n_prompts, max(2, c), seed=args.seed + c, split=args.split)
     items, warm_items = common.encode(models.tokenizer, measured), common.encode(models.tokenizer, warm)
     engines = {name: common.make_engine(models, cfg) for name, cfg in configs.items()}
     warm_s = {name: common.warm_up(eng, warm_items, c, args.warmup_tokens, f"{name}-c{c}")
@@ -161,7 +161,7 @@ def main(argv=None) -> int:
                "settings": {"model": args.model, "dtype": args.dtype, "temperature": 0.0,
                             "max_tokens": args.max_tokens, "concurrency": args.concurrency,
                             "num_prompts": args.num_prompts, "blocks": args.blocks,
-                            "warmup_tokens": args.warmup_tokens, "datasets": DATASETS, "quick": args.quick,
+                            "warmup_tokens": args.warmup_tokens, "datasets": DATASETS, "quick": args.quick, "split": args.split,
                             "model_load_s": models.load_seconds},
                "engine_configs": {name: common.resolved(models, cfg).to_dict() for name, cfg in configs.items()},
                "results": results, "table_markdown": text}

@@ -81,13 +81,12 @@ class _Clock:
         self.now += units * (1.0 if self.now < 20.0 else 2.0)
 
 
-def _fake_controller(engine, method: str = "none", adaptive: bool = True) -> None:
-    """An engine fake's controller and spec config, as `ClosedLoop.result` reads them (the
-    defaults: plain decoding's engine, whose controller config is adaptive but never asked)."""
+def _fake_policy(engine, method: str = "none", adaptive: bool = True) -> None:
+    """An engine fake's policy and spec config, as `ClosedLoop.result` reads them (the
+    defaults: plain decoding's engine, adaptive in its config but never asked)."""
     from types import SimpleNamespace
-    engine.config = SimpleNamespace(spec=SimpleNamespace(method=method))
-    engine.controller = SimpleNamespace(snapshot=lambda: {"k_counts": [0], "rounds": 7},
-                                        config=SimpleNamespace(adaptive=adaptive))
+    engine.config = SimpleNamespace(spec=SimpleNamespace(method=method, adaptive=adaptive))
+    engine.policy = SimpleNamespace(snapshot=lambda: {"k_counts": [0], "rounds": 7})
 
 
 class _Out:
@@ -104,7 +103,7 @@ class _Engine:
     def __init__(self, clock, cost):
         from types import SimpleNamespace
         self.clock, self.cost, self.live, self.left = clock, cost, None, 0
-        _fake_controller(self)
+        _fake_policy(self)
 
     def add_request(self, rid, ids, params):
         self.live, self.left = rid, 10
@@ -148,7 +147,7 @@ class _Rows:
 
     def __init__(self, clock, lengths, method: str = "none", adaptive: bool = True):
         self.clock, self.lengths, self.left = clock, lengths, {}
-        _fake_controller(self, method, adaptive)
+        _fake_policy(self, method, adaptive)
 
     def add_request(self, rid, ids, params):
         self.left[rid] = self.lengths[rid.split("/")[1]]
@@ -181,10 +180,10 @@ def test_the_sustained_rate_counts_only_the_steps_with_every_slot_busy(monkeypat
     assert r.drain_tokens_per_s == 1.0  # the other 10 steps: one row left, 10 tokens
 
 
-def test_an_adaptive_runs_controller_state_is_kept_and_plain_or_fixed_ks_is_not(monkeypatch):
-    """Each adaptive run's controller snapshot lands in its contender's result (one per run,
+def test_an_adaptive_runs_policy_state_is_kept_and_plain_or_fixed_ks_is_not(monkeypatch):
+    """Each adaptive run's policy snapshot lands in its contender's result (one per run,
     so a cell's miss can be read afterwards); plain decoding's engine and a fixed k's, whose
-    controllers never choose, store none."""
+    policies never choose, store none."""
     import common
     clock = _Clock()
     monkeypatch.setattr(common, "time", clock)
@@ -195,11 +194,11 @@ def test_an_adaptive_runs_controller_state_is_kept_and_plain_or_fixed_ks_is_not(
         while not loop.finished:
             loop.step()
         runs[name] = [loop.result(None)] * 2
-    assert runs["plain"][0].controller is None and runs["k=1"][0].controller is None
-    assert runs["adaptive"][0].controller == {"k_counts": [0], "rounds": 7}
+    assert runs["plain"][0].policy is None and runs["k=1"][0].policy is None
+    assert runs["adaptive"][0].policy == {"k_counts": [0], "rounds": 7}
     cell = _cell(runs)
-    assert cell["contenders"]["adaptive"]["controller_snapshots"] == [{"k_counts": [0], "rounds": 7}] * 2
-    assert not {"controller_snapshots"} & (cell["contenders"]["plain"].keys() | cell["contenders"]["k=1"].keys())
+    assert cell["contenders"]["adaptive"]["policy_snapshots"] == [{"k_counts": [0], "rounds": 7}] * 2
+    assert not {"policy_snapshots"} & (cell["contenders"]["plain"].keys() | cell["contenders"]["k=1"].keys())
 
 
 def test_a_cell_is_scored_on_sustained_rates_too():

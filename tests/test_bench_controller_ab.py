@@ -1,74 +1,64 @@
-"""bench/controller_ab.py: the baseline controller comes from git, whole and on its own."""
+"""bench/controller_ab.py: each variant switches off what it names and nothing else, and
+lockstep runs meet the machine's drift alike."""
 from __future__ import annotations
 
-import dataclasses
 from types import SimpleNamespace
 
 import pytest
 
 from bench_scripts import load
-from verispec.spec import controller
+from tiny import run_all, tiny_engine, tiny_pair
+from verispec.sampling import SamplingParams
 
 controller_ab = load("controller_ab", "controller_ab_bench")
+PAIR = tiny_pair(vocab=48, noise=0.1, seed=3)
+PROMPTS = [[5, 9, 2, 7, 5, 9, 2, 7, 5, 9], [1, 1, 4, 4, 1, 1, 4, 4, 1], list(range(10, 30))]
+GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
 
 
-def test_the_baseline_is_the_revisions_controller_in_a_module_of_its_own():
-    module, commit = controller_ab.load_baseline("HEAD")
-    assert len(commit) == 40 and module is not controller
-    assert module.AdaptiveController is not controller.AdaptiveController
-    ctl = controller_ab.baseline_controller(module, controller.ControllerConfig())
-    ctl.start("r", "ngram")
-    assert ctl.choose_k(["r"], 1, [4]) == {"r": 0}  # nothing measured yet: plain, as the engine expects
+def planned(baseline: str):
+    """Every plan's offers and ks on an adaptive n-gram engine with the variant applied."""
+    engine = tiny_engine(PAIR[0], method="ngram", k=4, adaptive=True)
+    controller_ab.ABLATIONS[baseline](engine)
+    log, plan = [], engine.policy.plan
+    engine.policy.plan = lambda rows: (log.append((rows, plan(rows))), log[-1][1])[1]
+    outputs = [o.token_ids for o in run_all(engine, PROMPTS, GREEDY)]
+    return engine, log, outputs
 
 
-def test_a_baseline_older_than_a_setting_runs_without_it():
-    """A setting added after the baseline is the new version's own: the baseline gets the
-    settings it knows, with this run's values."""
-    @dataclasses.dataclass(frozen=True)
-    class OldConfig:
-        k_max: int = 4
-        explore_budget: float = 0.0
-
-    old = SimpleNamespace(ControllerConfig=OldConfig, AdaptiveController=lambda config: config)
-    new = controller.ControllerConfig(k_max=6, explore_budget=0.02, rest_max=3)
-    assert controller_ab.baseline_controller(old, new) == OldConfig(k_max=6, explore_budget=0.02)
+@pytest.mark.parametrize("baseline", sorted(controller_ab.ABLATIONS))
+def test_every_variant_stays_lossless(baseline):
+    plain = [o.token_ids for o in run_all(tiny_engine(PAIR[0], method="none"), PROMPTS, GREEDY)]
+    assert planned(baseline)[2] == plain
 
 
-def test_a_baseline_from_before_the_choice_was_timed_apart_gets_it_inside_verify():
-    """The engine reports the choice apart; a baseline that knows no "choice" kind is told it
-    inside the round's verify timing (as its engine did), and a choice of a step that
-    reported no verify (it prefilled) is not carried into the next round's."""
-    seen = []
+def test_without_keys_offers_key_zero_and_the_same_variant_keeps_match_lengths():
+    assert any(r.key for rows, _ in planned("same")[1] for r in rows)
+    assert not any(r.key for rows, _ in planned("without-keys")[1] for r in rows)
 
-    class OldController:
-        def __init__(self, config):
-            pass
 
-        def observe_cost(self, kind, batch_size, size, seconds):
-            seen.append((kind, seconds))
+def test_without_allocation_hands_out_drafts_level_by_level():
+    engine, _, _ = planned("without-allocation")
+    engine.policy.acceptance.alpha = lambda rid, p, key: {"a": 0.9, "b": 0.2}[rid]
+    gains = engine.policy._gains([SimpleNamespace(request_id=r, proposer="ngram", available=3, k_max=3,
+                                                  adaptive=True, key=0) for r in "ab"])
+    assert [i for _, i in gains] == [0, 1, 0, 1, 0, 1]
 
-        def rest(self, ids, batch_size):
-            return False
 
-    old = SimpleNamespace(ControllerConfig=controller.ControllerConfig, AdaptiveController=OldController,
-                          COST_KINDS=("verify", "draft", "catch_up"))
-    ctl = controller_ab.baseline_controller(old, controller.ControllerConfig())
-    ctl.rest(["r"], 1)
-    ctl.observe_cost("choice", 1, 1, 0.25)
-    ctl.observe_cost("verify", 1, 2, 1.0)
-    ctl.rest(["r"], 1)
-    ctl.observe_cost("choice", 1, 1, 0.5)  # a step that prefilled: no verify report
-    ctl.rest(["r"], 1)
-    ctl.observe_cost("verify", 1, 0, 1.0)  # (a resting round: no choice)
-    assert seen == [("verify", 1.25), ("verify", 1.0)]
-    current = controller_ab.baseline_controller(controller, controller.ControllerConfig())
-    current.observe_cost("choice", 1, 1, 0.25)  # (knows the kind: told as is)
-    assert current.estimated_cost("choice", 1, 1) == 0.25
+def test_without_budget_always_explores_and_without_relax_never_relaxes():
+    engine, _, _ = planned("without-budget")
+    engine.policy.explore_debt_s = 1e9
+    assert engine.policy._may_explore()
+    engine, _, _ = planned("without-relax")
+    engine.policy.acceptance.observe("r", "ngram", 0, 4, 0)
+    before = engine.policy.acceptance.alpha("r", "ngram", 0)
+    engine.policy.acceptance.declined("r", 0)
+    assert engine.policy.acceptance.alpha("r", "ngram", 0) == before
 
 
 @pytest.mark.parametrize("draft_model,method", [(None, "ngram"), ("qwen2.5-coder-0.5b-instruct", "draft")])
 def test_both_versions_draft_as_asked_and_plain_runs_no_draft_model(draft_model, method):
-    argv = ["--baseline", "HEAD", "--model", "qwen2.5-coder-1.5b-instruct", "--k-max", "6"]
+    argv = ["--baseline", "same", "--model", "qwen2.5-coder-1.5b-instruct", "--k-max", "6"]
     args = controller_ab.parse_args(argv + (["--draft-model", draft_model] if draft_model else []))
     config, plain = controller_ab.engine_configs(args)
     assert (config.draft_model, config.spec.method, config.spec.num_spec_tokens, config.spec.adaptive) == (
@@ -77,10 +67,11 @@ def test_both_versions_draft_as_asked_and_plain_runs_no_draft_model(draft_model,
 
 
 def test_a_bad_baseline_or_repeats_is_refused_by_name(capsys):
-    with pytest.raises(SystemExit, match="--baseline 'no-such-rev'"):
-        controller_ab.load_baseline("no-such-rev")
     with pytest.raises(SystemExit):
-        controller_ab.parse_args(["--baseline", "HEAD", "--repeats", "0"])
+        controller_ab.parse_args(["--baseline", "no-such-variant"])
+    assert "--baseline: invalid choice: 'no-such-variant'" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        controller_ab.parse_args(["--baseline", "same", "--repeats", "0"])
     assert "--repeats must be at least 1" in capsys.readouterr().err
 
 
@@ -102,7 +93,8 @@ class _Engine:
 
     def __init__(self, clock, cost):
         self.clock, self.cost, self.live, self.left = clock, cost, None, 0
-        self.controller = SimpleNamespace(snapshot=lambda: {"k_counts": [0]}, config=SimpleNamespace(adaptive=False))
+        self.policy = SimpleNamespace(snapshot=lambda: {"k_counts": [0]})
+        self.config = SimpleNamespace(spec=SimpleNamespace(adaptive=False, method="none"))
 
     def add_request(self, rid, ids, params):
         self.live, self.left = rid, 10
@@ -133,4 +125,4 @@ def test_lockstep_steps_plain_beside_both_versions_against_the_machines_drift(lo
     new_vs_old = results["new"].tokens_per_s / results["old"].tokens_per_s
     new_vs_plain = results["new"].tokens_per_s / results["plain"].tokens_per_s
     assert (abs(new_vs_old - 2.0) < 0.15 and abs(new_vs_plain - 1.5) < 0.15) == lockstep, (new_vs_old, new_vs_plain)
-    assert controller_ab.parse_args(["--baseline", "HEAD", "--lockstep"]).lockstep
+    assert controller_ab.parse_args(["--baseline", "same", "--lockstep"]).lockstep

@@ -4,8 +4,8 @@
   exactly the tokens its draft KV lacks (the whole prompt on its first draft);
 * after a prefix-cache hit on blocks that hold target KV only, the draft model recomputes
   them: its proposals equal those of a cold engine; blocks that do hold draft KV are reused;
-* the draft cost the controller learns excludes catch-ups (one-off costs), and the
-  controller is told what each row must catch up on before it drafts.
+* the draft cost the policy learns excludes catch-ups (one-off costs), and the policy is
+  told what each row must catch up on before it drafts.
 Each is shown to fail on an engine that breaks it.
 """
 from __future__ import annotations
@@ -36,25 +36,25 @@ def engine(**kw) -> LLMEngine:
 def draft_tokens_run(eng: LLMEngine) -> list[int]:
     """Wrap the draft model's runner: log the tokens of every forward it runs."""
     log = []
-    forward = eng.drafter.runner.forward
+    forward = eng.proposers['draft'].runner.forward
 
     def logged(rows):
         log.append(sum(len(r.token_ids) for r in rows))
         return forward(rows)
-    eng.drafter.runner.forward = logged
+    eng.proposers['draft'].runner.forward = logged
     return log
 
 
 def proposals(eng: LLMEngine) -> list[list[int]]:
     """Wrap the proposer: log every drafted token list."""
     log = []
-    propose = eng.drafter.propose
+    propose = eng.proposers['draft'].propose
 
     def logged(reqs, ks):
         out = propose(reqs, ks)
         log.extend(tokens for tokens, _ in out)
         return out
-    eng.drafter.propose = logged
+    eng.proposers['draft'].propose = logged
     return log
 
 
@@ -63,7 +63,7 @@ def eager_prefill(monkeypatch):
     after = LLMEngine._after_prefill
 
     def eager(self, chunks, logits):
-        self.drafter.catch_up([c.request for c in chunks])
+        self.proposers['draft'].catch_up([c.request for c in chunks])
         return after(self, chunks, logits)
     monkeypatch.setattr(LLMEngine, "_after_prefill", eager)
 
@@ -76,12 +76,12 @@ def test_only_drafting_requests_run_the_draft_model(monkeypatch, broken):
     run_all(eng, [PROMPT, PROMPT[:13]], GREEDY, spec=PLAIN)
     run_all(eng, [PROMPT[5:]], GREEDY, spec=NGRAM)
     run_all(eng, [PROMPT[3:]], SamplingParams(temperature=0, max_tokens=1, ignore_eos=True), spec=DRAFT)
-    fails = eng.drafter.catch_up_tokens != 0
+    fails = eng.proposers['draft'].catch_up_tokens != 0
     # A drafting request catches up on its whole prompt once (the first generated token is
     # pending), then every round feeds the one or two tokens the last round left unseen.
     eng2 = engine(prefix_cache=False)
     run_all(eng2, [PROMPT], GREEDY, spec=DRAFT)
-    fails |= eng2.drafter.catch_up_tokens != len(PROMPT)
+    fails |= eng2.proposers['draft'].catch_up_tokens != len(PROMPT)
     assert fails == broken
 
 
@@ -107,11 +107,11 @@ def test_blocks_with_draft_kv_are_reused(monkeypatch, broken):
         monkeypatch.setattr(RadixCache, "insert", lambda self, t, b, draft_tokens=0: insert(self, t, b))
     eng = engine()
     run_all(eng, [PROMPT + [2]], GREEDY, spec=DRAFT)
-    before = eng.drafter.catch_up_tokens
+    before = eng.proposers['draft'].catch_up_tokens
     log = proposals(eng)
     run_all(eng, [PROMPT + [1]], GREEDY, spec=DRAFT)
     # 20 of the 23 prompt tokens hit the cache with their draft KV: 3 left to catch up.
-    reused = eng.drafter.catch_up_tokens - before == 3
+    reused = eng.proposers['draft'].catch_up_tokens - before == 3
     cold = engine()
     cold_log = proposals(cold)
     run_all(cold, [PROMPT + [1]], GREEDY, spec=DRAFT)
@@ -127,39 +127,40 @@ def test_draft_cost_excludes_catch_ups(monkeypatch, broken):
     def slow_catch_up(self, reqs):
         if any(r.num_tokens - 1 - r.draft_computed > 1 for r in reqs):
             time.sleep(slow)
-        catch_up(self, reqs)
+        return catch_up(self, reqs)
     monkeypatch.setattr(DraftModelProposer, "catch_up", slow_catch_up)
     if broken:  # catches up inside propose, so the draft pass is timed with it
         propose = DraftModelProposer.propose
-        monkeypatch.setattr(DraftModelProposer, "catch_up", lambda self, reqs: None)
+        monkeypatch.setattr(DraftModelProposer, "catch_up", lambda self, reqs: 0)
         monkeypatch.setattr(DraftModelProposer, "propose",
                             lambda self, reqs, ks: (slow_catch_up(self, reqs), propose(self, reqs, ks))[1])
     eng = engine()
-    costs = []
-    observe = eng.controller.observe_cost
-    eng.controller.observe_cost = lambda kind, b, size, s: (costs.append((kind, s)), observe(kind, b, size, s))
+    draft = []
+    observe = eng.policy.observe
+    eng.policy.observe = lambda report: (draft.extend(s for _, _, s in report.draft_passes.values()),
+                                         observe(report))
     run_all(eng, [PROMPT, PROMPT[4:]], GREEDY, spec=DRAFT)
-    draft = [s for kind, s in costs if kind == "draft"]
     assert draft and (max(draft) >= slow) == broken
 
 
 @pytest.mark.parametrize("broken", [False, True])
-def test_the_controller_is_told_each_rows_catch_up_and_budget(monkeypatch, broken):
-    if broken:  # tells the controller nothing about catch-ups
+def test_the_policy_is_told_each_rows_catch_up_and_budget(monkeypatch, broken):
+    if broken:  # tells the policy nothing about catch-ups
         monkeypatch.setattr(DraftModelProposer, "missing", staticmethod(lambda req: 0))
     eng = engine(adaptive=True)
     seen, wrong = [], []
-    choose = eng.controller.choose_k
+    plan = eng.policy.plan
 
-    def logged(ids, batch_size, available=None, catch_up=None, remaining=None, matches=None):
-        for rid, c, rem in zip(ids, catch_up, remaining):
-            req = eng.requests[rid]
+    def logged(rows):
+        for row in rows:
+            req = eng.requests[row.request_id]
             lacking = req.num_tokens - 1 - req.draft_computed
-            seen.append(c)
-            wrong.append(c != (lacking if lacking > 1 else 0) or rem != req.params.max_tokens - len(req.output_ids))
-        assert matches == [None] * len(ids)  # a draft model's rows have no lookup
-        return choose(ids, batch_size, available, catch_up, remaining, matches)
-    eng.controller.choose_k = logged
+            seen.append(row.catch_up)
+            wrong.append(row.catch_up != (lacking if lacking > 1 else 0)
+                         or row.remaining != req.params.max_tokens - len(req.output_ids)
+                         or row.available != eng.scheduler.spec_budget(req) or not row.timed)
+        return plan(rows)
+    eng.policy.plan = logged
     run_all(eng, [PROMPT, PROMPT[6:]], GREEDY, spec=DRAFT)
     # Every row's count was exact, and a prompt's catch-up was announced.
     assert (not any(wrong) and max(seen) >= len(PROMPT) - 6) != broken

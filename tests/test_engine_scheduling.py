@@ -154,16 +154,16 @@ def _prefill_chunks(method: str, k: int, choose=None) -> tuple[list[int], list[i
     prompt's chunk per step, and the tokens the decode rows verified in that step (1 + k each).
     `choose(ks)` may rewrite the engine's chosen ks before they are used."""
     engine = tiny_engine(PAIR[0], method=method, k=k, max_batched_tokens=24, prefix_cache=False)
-    real_choose = engine._choose_k
+    real_plan = engine.policy.plan
     verified = []
 
-    def recording_choose(rows, *a):
-        ks = real_choose(rows, *a)
+    def recording_plan(rows):
+        ks = real_plan(rows)
         ks = choose(ks) if choose else ks
-        verified.append(len(rows) + sum(ks.values()))
+        verified.append(len(rows) + sum(ks))
         return ks
 
-    engine._choose_k = recording_choose
+    engine.policy.plan = recording_plan
     params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
     for i in range(3):
         engine.add_request(f"d{i}", [3, 4, 5, 3, 4, 5, 3, i], params)
@@ -183,7 +183,7 @@ def test_prefill_gets_the_step_budget_less_the_drafts_chosen_not_k_max():
     plain, plain_verified = _prefill_chunks("none", 1)
     assert plain_verified == [3] * len(plain) and plain[0] == 24 - 3
     # a speculative engine that chose k = 0 for every row schedules prefill as a plain one
-    assert _prefill_chunks("ngram", 6, choose=lambda ks: dict.fromkeys(ks, 0))[0] == plain
+    assert _prefill_chunks("ngram", 6, choose=lambda ks: [0] * len(ks))[0] == plain
     # and one that drafts gives prefill what its drafts leave, step by step
     chunks, verified = _prefill_chunks("ngram", 6)
     assert any(v > 3 for v in verified), "the decode rows were meant to draft"

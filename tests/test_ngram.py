@@ -3,8 +3,6 @@ import random
 from dataclasses import dataclass, field
 
 import pytest
-import torch
-
 from verispec.spec.ngram import NgramProposer
 
 
@@ -32,8 +30,14 @@ def brute_force_match(tokens: list[int], k: int, min_n: int, max_n: int) -> tupl
 
 
 def propose_one(proposer: NgramProposer, seq: Seq, k: int) -> list[int]:
-    draft = proposer.propose_for([seq], k)
-    return draft.tokens[0, :int(draft.num_tokens[0])].tolist()
+    return proposer.lookup([seq], [k])[0]
+
+
+@dataclass
+class Row:
+    """A request as the engine hands it to a proposer: an id and its tokens."""
+    request_id: str
+    all_ids: list[int]
 
 
 def test_longest_suffix_match_wins_over_a_more_recent_shorter_one():
@@ -61,22 +65,20 @@ def test_most_recent_occurrence_and_up_to_k_tokens():
 def test_no_match_proposes_nothing_and_min_n_is_respected():
     proposer = NgramProposer(max_n=3, min_n=2)
     seqs = [Seq(0, [1, 2, 3, 4]), Seq(1, [9, 1, 9]), Seq(2, []), Seq(3, [5])]
-    draft = proposer.propose_for(seqs, 3)
     # Row 1: only the 1-gram (9,) recurs, below min_n = 2.
-    assert draft.num_tokens.tolist() == [0, 0, 0, 0]
-    assert draft.tokens.shape == (4, 3) and draft.probs is None
+    assert proposer.lookup(seqs, [3] * 4) == [[], [], [], []]
 
 
-def test_draft_shapes_with_per_row_k():
+def test_offer_then_draft_hands_out_the_lookup_up_to_each_rows_k():
     proposer = NgramProposer()
-    seqs = [Seq(0, [1, 2, 3, 1, 2]), Seq(1, [7, 8, 7]), Seq(2, [1, 2, 1, 2, 1, 2])]
-    draft = proposer.propose_for(seqs, [1, 0, 5])
-    assert draft.tokens.dtype == torch.int64 and draft.tokens.shape == (3, 5)
-    assert draft.num_tokens.tolist() == [1, 0, 2]
-    assert draft.tokens.tolist() == [[3, 0, 0, 0, 0], [0, 0, 0, 0, 0], [1, 2, 0, 0, 0]]
-    assert proposer.name == "ngram"
-    with pytest.raises(ValueError, match="k must be"):
-        proposer.propose_for(seqs, [1, 2])
+    rows = [Row("a", [1, 2, 3, 1, 2]), Row("b", [7, 8, 7]), Row("c", [1, 2, 1, 2, 1, 2])]
+    offers = proposer.offer(rows, [1, 0, 5])
+    assert [o.available for o in offers] == [1, 0, 2]
+    assert [o.key for o in offers] == [2, 0, 4]  # the matched suffix's length
+    assert proposer.draft(rows, [1, 0, 1]) == [([3], None), ([], None), ([1], None)]
+    assert proposer.name == "ngram" and not proposer.timed and not proposer.has_probs
+    with pytest.raises(ValueError, match="ks must be"):
+        proposer.offer(rows, [1, 2])
     with pytest.raises(ValueError, match="min_n"):
         NgramProposer(min_n=0)
     with pytest.raises(ValueError, match="max_n"):
@@ -92,10 +94,10 @@ def test_incremental_index_equals_brute_force_scan_on_random_histories(min_n, ma
         for seq in seqs:  # histories grow by ragged chunks, as accepted tokens do
             seq.token_ids.extend(rng.randrange(4) for _ in range(rng.randrange(0, 4)))
         ks = [rng.randrange(0, 6) for _ in seqs]
-        draft = proposer.propose_for(seqs, ks)
+        drafts = proposer.lookup(seqs, ks)
         matched = proposer.lookup_matches(seqs, ks)
         for row, (seq, k) in enumerate(zip(seqs, ks)):
-            got = draft.tokens[row, :int(draft.num_tokens[row])].tolist()
+            got = drafts[row]
             assert got == brute_force(seq.token_ids, k, min_n, max_n), (seq.token_ids, k)
             if k:  # (k = 0 looks nothing up)
                 assert matched[row] == brute_force_match(seq.token_ids, k, min_n, max_n), (seq.token_ids, k)
@@ -104,11 +106,11 @@ def test_incremental_index_equals_brute_force_scan_on_random_histories(min_n, ma
 def test_index_is_incremental_not_a_rescan():
     proposer = NgramProposer(max_n=4)
     seq = Seq(0, list(range(1000)) * 2)
-    proposer.propose_for([seq], 3)
+    proposer.lookup([seq], [3])
     index = proposer._indexes[0]
     size = len(index.latest_start)
     seq.token_ids.append(5)
-    proposer.propose_for([seq], 3)
+    proposer.lookup([seq], [3])
     assert index.num_tokens == len(seq.token_ids)
     assert len(index.latest_start) - size <= 4  # at most one new n-gram per n
 

@@ -267,7 +267,7 @@ def test_spec_draft_without_a_draft_model_uses_the_registered_draft(trained, tar
         LLMEngine.from_config(config)
     out = export_draft(trained[1], tmp_path / "target", registry.draft_dir(str(tmp_path / "target")), {})
     engine = LLMEngine.from_config(config)
-    assert engine.config.draft_model == str(out) and engine.drafter is not None
+    assert engine.config.draft_model == str(out) and "draft" in engine.proposers
 
 
 def test_registered_draft_is_found_only_once_exported(tmp_path, monkeypatch):

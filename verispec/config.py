@@ -12,11 +12,17 @@ from pathlib import Path
 
 import yaml
 
-SPEC_METHODS = ("none", "ngram", "draft")
+from verispec.spec.proposer import proposer_names
+
 DTYPES = ("bfloat16", "float32")
 # verispec.model.quant.WEIGHT_FORMATS (repeated here: config must not import torch)
 WEIGHT_FORMATS = ("auto", "dense", "int8", "int4", "int4a8")
 KERNELS = ("auto", "on", "off")
+
+
+def spec_methods() -> tuple[str, ...]:
+    """Speculation methods: "none" and every registered proposer (spec/proposer.py)."""
+    return ("none", *proposer_names())
 
 
 @dataclass(frozen=True)
@@ -30,8 +36,8 @@ class SpecConfig:
     ngram_min: int = 1
 
     def __post_init__(self):
-        if self.method not in SPEC_METHODS:
-            raise ValueError(f"spec method must be one of {SPEC_METHODS}, got {self.method!r}")
+        if self.method not in spec_methods():
+            raise ValueError(f"spec method must be one of {spec_methods()}, got {self.method!r}")
         if not 1 <= self.num_spec_tokens <= 16:
             raise ValueError(f"num_spec_tokens must be in [1, 16], got {self.num_spec_tokens}")
         if not 1 <= self.ngram_min <= self.ngram_max:
@@ -188,7 +194,7 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--huge-pages", action=argparse.BooleanOptionalAction, default=None,
                    help="copy the CPU weights into memory backed by 2 MiB pages where Linux offers "
                         "transparent huge pages (default on: fewer TLB misses while a step streams them)")
-    g.add_argument("--spec", choices=SPEC_METHODS, help="speculation method (default ngram)")
+    g.add_argument("--spec", choices=spec_methods(), help="speculation method (default ngram)")
     g.add_argument("--num-spec-tokens", type=int, help="k (k_max when adaptive)")
     g.add_argument("--spec-adaptive", action=argparse.BooleanOptionalAction, default=None,
                    help="choose k per step from measured acceptance and cost (default on)")

@@ -1,15 +1,17 @@
-"""LLMEngine.step(): schedule -> propose -> verify -> accept -> commit -> emit.
+"""LLMEngine.step(): schedule -> plan -> draft -> verify -> accept -> commit -> emit.
 
 One step runs ONE target forward over every scheduled row: prefill chunks and
-decode/verify rows ([pending token, d_1..d_k] per row, k chosen per row). The draft
-model (when used) writes its KV at the same slots as the target. Draft tokens are
-provisional in the KV manager until the rejection sampler has decided:
+decode/verify rows ([pending token, d_1..d_k] per row, k chosen per row by the policy).
+Every proposer is driven through the same `Proposer` calls (spec/proposer.py); a draft
+model writes its KV at the same slots as the target. Draft tokens are provisional in the
+KV manager until the rejection sampler has decided:
 
-    allocate_slots -> insert_provisional -> propose + verify forward -> rejection sample
+    allocate_slots -> insert_provisional -> draft + verify forward -> rejection sample
                    -> commit_provisional(accepted_len) -> evict_provisional
 
-Greedy decoding is not special-cased: temperature 0 gives one-hot distributions and
-the same rejection sampler, so greedy speculative output equals plain greedy output.
+When every row of a step is greedy, acceptance is decided from the target's argmaxes
+(`greedy_accept`) instead of V-wide distributions: the same verdicts the rejection
+sampler gives one-hot distributions, without building them.
 """
 from __future__ import annotations
 
@@ -31,12 +33,16 @@ from verispec.model.tokenizer import IncrementalDetokenizer, Tokenizer
 from verispec.outputs import RequestOutput
 from verispec.request import Request, SpecOverride, Status  # noqa: F401 (SpecOverride: the engine's API)
 from verispec.sampling import SamplingParams, SamplingTensors, make_generator, sample
-from verispec.spec.draft_model import DraftModelProposer
-from verispec.spec.controller import AdaptiveController, ControllerConfig
-from verispec.spec.ngram import NgramProposer
+from verispec.spec.policy import RoundReport, RoundTimer, RowOffer, RowResult, SpeculationPolicy
+from verispec.spec.proposer import ProposerContext, build_proposers
 from verispec.spec.rejection import RejectionResult, greedy_accept, rejection_sample
 
 log = logging.getLogger("verispec")
+
+
+# The most draft tokens a request may ask for: a verify row is 1 + k tokens, and past 16
+# the chance that every draft is accepted is too small to pay for the pass.
+MAX_SPEC_TOKENS = 16
 
 
 class LLMEngine:
@@ -75,15 +81,14 @@ class LLMEngine:
         num_slots = cache.num_blocks * cache.block_size
         self.target = ModelRunner(target, num_slots, cache.block_size, vocab_limit)
         self._shared_generator = torch.Generator().manual_seed(config.seed)
-        self.drafter = (DraftModelProposer(ModelRunner(draft, num_slots, cache.block_size, vocab_limit),
-                                           self.kv.block_table, self._shared_generator,
-                                           config.scheduler.max_num_batched_tokens) if draft else None)
+        self.draft_runner = ModelRunner(draft, num_slots, cache.block_size, vocab_limit) if draft else None
+        self.proposers, self._unavailable = build_proposers(ProposerContext(
+            config, self.draft_runner, self.kv.block_table, self._shared_generator))
         self.scheduler = Scheduler(config.scheduler, self.kv, self.max_model_len, OutOfBlocks)
-        self.ngram = NgramProposer(max_n=config.spec.ngram_max, min_n=config.spec.ngram_min)
-        self._matches: dict[str, int] = {}  # this round's n-gram match lengths, by request (0: left out)
-        self.controller = AdaptiveController(ControllerConfig(
-            k_max=config.spec.num_spec_tokens, adaptive=config.spec.adaptive,
-            fixed_k=config.spec.num_spec_tokens))
+        self.policy = SpeculationPolicy(MAX_SPEC_TOKENS)
+        self._accepted: dict[str, int] = {}  # this step's accepted drafts, by request
+        self._passes: dict[str, tuple[int, int, float]] = {}  # this step's timed draft passes
+        self._caught_up = 0                  # this step's catch-up tokens
         self.requests: dict[str, Request] = {}
         self._arrivals = 0
         self.eos_ids = set(tokenizer.eos_token_ids)
@@ -140,19 +145,18 @@ class LLMEngine:
         req.generator = make_generator(params, self.target.device)  # None: the shared stream
         self.requests[request_id] = req
         self.scheduler.add(req)
-        if method != "none":
-            self.controller.start(request_id, method)
 
     def _resolve_spec(self, spec: SpecOverride | None) -> tuple[str, int, bool]:
         cfg = self.config.spec
         method = (spec.method if spec and spec.method else None) or cfg.method
-        if method not in ("none", "ngram", "draft"):
-            raise ValueError(f"speculative.method must be 'none', 'ngram' or 'draft', got {method!r}")
-        if method == "draft" and self.drafter is None:
-            raise ValueError("speculative.method 'draft' needs the server to be started with a draft model")
+        if method in self._unavailable:
+            raise ValueError(f"speculative.method {method!r} is not available: {self._unavailable[method]}")
+        if method != "none" and method not in self.proposers:
+            allowed = ", ".join(repr(m) for m in ("none", *self.proposers))
+            raise ValueError(f"speculative.method must be one of {allowed}, got {method!r}")
         k = spec.num_tokens if spec and spec.num_tokens is not None else cfg.num_spec_tokens
-        if not isinstance(k, int) or not 0 <= k <= 16:
-            raise ValueError(f"speculative.num_tokens must be an integer in [0, 16], got {k!r}")
+        if not isinstance(k, int) or not 0 <= k <= MAX_SPEC_TOKENS:
+            raise ValueError(f"speculative.num_tokens must be an integer in [0, {MAX_SPEC_TOKENS}], got {k!r}")
         if k == 0:
             method = "none"
         adaptive = spec.adaptive if spec and spec.adaptive is not None else cfg.adaptive
@@ -185,39 +189,25 @@ class LLMEngine:
 
     # ------------------------------------------------------------------ the step
     def step(self) -> list[RequestOutput]:
-        t0 = time.perf_counter()
+        timer = RoundTimer()
         batch = self.scheduler.schedule_decode()
         rows = batch.decode
         try:
-            adaptive = [r for r in rows if r.spec_method != "none" and r.adaptive]
-            # a resting controller's rows play plain: no lookup, no choice (controller "Rest")
-            resting = bool(adaptive) and self.controller.rest([r.request_id for r in adaptive], len(rows))
-            drafting = [r for r in rows if r.spec_method != "none" and not (resting and r.adaptive)]
-            t_choice = time.perf_counter()
-            lookups = self._lookup(drafting)
-            ks = self._choose_k(rows, drafting, [] if resting else adaptive, lookups)
-            choice_s = 0.0
-            if adaptive and not resting:  # what choosing cost, apart (controller "Rest")
-                choice_s = time.perf_counter() - t_choice
-                self.controller.observe_cost("choice", len(rows), len(adaptive), choice_s)
+            offers = self._offers(rows)
+            ks = self.policy.plan(offers) if rows else []
         except Exception as exc:
             return self._fail(exc, batch)
         # prefill gets the step's token budget less what the decode rows verify (scheduler)
-        self.scheduler.schedule_prefill(batch, len(rows) + sum(ks.values()))
+        self.scheduler.schedule_prefill(batch, len(rows) + sum(ks))
         if batch.empty:
             return []
         try:
-            drafts, draft_s = self._propose(rows, ks, lookups)
+            drafts = self._draft(rows, ks, timer)
             outputs = self._verify_and_commit(batch, rows, drafts)
         except Exception as exc:
             return self._fail(exc, batch)
-        if rows and not batch.prefill:
-            # The round's whole cost but the draft pass and the choice (timed on their own):
-            # scheduling, the verify forward, sampling, KV bookkeeping and detokenizing all
-            # grow with the batch and the drafts, and the controller must weigh all of it.
-            drafted = sum(len(d[0]) for d in drafts.values())
-            self.controller.observe_cost("verify", len(rows), drafted,
-                                         time.perf_counter() - t0 - draft_s - choice_s)
+        if rows:
+            self.policy.observe(self._report(batch, rows, offers, drafts, timer))
         return outputs
 
     def _fail(self, exc: Exception, batch: ScheduledBatch) -> list[RequestOutput]:
@@ -230,50 +220,51 @@ class LLMEngine:
             outputs.append(self._finish(req, "abort", cache=False))
         return outputs
 
-    def _lookup(self, rows: list[Request]) -> dict[str, list[int]]:
-        """Every n-gram row's proposal (of `rows`, those that may draft this round), up to the
-        most it may draft, looked up before k is chosen: the controller then knows which rows
-        have drafts and how many."""
-        ngram_rows = [r for r in rows if r.spec_method == "ngram"]
-        found = self.ngram.lookup_matches([_History(r) for r in ngram_rows],
-                                          [self.scheduler.spec_budget(r) for r in ngram_rows])
-        # each lookup's match length, for the controller (see controller "Match length")
-        self._matches = {r.request_id: n for r, (_, n) in zip(ngram_rows, found) if n}
-        return {r.request_id: tokens for r, (tokens, _) in zip(ngram_rows, found)}
+    def _offers(self, rows: list[Request]) -> list[RowOffer]:
+        """What each row's proposer offers now, up to the row's budget (max_tokens, context)."""
+        offers = [RowOffer(r.request_id, None, 0, 0) for r in rows]
+        for name, proposer in self.proposers.items():
+            members = [i for i, r in enumerate(rows) if r.spec_method == name]
+            if not members:
+                continue
+            reqs = [rows[i] for i in members]
+            found = proposer.offer(reqs, [self.scheduler.spec_budget(r) for r in reqs])
+            for i, r, o in zip(members, reqs, found):
+                offers[i] = RowOffer(r.request_id, name, o.available, r.num_spec_tokens, r.adaptive,
+                                     o.catch_up, o.key, r.remaining_tokens, proposer.timed)
+        return offers
 
-    def _choose_k(self, rows: list[Request], drafting: list[Request], adaptive: list[Request],
-                  lookups: dict[str, list[int]]) -> dict[str, int]:
-        """k per row: at most the request's k, its budget (max_tokens, context) and, for
-        n-gram, the lookup's length; the controller picks within that for `adaptive` rows
-        (of `drafting`, the rows that may draft this round; any other row plays k = 0)."""
-        limit = {r.request_id: len(lookups[r.request_id]) if r.request_id in lookups
-                 else self.scheduler.spec_budget(r) for r in drafting}
-        chosen = self.controller.choose_k(
-            [r.request_id for r in adaptive], len(rows), [limit[r.request_id] for r in adaptive],
-            catch_up=[self.drafter.missing(r) if r.spec_method == "draft" else 0 for r in adaptive],
-            remaining=[r.remaining_tokens for r in adaptive],
-            matches=[self._matches.get(r.request_id) for r in adaptive]) if adaptive else {}
-        return {r.request_id: chosen.get(r.request_id, limit.get(r.request_id, 0)) for r in rows}
+    def _draft(self, rows: list[Request], ks: list[int], timer: RoundTimer) -> dict:
+        """Draft tokens (and q, or None) per request id. A timed proposer's catch-up and
+        drafting are timed apart (laps "catch_up" and "draft") and its passes recorded in
+        `_passes` and `_caught_up` for the round's report."""
+        drafts: dict[str, tuple[list[int], torch.Tensor | None]] = {}
+        self._passes, self._caught_up = {}, 0
+        for name, proposer in self.proposers.items():
+            members = [(r, k) for r, k in zip(rows, ks) if k and r.spec_method == name]
+            if not members:
+                continue
+            reqs, row_ks = [r for r, _ in members], [k for _, k in members]
+            timer.lap("round")
+            self._caught_up += proposer.prepare(reqs)
+            timer.lap("catch_up" if proposer.timed else "round")
+            proposed = proposer.draft(reqs, row_ks)
+            seconds = timer.lap("draft" if proposer.timed else "round")
+            if proposer.timed:
+                self._passes[name] = (len(reqs), max(row_ks), seconds)
+            drafts.update({r.request_id: d for r, d in zip(reqs, proposed) if d[0]})
+        return drafts
 
-    def _propose(self, rows: list[Request], ks: dict[str, int], lookups: dict[str, list[int]]) -> tuple[dict, float]:
-        """Draft tokens (and draft probabilities for the draft model) per request, and the
-        seconds of the draft model's pass (0 without one)."""
-        drafts: dict[str, tuple[list[int], torch.Tensor | None]] = {
-            rid: (tokens[: ks[rid]], None) for rid, tokens in lookups.items() if ks[rid] > 0}
-        draft_s = 0.0
-        draft_rows = [r for r in rows if r.spec_method == "draft" and ks[r.request_id] > 0]
-        if draft_rows:
-            t0 = time.perf_counter()
-            caught_up = self.drafter.catch_up(draft_rows)  # one-off: what the rows' KV lacks
-            t1 = time.perf_counter()
-            if caught_up:
-                self.controller.observe_cost("catch_up", len(rows), caught_up, t1 - t0)
-            proposed = self.drafter.propose(draft_rows, [ks[r.request_id] for r in draft_rows])
-            drafts.update({r.request_id: d for r, d in zip(draft_rows, proposed)})
-            draft_s = time.perf_counter() - t0
-            self.controller.observe_cost("draft", len(draft_rows), max(ks[r.request_id] for r in draft_rows),
-                                         time.perf_counter() - t1)
-        return drafts, draft_s
+    def _report(self, batch: ScheduledBatch, rows: list[Request], offers: list[RowOffer],
+                drafts: dict, timer: RoundTimer) -> RoundReport:
+        total = timer.total()
+        timed = timer.phases.get("draft", 0.0) + timer.phases.get("catch_up", 0.0)
+        results = [RowResult(r.request_id, o.proposer, o.key, len(drafts.get(r.request_id, ((),))[0]),
+                             self._accepted.get(r.request_id, 0), r.finished)
+                   for r, o in zip(rows, offers) if o.proposer]
+        return RoundReport(len(rows), results, None if batch.prefill else total - timed,
+                           sum(len(d[0]) for d in drafts.values()), self._passes,
+                           (self._caught_up, timer.phases.get("catch_up", 0.0)), total)
 
     def _verify_and_commit(self, batch: ScheduledBatch, rows: list[Request], drafts) -> list[RequestOutput]:
         inputs = []
@@ -345,8 +336,7 @@ class LLMEngine:
                 self.kv.evict_provisional(r.request_id)
             else:
                 self.kv.commit(r.request_id, base + 1)
-            if k:  # drafted (a row without speculation never does)
-                self.controller.observe_acceptance(r.request_id, k, accepted, self._matches.get(r.request_id))
+            self._accepted[r.request_id] = accepted
             self._rollback(r, base, accepted, k)
             r.stats.record_round(k, accepted)
             r.stats.target_forwards += 1
@@ -378,8 +368,9 @@ class LLMEngine:
         is past the row's length, so no mask admits it until a later pass overwrites it.
         """
         req.num_computed = base + 1 + accepted
-        if self.drafter is not None:
-            self.drafter.rollback(req)
+        proposer = self.proposers.get(req.spec_method)
+        if proposer is not None:
+            proposer.rollback(req)
 
     # ------------------------------------------------------------------ tokens, stops, finish
     def _append_tokens(self, req: Request, tokens: list[int]) -> list[RequestOutput]:
@@ -423,10 +414,9 @@ class LLMEngine:
         keep = req.all_ids[: req.num_computed] if cache and self.config.cache.prefix_cache else None
         if req.request_id in self.kv:  # a request still waiting holds no blocks
             self.kv.close_sequence(req.request_id, keep, req.draft_computed)
-        self.ngram.forget(req.request_id)
-        if req.spec_method != "none":  # (an abort's length says nothing of when answers end)
-            self.controller.finish(req.request_id, None if reason == "abort" else len(req.output_ids),
-                                   ended_early=reason == "stop")
+        for proposer in self.proposers.values():
+            proposer.forget(req.request_id)
+        self.policy.forget(req.request_id)
         del self.requests[req.request_id]
         return self._output(req, list(new_ids), new_text)
 
@@ -491,16 +481,6 @@ def _pad_rows(flat: torch.Tensor, counts: list[int]) -> torch.Tensor:
     out = flat.new_zeros(len(counts), width, *flat.shape[1:])
     out[torch.arange(width)[None, :] < torch.tensor(counts)[:, None]] = flat
     return out
-
-
-class _History:
-    """What the n-gram proposer sees of a request: its id and its tokens so far."""
-
-    __slots__ = ("seq_id", "token_ids")
-
-    def __init__(self, req: Request):
-        self.seq_id = req.request_id
-        self.token_ids = req.all_ids
 
 
 def _find_stop(text: str, stops: tuple[str, ...], searched_upto: int) -> int | None:

@@ -6,13 +6,13 @@ the draft's KV length; after a verify round it is rolled back to the verified le
 (O(1): positions past it are rewritten before they are read again).
 
 The draft's KV is filled lazily: prompts are prefilled by the target alone, and a request
-that never drafts (plain rows, n-gram rows, rows the controller keeps at k = 0) never
-runs the draft model at all. When a request drafts, `catch_up` first computes everything
+that never drafts (plain rows, n-gram rows, rows the policy keeps at k = 0) never
+runs the draft model at all. When a request drafts, `catch_up` (`prepare`) first computes everything
 its draft KV lacks (the prompt on its first draft, the tokens decoded since it last
 drafted), in passes of at most `chunk_tokens`; then each propose call feeds the one or two
 tokens a round leaves unseen (the pending token, plus the last accepted draft after a
 fully accepted round) and drafts autoregressively. The engine times catch-ups apart from
-drafting: they are one-off costs, not the per-round cost the controller weighs.
+drafting: they are one-off costs, not the per-round cost the policy weighs.
 """
 from __future__ import annotations
 
@@ -22,10 +22,15 @@ from verispec.engine.runner import ModelRunner, RowInput
 from verispec.model import kernels
 from verispec.request import Request
 from verispec.sampling import SamplingTensors, sample
+from verispec.spec.proposer import Offer
 
 
 class DraftModelProposer:
+    """A `Proposer`: `prepare` is the catch-up, `draft` the autoregressive loop."""
+
     name = "draft"
+    timed = True       # a draft pass costs a fraction of a target step: priced by the policy
+    has_probs = True
 
     def __init__(self, runner: ModelRunner, block_table, shared_generator: torch.Generator | None = None,
                  chunk_tokens: int = 512):
@@ -34,6 +39,19 @@ class DraftModelProposer:
         self.shared_generator = shared_generator
         self.chunk_tokens = chunk_tokens  # most tokens one catch-up pass computes
         self.catch_up_tokens = 0          # tokens computed by catch-ups so far
+
+    def offer(self, rows: list[Request], budgets: list[int]) -> list[Offer]:
+        """Every row may draft its whole budget, after catching up on what its KV lacks."""
+        return [Offer(b, self.missing(r)) for r, b in zip(rows, budgets)]
+
+    def prepare(self, rows: list[Request]) -> int:
+        return self.catch_up(rows)
+
+    def draft(self, rows: list[Request], ks: list[int]) -> list[tuple[list[int], torch.Tensor | None]]:
+        return self.propose(rows, ks)
+
+    def forget(self, request_id: str) -> None:
+        """Nothing kept per request here: its draft KV length lives on the request."""
 
     @staticmethod
     def missing(req: Request) -> int:

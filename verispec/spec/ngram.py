@@ -15,9 +15,7 @@ from __future__ import annotations
 from collections.abc import Hashable, Sequence
 from typing import Protocol
 
-import torch
-
-from verispec.spec.proposer import Draft
+from verispec.spec.proposer import Offer
 
 
 class TokenHistory(Protocol):
@@ -55,55 +53,56 @@ class _SeqIndex:
 
 
 class NgramProposer:
-    """Prompt lookup (n-gram matching against the row's own history); returns a `Draft`."""
+    """Prompt lookup (n-gram matching against the row's own history), a `Proposer`.
+
+    `offer` looks every row up once, up to its budget; `draft` hands out the first k tokens
+    of that lookup, so a round costs one lookup per row.
+    """
 
     name = "ngram"
+    timed = False       # a dictionary lookup: microseconds, not a model pass
+    has_probs = False   # deterministic drafts: one-hot q
 
-    def __init__(self, max_n: int = 4, min_n: int = 1, device: str | torch.device = "cpu"):
+    def __init__(self, max_n: int = 4, min_n: int = 1):
         if not isinstance(min_n, int) or min_n < 1:
             raise ValueError(f"min_n must be an integer >= 1, got {min_n!r}")
         if not isinstance(max_n, int) or max_n < min_n:
             raise ValueError(f"max_n must be an integer >= min_n ({min_n}), got {max_n!r}")
         self.max_n = max_n
         self.min_n = min_n
-        self.device = torch.device(device)
         self._indexes: dict[Hashable, _SeqIndex] = {}
+        self._offered: dict[Hashable, list[int]] = {}  # this round's lookups, by request
 
-    def propose_for(self, histories: Sequence[TokenHistory], k: int | Sequence[int]) -> Draft:
-        """Draft up to k tokens (an int, or one per row) for each history.
+    def offer(self, rows: Sequence, budgets: Sequence[int]) -> list[Offer]:
+        """Each row's lookup up to its budget; the key is the matched suffix's length n, the
+        best predictor of acceptance (longer matches are accepted far more often)."""
+        found = self.lookup_matches([_History(r) for r in rows], budgets)
+        self._offered = {r.request_id: tokens for r, (tokens, _) in zip(rows, found)}
+        return [Offer(len(tokens), 0, n) for tokens, n in found]
 
-        Returns Draft(tokens (B, k_max) int64 padded with 0, probs=None, num_tokens (B,)):
-        a row with no match proposes 0 tokens; one near the end of its history, fewer than k.
-        """
-        ks = [k] * len(histories) if isinstance(k, int) else list(k)
-        if len(ks) != len(histories) or any(not isinstance(n, int) or n < 0 for n in ks):
-            raise ValueError(f"k must be an integer >= 0 or one per row ({len(histories)}), got {k!r}")
-        proposals = self.lookup(histories, ks)
-        k_max = max(ks, default=0)
-        tokens = torch.zeros(len(histories), k_max, dtype=torch.int64)          # (B, k_max)
-        for row, proposal in enumerate(proposals):
-            tokens[row, :len(proposal)] = torch.tensor(proposal, dtype=torch.int64)
-        num_tokens = torch.tensor([len(p) for p in proposals], dtype=torch.int64)  # (B,)
-        return Draft(tokens.to(self.device), None, num_tokens.to(self.device))
+    def prepare(self, rows: Sequence) -> int:
+        return 0
+
+    def draft(self, rows: Sequence, ks: Sequence[int]) -> list[tuple[list[int], None]]:
+        return [(self._offered.get(r.request_id, [])[:k], None) for r, k in zip(rows, ks)]
+
+    def rollback(self, req) -> None:
+        """Nothing to undo: the index only ever reads committed history."""
 
     def lookup(self, histories: Sequence[TokenHistory], ks: Sequence[int]) -> list[list[int]]:
-        """Up to ks[i] proposed tokens per history, as lists (the engine's form; no tensors)."""
+        """Up to ks[i] proposed tokens per history."""
         return [tokens for tokens, _ in self.lookup_matches(histories, ks)]
 
     def lookup_matches(self, histories: Sequence[TokenHistory], ks: Sequence[int]) -> list[tuple[list[int], int]]:
-        """`lookup`, each proposal with the length n of the suffix it matched (0: none): how
-        far the history agrees with the earlier occurrence, the best predictor of whether the
-        first draft is accepted (default model, every task: n = 1 0.15-0.26, n = 2 0.35-0.60,
-        n = 4 0.68-0.92; bench/acceptance_profile.py), which the adaptive controller keeps apart."""
+        """`lookup`, each proposal with the length n of the suffix it matched (0: none)."""
+        if len(ks) != len(histories) or any(not isinstance(n, int) or n < 0 for n in ks):
+            raise ValueError(f"ks must be one integer >= 0 per history ({len(histories)}), got {ks!r}")
         return [self._propose_one(seq, k) for seq, k in zip(histories, ks)]
-
-    def propose(self, batch: Sequence[TokenHistory], k: int | Sequence[int]) -> Draft:
-        """The `Proposer` entry point: same as `propose_for`."""
-        return self.propose_for(batch, k)
 
     def forget(self, seq_id: Hashable) -> None:
         """Drop a finished (or preempted) sequence's index; unknown ids are ignored."""
         self._indexes.pop(seq_id, None)
+        self._offered.pop(seq_id, None)
 
     def _propose_one(self, seq: TokenHistory, k: int) -> tuple[list[int], int]:
         tokens = seq.token_ids
@@ -113,3 +112,13 @@ class NgramProposer:
             index = self._indexes[seq.seq_id] = _SeqIndex()
         index.extend(tokens, self.min_n, self.max_n)
         return index.lookup(tokens, self.min_n, self.max_n, k) if k > 0 else ([], 0)
+
+
+class _History:
+    """What the index reads of a request: its id and its tokens so far."""
+
+    __slots__ = ("seq_id", "token_ids")
+
+    def __init__(self, req):
+        self.seq_id = req.request_id
+        self.token_ids = req.all_ids

@@ -1,31 +1,129 @@
-"""The proposer interface: every proposer returns a `Draft`."""
+"""The proposer interface the engine drives, and the registry of proposers by method name.
+
+A round of speculation, as the engine runs it for every proposer alike:
+
+    offer(rows)          -> one Offer per row: drafts available now (<= the row's budget),
+                            tokens a catch-up would first compute, and an acceptance key
+    policy.plan(...)     -> k per row (0: the row decodes plainly this round)
+    prepare(rows)        -> tokens computed by one-off catch-ups of the drafting rows
+    draft(rows, ks)      -> (tokens, q or None) per row, len(tokens) <= k
+    ... target verify, rejection sampling, commit ...
+    rollback(req)        after every verified row, whatever it drafted
+    forget(request_id)   when a request finishes or is aborted
+
+Contracts a proposer keeps, on which losslessness rests:
+* `draft` returns, per row, q (k_i, V) passed through the target's own logits-to-probs
+  transform, or None: the tokens are then a deterministic function of the row's history
+  (one-hot q), which is exact for the rejection sampler.
+* It never changes a request's committed tokens; whatever state it keeps per request is
+  its own and survives a rejected draft only through `rollback`.
+
+`timed` says whether drafting costs time comparable to a target step (a draft model): the
+engine then times the proposer's passes and the policy prices them. Untimed proposers
+(lookups) are treated as free.
+
+Adding a proposer is one module that implements `Proposer` and one `register_proposer`
+line (see `tests/fake_proposer.py`).
+"""
 from __future__ import annotations
 
-from typing import NamedTuple, Protocol
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 
-import torch
+if TYPE_CHECKING:  # the registry stays importable by pure-Python modules (config)
+    import torch
+
+    from verispec.request import Request
 
 
-class Draft(NamedTuple):
-    """k proposed tokens per row, with the proposer's distribution when it has one.
+class Offer(NamedTuple):
+    """What a proposer can do for one row this round, before k is chosen."""
 
-    tokens: (B, k) int64 proposed token ids.
-    probs:  (B, k, V) float32 draft distribution q at each position, already passed through
-            the same `logits_to_probs` as the target; None for proposers without
-            probabilities (n-gram), which the rejection sampler treats as one-hot q.
-    num_tokens: (B,) int64 how many of the k tokens of each row are real proposals (a
-            row may propose fewer, e.g. n-gram with no match); None means all k.
-            Entries past a row's num_tokens are padding and are never verified.
-    """
-
-    tokens: torch.Tensor
-    probs: torch.Tensor | None
-    num_tokens: torch.Tensor | None = None
+    available: int      # most tokens it can draft now (<= the row's budget); 0: nothing to offer
+    catch_up: int = 0   # tokens a first pass must compute before drafting (a one-off cost)
+    key: int = 0        # acceptance class of this offer (n-gram: the matched suffix length)
 
 
 class Proposer(Protocol):
     name: str
+    timed: bool          # drafting costs target-relative time: the engine times it
+    has_probs: bool      # draft() may return q distributions (else always None)
 
-    def propose(self, batch, k: int) -> Draft:
-        """Propose k tokens for every row of `batch`."""
+    def offer(self, rows: list["Request"], budgets: list[int]) -> list[Offer]:
+        """One Offer per row, `available` at most that row's budget."""
         ...
+
+    def prepare(self, rows: list["Request"]) -> int:
+        """One-off work before the drafting rows can draft (timed apart); tokens computed."""
+        ...
+
+    def draft(self, rows: list["Request"], ks: list[int]) -> list[tuple[list[int], "torch.Tensor | None"]]:
+        """Up to ks[i] tokens for rows[i] (every k >= 1), with q (len, V) or None."""
+        ...
+
+    def rollback(self, req: "Request") -> None:
+        """After verification: keep only state consistent with req.num_computed."""
+        ...
+
+    def forget(self, request_id: str) -> None:
+        """Drop the request's state; unknown ids are ignored."""
+        ...
+
+
+@dataclass(frozen=True)
+class ProposerContext:
+    """What a factory may use to build its proposer (one per engine)."""
+
+    config: Any                      # the EngineConfig as run
+    draft_runner: Any = None         # a ModelRunner over the draft model, if one was loaded
+    block_table: Callable | None = None
+    shared_generator: Any = None     # the engine's generator for unseeded requests
+
+
+class ProposerUnavailable(Exception):
+    """Raised by a factory that cannot build its proposer here; the text says what is needed."""
+
+
+_FACTORIES: dict[str, Callable[[ProposerContext], Proposer]] = {}
+
+
+def register_proposer(name: str, factory: Callable[[ProposerContext], Proposer]) -> None:
+    """Make `name` a speculation method; `factory(context)` builds its proposer."""
+    if name == "none" or not name.isidentifier():
+        raise ValueError(f"a proposer name must be an identifier other than 'none', got {name!r}")
+    _FACTORIES[name] = factory
+
+
+def proposer_names() -> tuple[str, ...]:
+    return tuple(_FACTORIES)
+
+
+def build_proposers(context: ProposerContext) -> tuple[dict[str, Proposer], dict[str, str]]:
+    """(proposers that could be built, {name: why not} for the others)."""
+    built, missing = {}, {}
+    for name, factory in _FACTORIES.items():
+        try:
+            built[name] = factory(context)
+        except ProposerUnavailable as exc:
+            missing[name] = str(exc)
+    return built, missing
+
+
+def _ngram(context: ProposerContext) -> Proposer:
+    from verispec.spec.ngram import NgramProposer
+    spec = context.config.spec
+    return NgramProposer(max_n=spec.ngram_max, min_n=spec.ngram_min)
+
+
+def _draft_model(context: ProposerContext) -> Proposer:
+    if context.draft_runner is None:
+        raise ProposerUnavailable("speculative method 'draft' needs a draft model (--draft-model, "
+                                  "or `make draft` for the default model's registered draft)")
+    from verispec.spec.draft_model import DraftModelProposer
+    return DraftModelProposer(context.draft_runner, context.block_table, context.shared_generator,
+                              context.config.scheduler.max_num_batched_tokens)
+
+
+register_proposer("ngram", _ngram)
+register_proposer("draft", _draft_model)

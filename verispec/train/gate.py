@@ -117,7 +117,7 @@ def run_gate(engine, cfg: GateConfig, prompts: dict[str, list[list[int]]], progr
 
     params = SamplingParams(temperature=0.0, max_tokens=cfg.max_tokens)
     warm = next(iter(prompts.values()))[0]
-    for m in METHODS:  # warm-up: first-call allocations, controller cost cells
+    for m in METHODS:  # warm-up: first-call allocations, the policy's cost cells
         _run_one(engine, f"warm-{m}", warm, params, m, cfg.fixed_k)
     results, n = [], 0
     for task, task_prompts in prompts.items():
@@ -221,5 +221,5 @@ def run_gate_cli(args, work: Path) -> int:
     write_json(out, {"config": asdict(cfg), "engine": config.to_dict(), "draft": draft,
                      "threads": torch.get_num_threads(), "load_at_start": load,
                      "results": [asdict(r) for r in results], "verdict": verdict, "table": table,
-                     "controller": engine.controller.snapshot()})  # measured verify / draft costs
+                     "policy": engine.policy.snapshot()})  # measured verify / draft costs
     return 0 if ok else 1

@@ -1,0 +1,109 @@
+"""What a pass costs, measured: cells keyed by (rows, size), each the median of its recent
+timings, and bounds for the cells not measured yet.
+
+A verify cell is (batch rows, drafted tokens in the batch); a draft cell is (rows that
+draft, draft depth). Sizes above 8 share buckets (10, 12, 16, 20, 24, 32, ...): a cell
+per exact size would take too long to fill where they cost almost alike. A cell is
+trusted once it holds `TRUSTED_AT` timings; its price is their median over the last
+`WINDOW`, which ignores the odd stall of a shared machine and follows a drift in speed.
+
+A pass costs no less with more rows or more tokens. So a cell without trusted timings
+lies between two bounds from trusted cells:
+  lower: the most expensive trusted cell with no more rows and no more tokens;
+  upper: the cheapest trusted cell with no fewer rows and no fewer tokens.
+The policy explores with the lower bound (optimistic: a plan that might pay is tried)
+while its exploration budget lasts, and otherwise prices with the upper bound (a plan
+that pays even at its worst is safe to play, and playing it measures its cell).
+"""
+from __future__ import annotations
+
+import bisect
+import statistics
+from collections import deque
+
+WINDOW = 16        # timings kept per cell: enough for a stable median, short enough to follow drift
+TRUSTED_AT = 3     # a median of three already rejects one stall
+_BUCKETS = (0, 1, 2, 3, 4, 5, 6, 7, 8, 10, 12, 16, 20, 24, 32, 48, 64, 96, 128, 192, 256)
+
+
+def size_bucket(size: int) -> int:
+    """The largest bucket boundary <= size (sizes past the last share it)."""
+    if size < 0:
+        raise ValueError(f"size must be >= 0, got {size}")
+    return _BUCKETS[bisect.bisect_right(_BUCKETS, size) - 1]
+
+
+class CostCells:
+    """Timings by (rows, size bucket); prices with bounds for untrusted cells."""
+
+    def __init__(self) -> None:
+        self._timings: dict[tuple[int, int], deque] = {}
+        self._trusted: dict[tuple[int, int], float] = {}   # cell -> median, once trusted
+
+    def observe(self, rows: int, size: int, seconds: float) -> None:
+        if rows < 1 or seconds < 0:
+            raise ValueError(f"need rows >= 1 and seconds >= 0, got {rows}, {seconds}")
+        cell = (rows, size_bucket(size))
+        timings = self._timings.setdefault(cell, deque(maxlen=WINDOW))
+        timings.append(seconds)
+        if len(timings) >= TRUSTED_AT:
+            self._trusted[cell] = statistics.median(timings)
+
+    def trusted(self, rows: int, size: int) -> float | None:
+        return self._trusted.get((rows, size_bucket(size)))
+
+    def at(self, rows: int, optimistic: bool) -> "RowPrices":
+        """Prices of every size at `rows`, built in one pass over the trusted cells."""
+        n = len(_BUCKETS)
+        own: list[float | None] = [None] * n
+        lower: list[float | None] = [None] * n
+        upper: list[float | None] = [None] * n
+        for (r, b), median in self._trusted.items():
+            i = _BUCKETS.index(b)
+            if r == rows:
+                own[i] = median
+            if r <= rows and (lower[i] is None or median > lower[i]):
+                lower[i] = median
+            if r >= rows and (upper[i] is None or median < upper[i]):
+                upper[i] = median
+        for i in range(1, n):  # no fewer tokens than a cheaper-or-equal bucket
+            if lower[i - 1] is not None and (lower[i] is None or lower[i - 1] > lower[i]):
+                lower[i] = lower[i - 1]
+        for i in range(n - 2, -1, -1):  # no more than a costlier-or-equal bucket
+            if upper[i + 1] is not None and (upper[i] is None or upper[i + 1] < upper[i]):
+                upper[i] = upper[i + 1]
+        return RowPrices(own, lower if optimistic else upper)
+
+    def snapshot(self) -> list[dict]:
+        return [{"rows": r, "size": b, "median_s": round(m, 6), "n": len(self._timings[(r, b)])}
+                for (r, b), m in sorted(self._trusted.items())]
+
+
+class RowPrices:
+    """price(size) -> (seconds, trusted): the cell's median when trusted, else its bound
+    (lower when exploring, upper when not); (None, False) when there is no such bound."""
+
+    __slots__ = ("_own", "_bound")
+
+    def __init__(self, own: list, bound: list):
+        self._own, self._bound = own, bound
+
+    def price(self, size: int) -> tuple[float | None, bool]:
+        i = bisect.bisect_right(_BUCKETS, size) - 1
+        median = self._own[i]
+        return (median, True) if median is not None else (self._bound[i], False)
+
+
+class PerToken:
+    """Seconds per token of a one-off pass (a draft model's catch-up): a windowed median."""
+
+    def __init__(self) -> None:
+        self._rates: deque = deque(maxlen=WINDOW)
+
+    def observe(self, tokens: int, seconds: float) -> None:
+        if tokens > 0:
+            self._rates.append(seconds / tokens)
+
+    def value(self) -> float:
+        """0 before any timing: optimistic, the first catch-up then measures it."""
+        return statistics.median(self._rates) if self._rates else 0.0

@@ -1,0 +1,259 @@
+"""The speculation policy: how many tokens each row drafts this round.
+
+The engine makes two calls: `plan(rows) -> k per row` before drafting, and
+`observe(report)` after the round, with what each row accepted and what the passes cost.
+
+The decision maximises expected tokens per second for the whole batch. At batch 1 it is
+argmax over k of E(alpha, k) / T(1, k). For a batch: the j-th draft of a row adds
+alpha^j expected tokens (the chance its first j drafts are all accepted), so drafts are
+handed out best marginal gain first across the rows, and the number handed out, N, is
+the one with the highest rate
+
+    (rows + sum of the gains handed out) / (T_verify(rows, N) + T_draft + catch-up charges)
+
+T_verify is the round's measured time less the draft passes (scheduling, sampling and
+bookkeeping grow with the batch too, and this policy's own time is in it); T_draft, for
+a timed proposer (a draft model), the measured cost of its passes at (rows drafting,
+depth). A row that must first catch up (a draft model's KV behind its history) is
+charged that one-off cost spread over the rounds it has left. Rows whose request fixed
+k (adaptive off) draft min(k, available) and are counted, not chosen for.
+
+Costs not measured yet are priced from bounds (`costs.py`): optimistically while the
+exploration budget lasts (EXPLORE_SHARE of decode time: what an untried plan may lose
+against the best measured one), pessimistically after, so a plan is then played only if
+it pays at its worst. Acceptance comes from `acceptance.py`.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from verispec.spec.acceptance import AcceptanceModel, expected_tokens
+from verispec.spec.costs import CostCells, PerToken
+
+# Exploration may cost 1.5% of decode time: enough to measure the few cells a workload
+# uses within its first seconds, small enough to stay within a benchmark's noise.
+EXPLORE_SHARE = 0.015
+# ... plus a fixed allowance, so a cold engine explores before it has decoded for long.
+EXPLORE_ALLOWANCE_S = 0.05
+
+
+@dataclass(frozen=True)
+class RowOffer:
+    """One decode row as the policy sees it (no model, no tensors)."""
+
+    request_id: str
+    proposer: str | None    # None: the request does not speculate
+    available: int          # drafts its proposer offers now (0: none)
+    k_max: int              # the request's k (its cap when adaptive, its k when not)
+    adaptive: bool = True
+    catch_up: int = 0       # tokens a one-off pass must compute before it can draft
+    key: int = 0            # acceptance class of the offer (n-gram: match length)
+    remaining: int = 1      # tokens the request may still generate
+    timed: bool = False     # its proposer's passes cost time (priced)
+
+
+@dataclass(frozen=True)
+class RowResult:
+    request_id: str
+    proposer: str
+    key: int
+    drafted: int
+    accepted: int
+    finished: bool = False  # the request ended this round: its own estimate is dropped
+
+
+@dataclass(frozen=True)
+class RoundReport:
+    """What one decode round did and cost. verify_s is None for a round that also ran
+    prefill chunks: its time says nothing about decode rows alone."""
+
+    batch_size: int
+    rows: list[RowResult]
+    verify_s: float | None
+    drafted: int                                 # draft tokens in the verify pass
+    draft_passes: dict = field(default_factory=dict)  # proposer -> (rows, depth, seconds)
+    catch_up: tuple[int, float] = (0, 0.0)       # (tokens, seconds) of one-off passes
+    total_s: float = 0.0
+
+
+@dataclass
+class _Plan:
+    ks: list[int]
+    tokens: float             # expected tokens
+    seconds: float | None     # priced cost
+    explored: bool            # priced from an optimistic bound
+    best_trusted_rate: float | None
+
+
+class SpeculationPolicy:
+    def __init__(self, k_max: int):
+        self.k_max = k_max
+        self.acceptance = AcceptanceModel()
+        self.verify_costs = CostCells()
+        self.draft_costs: dict[str, CostCells] = {}
+        self.catch_up_cost = PerToken()
+        self.decode_s = 0.0
+        self.explore_debt_s = 0.0
+        self.rounds = 0
+        self.k_counts = [0] * (k_max + 1)
+        self._last: _Plan | None = None
+        self._offers: list[RowOffer] = []
+
+    # ------------------------------------------------------------------ plan
+    def plan(self, rows: list[RowOffer]) -> list[int]:
+        """k per row (0 <= k <= available), in the order given."""
+        self._offers = rows
+        ks = [min(r.k_max, r.available) if not r.adaptive and r.proposer else 0 for r in rows]
+        gains = self._gains(rows)
+        if not gains:
+            self._last = None
+            return ks
+        self._last = self._best(rows, ks, gains, self._may_explore())
+        return self._last.ks
+
+    def _gains(self, rows: list[RowOffer]) -> list[tuple[float, int]]:
+        """(alpha^j, row) for every draft an adaptive row may take, best first."""
+        gains = []
+        for i, r in enumerate(rows):
+            if r.adaptive and r.proposer and r.available:
+                alpha = self.acceptance.alpha(r.request_id, r.proposer, r.key)
+                gains.extend((alpha ** j, i) for j in range(1, min(r.available, r.k_max) + 1))
+        gains.sort(key=lambda g: -g[0])
+        return gains
+
+    def _best(self, rows: list[RowOffer], fixed: list[int], gains: list, optimistic: bool) -> _Plan:
+        batch = len(rows)
+        verify = self.verify_costs.at(batch, optimistic)
+        draft_tables = {name: _DraftPrices(cells, optimistic) for name, cells in self.draft_costs.items()}
+        ks = list(fixed)
+        tokens = batch + sum(self._fixed_gain(r, k) for r, k in zip(rows, fixed))
+        drafted = sum(fixed)
+        timed = any(r.timed for r in rows)
+        best = best_trusted = None
+        for n in range(len(gains) + 1):
+            if n:
+                gain, i = gains[n - 1]
+                ks[i] += 1
+                tokens += gain
+                drafted += 1
+            seconds, trusted = (self._price(rows, ks, verify, draft_tables, optimistic) if timed
+                                else verify.price(drafted))
+            if seconds is None or seconds <= 0:
+                continue
+            rate = tokens / seconds
+            if best is None or rate > best[0]:
+                best = (rate, list(ks), tokens, seconds, not trusted)
+            if trusted and (best_trusted is None or rate > best_trusted):
+                best_trusted = rate
+        if best is None:  # nothing priced yet: plain, which measures the baseline cell
+            return _Plan(list(fixed), float(batch), None, False, None)
+        return _Plan(best[1], best[2], best[3], best[4], best_trusted)
+
+    def _fixed_gain(self, row: RowOffer, k: int) -> float:
+        if not k:
+            return 0.0
+        return expected_tokens(self.acceptance.alpha(row.request_id, row.proposer, row.key), k) - 1.0
+
+    def _price(self, rows: list[RowOffer], ks: list[int], verify, draft_tables,
+               optimistic: bool) -> tuple[float | None, bool]:
+        """(seconds, every part measured) of the round with these ks."""
+        seconds, trusted = verify.price(sum(ks))
+        if seconds is None:
+            return None, False
+        passes: dict[str, list[int]] = {}  # timed proposer -> [rows drafting, depth]
+        for r, k in zip(rows, ks):
+            if k and r.timed:
+                p = passes.setdefault(r.proposer, [0, 0])
+                p[0], p[1] = p[0] + 1, max(p[1], k)
+                if r.catch_up:
+                    rounds_left = max(1.0, r.remaining / expected_tokens(
+                        self.acceptance.alpha(r.request_id, r.proposer, r.key), k))
+                    seconds += r.catch_up * self.catch_up_cost.value() / rounds_left
+        for name, (n_rows, depth) in passes.items():
+            table = draft_tables.get(name)
+            cost, known = table.price(n_rows, depth) if table else (None, False)
+            if cost is None and not optimistic:
+                return None, False
+            seconds += cost or 0.0  # no lower bound: a pass costs at least nothing
+            trusted = trusted and known
+        return seconds, trusted
+
+    def _may_explore(self) -> bool:
+        return self.explore_debt_s <= EXPLORE_SHARE * self.decode_s + EXPLORE_ALLOWANCE_S
+
+    # ------------------------------------------------------------------ observe
+    def observe(self, report: RoundReport) -> None:
+        """Learn from a round: acceptance of every row that drafted, costs of its passes."""
+        drafted_ids = set()
+        for row in report.rows:
+            if row.drafted:
+                drafted_ids.add(row.request_id)
+                self.acceptance.observe(row.request_id, row.proposer, row.key, row.drafted, row.accepted)
+            if row.drafted <= self.k_max:
+                self.k_counts[row.drafted] += 1
+        for offer in self._offers:
+            if offer.available and offer.adaptive and offer.request_id not in drafted_ids:
+                self.acceptance.declined(offer.request_id, offer.key)
+        for row in report.rows:
+            if row.finished:
+                self.acceptance.forget(row.request_id)
+        self.catch_up_cost.observe(*report.catch_up)
+        for name, (n_rows, depth, seconds) in report.draft_passes.items():
+            self.draft_costs.setdefault(name, CostCells()).observe(n_rows, depth, seconds)
+        if report.verify_s is not None:
+            self.verify_costs.observe(report.batch_size, report.drafted, report.verify_s)
+            self._charge_exploration(report.total_s, report.batch_size + sum(r.accepted for r in report.rows))
+        self.decode_s += report.total_s
+        self.rounds += 1
+        self._offers, self._last = [], None
+
+    def _charge_exploration(self, seconds: float, emitted: int) -> None:
+        """An explored plan is charged what it lost: its time less the time the tokens it
+        emitted take at the best measured plan's rate (at its own priced rate when no plan
+        was measured yet)."""
+        plan = self._last
+        if plan is None or not plan.explored:
+            return
+        rate = plan.best_trusted_rate or plan.tokens / plan.seconds
+        self.explore_debt_s += max(0.0, seconds - emitted / rate)
+
+    def forget(self, request_id: str) -> None:
+        self.acceptance.forget(request_id)
+
+    def snapshot(self) -> dict:
+        return {"rounds": self.rounds, "k_counts": list(self.k_counts),
+                "decode_s": round(self.decode_s, 4), "explore_debt_s": round(self.explore_debt_s, 4),
+                "alpha_pools": self.acceptance.snapshot(), "verify_cells": self.verify_costs.snapshot(),
+                "draft_cells": {n: c.snapshot() for n, c in self.draft_costs.items()}}
+
+
+class _DraftPrices:
+    """A timed proposer's pass prices for this plan, one row count's table at a time."""
+
+    def __init__(self, cells: CostCells, optimistic: bool):
+        self._cells, self._optimistic, self._tables = cells, optimistic, {}
+
+    def price(self, rows: int, depth: int) -> tuple[float | None, bool]:
+        table = self._tables.get(rows)
+        if table is None:
+            table = self._tables[rows] = self._cells.at(rows, self._optimistic)
+        return table.price(depth)
+
+
+class RoundTimer:
+    """Seconds of a round's phases, taken with one clock: `lap(name)` closes the phase
+    that began at the previous lap (or at construction)."""
+
+    def __init__(self) -> None:
+        self.start = self._mark = time.perf_counter()
+        self.phases: dict[str, float] = {}
+
+    def lap(self, name: str) -> float:
+        now = time.perf_counter()
+        seconds, self._mark = now - self._mark, now
+        self.phases[name] = self.phases.get(name, 0.0) + seconds
+        return seconds
+
+    def total(self) -> float:
+        return time.perf_counter() - self.start
