@@ -24,12 +24,49 @@ sys.path.insert(0, str(REPO / "bench"))
 
 import torch  # noqa: E402
 
-from kernels_ab import MODES, batch_decode_tps, pooled_tps, print_ab  # noqa: E402
 from roofline import chat_prompts, load_average, run_request, wait_for_quiet  # noqa: E402
 from verispec.bench.provenance import git_info, machine_info, software_versions  # noqa: E402
 from verispec.config import CacheConfig, EngineConfig, SpecConfig  # noqa: E402
-from verispec.engine.engine import LLMEngine  # noqa: E402
+from verispec.engine.engine import LLMEngine, SpecOverride  # noqa: E402
 from verispec.model.memory import huge_page_bytes  # noqa: E402
+from verispec.sampling import SamplingParams  # noqa: E402
+
+MODES = {"plain": SpecOverride(method="none"), "ngram-adaptive": SpecOverride(method="ngram", adaptive=True)}
+
+
+def batch_decode_tps(engine: LLMEngine, prompts: list[dict], max_tokens: int) -> float:
+    """All prompts in flight; tokens/s of the steps after every prompt has prefilled."""
+    for i, p in enumerate(prompts):
+        engine.add_request(f"b{time.perf_counter_ns()}-{i}", p["token_ids"],
+                           SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True))
+    t0, n = None, 0
+    while engine.has_unfinished_requests():
+        outs = engine.step()
+        if t0 is not None:
+            n += sum(len(o.new_token_ids) for o in outs)
+        elif not engine.scheduler.waiting and not any(r.is_prefilling for r in engine.scheduler.running):
+            t0 = time.perf_counter()
+    return n / (time.perf_counter() - t0)
+
+
+def pooled_tps(single: dict[str, list]) -> dict[str, float]:
+    """Decode tokens/s per contender key, pooled over its requests (tokens after the first)."""
+    return {key: sum(r["num_output_tokens"] - 1 for r in rs) / sum(r["decode_s"] for r in rs)
+            for key, rs in single.items()}
+
+
+def print_ab(summary: dict[str, float], names: tuple[str, str], labels: tuple[str, str],
+             batch: dict[str, list[float]], batch_size: int) -> None:
+    """Batch 1: each mode's two contenders and their ratio; then the batch rounds."""
+    for mode in MODES:
+        on, off = summary[f"{mode}/{names[0]}"], summary[f"{mode}/{names[1]}"]
+        print(f"  {mode:15s} {labels[0]} {on:6.1f}   {labels[1]} {off:6.1f}   ({on / off:.2f}x)")
+    if batch_size:
+        print(f"batch {batch_size}, plain, decode tokens/s per round:")
+        width = max(len(name) for name in batch)
+        for name, v in batch.items():
+            print(f"  {name:{width}s} " + "  ".join(f"{x:6.1f}" for x in v))
+
 
 CONTENDERS = ("huge", "4k")
 

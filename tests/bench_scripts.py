@@ -10,8 +10,9 @@ BENCH = Path(__file__).resolve().parents[1] / "bench"
 
 
 def load(script: str, name: str) -> ModuleType:
-    """bench/<script>.py as module `name` (registered: dataclasses need it), with bench/ on
-    the path for the scripts' own `import common`."""
+    """bench/<script>.py (e.g. "roofline", "experiments/linear_widths") as module `name`
+    (registered: dataclasses need it), with bench/ on the path for the scripts' own
+    `import common`."""
     if str(BENCH) not in sys.path:
         sys.path.insert(0, str(BENCH))
     spec = importlib.util.spec_from_file_location(name, BENCH / f"{script}.py")

@@ -1,4 +1,5 @@
-"""Every benchmark script that takes the shared flags writes its result where --out says."""
+"""Every benchmark script (bench/ and bench/experiments/) that takes the shared flags writes its
+result where --out says."""
 from __future__ import annotations
 
 import re
@@ -9,9 +10,9 @@ BENCH = Path(__file__).resolve().parents[1] / "bench"
 
 def test_every_script_with_the_shared_flags_honours_out():
     """`common.add_common_args` gives every script an --out flag; a script that writes to its
-    default path regardless leaves the result where nobody looks (spec_overhead.py did, and
-    its session-16 run was lost with the worktree it wrote into)."""
-    scripts = [p for p in sorted(BENCH.glob("*.py")) if p.name != "common.py" and "add_common_args" in p.read_text()]
+    default path regardless leaves the result where nobody looks (a since-deleted script did,
+    and its session-16 run was lost with the worktree it wrote into)."""
+    scripts = [p for p in sorted(BENCH.rglob("*.py")) if p.name != "common.py" and "add_common_args" in p.read_text()]
     assert len(scripts) >= 6, [p.name for p in scripts]
     ignoring = [p.name for p in scripts if not re.search(r"args\.out\b", p.read_text())]
     assert ignoring == []

@@ -1,5 +1,5 @@
 """bench/roofline.py's byte count: what one decode step streams, per weight format; and
-bench/linear_widths.py's sums over the body."""
+bench/experiments/linear_widths.py's sums over the body."""
 from __future__ import annotations
 
 import pytest
@@ -50,9 +50,9 @@ def test_read_probe_and_paired_fractions():
 
 
 def test_linear_widths_sums_each_width_over_the_body_by_layer_counts():
-    """bench/linear_widths.py: a width's body time is each shape's timing times its layer
+    """bench/experiments/linear_widths.py: a width's body time is each shape's timing times its layer
     count, summed (two shapes, 30 and 60 layers), and the ratio is int4 over bf16."""
-    widths = load("linear_widths", "bench_linear_widths")
+    widths = load("experiments/linear_widths", "bench_linear_widths")
     rows = [{"width": 1, "count": 30, "int4_s": 1e-4, "torch_bf16_s": 2e-4},
             {"width": 1, "count": 60, "int4_s": 2e-4, "torch_bf16_s": 2e-4},
             {"width": 16, "count": 30, "int4_s": 8e-4, "torch_bf16_s": 2e-4}]

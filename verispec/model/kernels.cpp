@@ -1491,7 +1491,7 @@ constexpr bool kInt4Act8Avx512 = false;
 // operations in the same order), so every output is the same bit for bit, on any split of a
 // pass into tiles: a token's result still never depends on the others of its pass. A
 // pass's last tokens that fill no tile of 16 run on the AVX-512 tiles.
-// Measured (Intel Xeon VM, 2 threads, bench/linear_widths.py): the default model's body
+// Measured (Intel Xeon VM, 2 threads, bench/experiments/linear_widths.py): the default model's body
 // 1.1x faster at 16 tokens, 1.2-1.35x at 32-64, 1.15x at 512. What bounds it is not the
 // tile products but the per-group float epilogue (four vector operations a token, as on
 // AVX-512) and reading each group's sums back from the tiles. The 8-bit grid gains nothing
