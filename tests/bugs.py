@@ -76,10 +76,16 @@ def top_p_on_target_only(monkeypatch, top_p: float) -> None:
 
 
 def keep_stale_draft_kv(self, req, base: int, accepted: int, k: int) -> None:
-    """After a rejection keep the rejected draft tokens' KV as if it were verified context."""
+    """After a rejection keep the rejected draft tokens' KV as if it were verified context.
+
+    The target's next pass then conditions on tokens that are not in the output. With a
+    draft model the draft's own position also runs past the row's tokens and the request
+    fails with an error, so the gates inject this with prompt lookup, where it is silent.
+    """
     req.num_computed = base + 1 + k
-    if self.drafter is not None:
-        self.drafter.rollback(req)
+    proposer = self.proposers.get(req.spec_method)
+    if proposer is not None:
+        proposer.rollback(req)
 
 
 SAMPLER_BUGS = {

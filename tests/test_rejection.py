@@ -314,13 +314,16 @@ def test_greedy_is_token_identical_to_argmax_decoding(k_max, draft_mode):
     assert 0.1 < acceptance < 0.95, f"acceptance {acceptance:.2f}: rejections not exercised"
 
 
-def test_greedy_identity_check_catches_resampling_from_p(monkeypatch):
-    # With a sampled (non one-hot) q the recovered token must come from max(0, p - q)...
-    # ...for a one-hot p that is still the argmax, so to show the check has teeth we break
-    # the acceptance test instead: accepting every draft must diverge from argmax decoding.
+def test_greedy_identity_check_catches_accepting_every_draft(monkeypatch):
+    # Resampling from p instead of the residual max(0, p - q) is invisible here: with a
+    # one-hot p both are the argmax. Accepting every draft (the acceptance test skipped) is
+    # not: it must diverge from argmax decoding. (Every draft accepted also puts acceptance
+    # at 1, outside the range that test asserts after the identity; the identity must be
+    # what fails.)
     always_accept(monkeypatch)
-    with pytest.raises(AssertionError):
+    with pytest.raises(AssertionError) as failure:
         test_greedy_is_token_identical_to_argmax_decoding(4, "q_sampled")
+    assert "rejections not exercised" not in str(failure.value), failure.value
 
 
 # ---------------------------------------------------------------------------------------

@@ -204,7 +204,16 @@ def test_completions_and_chat_over_http_with_exact_usage(server, tokenizer):
     usage = (r.usage.prompt_tokens, r.usage.completion_tokens, r.usage.total_tokens)
     assert usage == (n_prompt, 6, n_prompt + 6)
     assert r.choices[0].finish_reason == "length"
-    assert spec_of(r)["num_drafts"] >= 0
+    # Prompt lookup at a fixed k drafts on a prompt that repeats itself; speculation off
+    # drafts nothing. Both are counted in the response's spec block.
+    def spec_for(method: str) -> dict:
+        return spec_of(c.completions.create(
+            model=BACKEND.model, prompt=", ".join(["1, 2, 3"] * 6) + ",", max_tokens=8, temperature=0,
+            extra_body={"ignore_eos": True, "speculative": {"method": method, "num_tokens": 4, "adaptive": False}}))
+    spec = spec_for("ngram")
+    assert spec["method"] == "ngram" and spec["num_drafts"] > 0 and spec["drafted"] > 0, spec
+    spec = spec_for("none")
+    assert spec["method"] == "none" and spec["num_drafts"] == spec["drafted"] == 0, spec
 
     chunks = list(c.completions.create(model=BACKEND.model, prompt=prompt, max_tokens=6, temperature=0,
                                        stream=True, stream_options={"include_usage": True},
