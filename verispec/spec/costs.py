@@ -7,13 +7,17 @@ per exact size would take too long to fill where they cost almost alike. A cell 
 trusted once it holds `TRUSTED_AT` timings; its price is their median over the last
 `WINDOW`, which ignores the odd stall of a shared machine and follows a drift in speed.
 
-A pass costs no less with more rows or more tokens. So a cell without trusted timings
-lies between two bounds from trusted cells:
-  lower: the most expensive trusted cell with no more rows and no more tokens;
-  upper: the cheapest trusted cell with no fewer rows and no fewer tokens.
-The policy explores with the lower bound (optimistic: a plan that might pay is tried)
-while its exploration budget lasts, and otherwise prices with the upper bound (a plan
-that pays even at its worst is safe to play, and playing it measures its cell).
+A pass costs no less with more rows or more tokens, so a cell without trusted timings
+costs at most its upper bound: the cheapest trusted cell with no fewer rows and no fewer
+tokens. Priced so (pessimistic), a plan that pays even at its worst is safe to play, and
+playing it measures its cell.
+
+While the policy may explore it prices optimistically, one step at a time: at a given
+row count, a size between two trusted cells at their chord (a lower bound where cost
+grows concavely with tokens, as a weight-streaming pass does), and the next bucket past
+the largest trusted one at that cell's cost plus EXPLORE_SLOPE of the last measured cost
+per token. So exploration widens from what is measured, and stops widening where even
+half the last increment no longer pays; sizes further out keep their upper bound.
 """
 from __future__ import annotations
 
@@ -23,6 +27,7 @@ from collections import deque
 
 WINDOW = 16        # timings kept per cell: enough for a stable median, short enough to follow drift
 TRUSTED_AT = 3     # a median of three already rejects one stall
+EXPLORE_SLOPE = 0.5  # the next size is tried if it pays at half the last cost per token
 _BUCKETS = (0, 1, 2, 3, 4, 5, 6, 7, 8, 10, 12, 16, 20, 24, 32, 48, 64, 96, 128, 192, 256)
 
 
@@ -56,32 +61,44 @@ class CostCells:
         """Prices of every size at `rows`, built in one pass over the trusted cells."""
         n = len(_BUCKETS)
         own: list[float | None] = [None] * n
-        lower: list[float | None] = [None] * n
         upper: list[float | None] = [None] * n
         for (r, b), median in self._trusted.items():
             i = _BUCKETS.index(b)
             if r == rows:
                 own[i] = median
-            if r <= rows and (lower[i] is None or median > lower[i]):
-                lower[i] = median
             if r >= rows and (upper[i] is None or median < upper[i]):
                 upper[i] = median
-        for i in range(1, n):  # no fewer tokens than a cheaper-or-equal bucket
-            if lower[i - 1] is not None and (lower[i] is None or lower[i - 1] > lower[i]):
-                lower[i] = lower[i - 1]
         for i in range(n - 2, -1, -1):  # no more than a costlier-or-equal bucket
             if upper[i + 1] is not None and (upper[i] is None or upper[i + 1] < upper[i]):
                 upper[i] = upper[i + 1]
-        return RowPrices(own, lower if optimistic else upper)
+        return RowPrices(own, _optimistic(own, upper) if optimistic else upper)
 
     def snapshot(self) -> list[dict]:
         return [{"rows": r, "size": b, "median_s": round(m, 6), "n": len(self._timings[(r, b)])}
                 for (r, b), m in sorted(self._trusted.items())]
 
 
+def _optimistic(own: list, upper: list) -> list:
+    """Upper bounds, with the chords between trusted cells and one step past the last."""
+    bound = list(upper)
+    known = [i for i, m in enumerate(own) if m is not None]
+    for a, b in zip(known, known[1:]):
+        for i in range(a + 1, b):
+            share = (_BUCKETS[i] - _BUCKETS[a]) / (_BUCKETS[b] - _BUCKETS[a])
+            bound[i] = own[a] + share * (own[b] - own[a])
+    if known and known[-1] + 1 < len(own):
+        last = known[-1]
+        slope = 0.0
+        if len(known) > 1:
+            prev = known[-2]
+            slope = max(0.0, (own[last] - own[prev]) / (_BUCKETS[last] - _BUCKETS[prev]))
+        bound[last + 1] = own[last] + EXPLORE_SLOPE * slope * (_BUCKETS[last + 1] - _BUCKETS[last])
+    return bound
+
+
 class RowPrices:
     """price(size) -> (seconds, trusted): the cell's median when trusted, else its bound
-    (lower when exploring, upper when not); (None, False) when there is no such bound."""
+    (optimistic when exploring, upper when not); (None, False) when there is none."""
 
     __slots__ = ("_own", "_bound")
 

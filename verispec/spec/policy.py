@@ -173,9 +173,11 @@ class SpeculationPolicy:
         for name, (n_rows, depth) in passes.items():
             table = draft_tables.get(name)
             cost, known = table.price(n_rows, depth) if table else (None, False)
-            if cost is None and not optimistic:
-                return None, False
-            seconds += cost or 0.0  # no lower bound: a pass costs at least nothing
+            if cost is None:  # never measured: a first pass of depth 1 is tried, as free
+                if not (optimistic and depth == 1):
+                    return None, False
+                cost = 0.0
+            seconds += cost
             trusted = trusted and known
         return seconds, trusted
 
