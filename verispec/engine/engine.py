@@ -201,6 +201,7 @@ class LLMEngine:
         self.scheduler.schedule_prefill(batch, len(rows) + sum(ks))
         if batch.empty:
             return []
+        self._accepted.clear()
         try:
             drafts = self._draft(rows, ks, timer)
             outputs = self._verify_and_commit(batch, rows, drafts)

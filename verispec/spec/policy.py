@@ -31,8 +31,8 @@ from dataclasses import dataclass, field
 from verispec.spec.acceptance import AcceptanceModel, expected_tokens
 from verispec.spec.costs import CostCells, PerToken
 
-# Exploration may cost 1.5% of decode time: enough to measure the few cells a workload
-# uses within its first seconds, small enough to stay within a benchmark's noise.
+# Exploration may cost 1.5% of the time of rounds with decode rows: enough to measure the
+# few cells a workload uses within its first seconds, small enough to stay within noise.
 EXPLORE_SHARE = 0.015
 # ... plus a fixed allowance, so a cold engine explores before it has decoded for long.
 EXPLORE_ALLOWANCE_S = 0.05
