@@ -22,7 +22,6 @@ of n-gram lookup; plain decoding runs no draft model.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import statistics
 import sys
 import time
@@ -41,7 +40,7 @@ VERSIONS = ("new", "old")  # this checkout's policy, the variant
 def _without_keys(engine) -> None:
     """Acceptance pooled per proposer only: every offer's key (n-gram match length) is 0."""
     offers = engine._offers
-    engine._offers = lambda rows: [dataclasses.replace(o, key=0) for o in offers(rows)]
+    engine._offers = lambda rows: [o._replace(key=0) for o in offers(rows)]
 
 
 def _without_budget(engine) -> None:

@@ -11,7 +11,6 @@ Each is shown to fail on an engine that breaks it.
 """
 from __future__ import annotations
 
-import dataclasses
 
 import pytest
 
@@ -97,7 +96,7 @@ def deepest_round(method: str, broken: bool = False) -> int:
     if broken:  # the request's own k ignored: only what is left of max_tokens limits drafting
         engine.scheduler.spec_budget = lambda r: max(0, min(8, r.remaining_tokens - 1))
         real = engine._offers
-        engine._offers = lambda rows: [dataclasses.replace(o, k_max=8) for o in real(rows)]
+        engine._offers = lambda rows: [o._replace(k_max=8) for o in real(rows)]
     out = run_all(engine, PROMPTS, GREEDY, spec=SpecOverride(num_tokens=2, adaptive=True))
     assert any(o.spec.num_draft_tokens for o in out)
     return max(len(o.spec.drafted_per_position) for o in out)

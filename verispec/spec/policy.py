@@ -27,9 +27,10 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from verispec.spec.acceptance import AcceptanceModel, expected_tokens
-from verispec.spec.costs import CostCells, PerToken
+from verispec.spec.costs import CostCells, PerToken, size_bucket
 
 # Exploration may cost 1.5% of the time of rounds with decode rows: enough to measure the
 # few cells a workload uses within its first seconds, small enough to stay within noise.
@@ -38,9 +39,9 @@ EXPLORE_SHARE = 0.015
 EXPLORE_ALLOWANCE_S = 0.05
 
 
-@dataclass(frozen=True)
-class RowOffer:
-    """One decode row as the policy sees it (no model, no tensors)."""
+class RowOffer(NamedTuple):
+    """One decode row as the policy sees it (no model, no tensors). A tuple: the engine
+    builds one per row per step."""
 
     request_id: str
     proposer: str | None    # None: the request does not speculate
@@ -53,8 +54,7 @@ class RowOffer:
     timed: bool = False     # its proposer's passes cost time (priced)
 
 
-@dataclass(frozen=True)
-class RowResult:
+class RowResult(NamedTuple):
     request_id: str
     proposer: str
     key: int
@@ -137,6 +137,8 @@ class SpeculationPolicy:
                 ks[i] += 1
                 tokens += gain
                 drafted += 1
+            if not timed and n < len(gains) and size_bucket(drafted + 1) == size_bucket(drafted):
+                continue  # one more draft costs the same (same cell) and adds tokens: it wins
             seconds, trusted = (self._price(rows, ks, verify, draft_tables, optimistic) if timed
                                 else verify.price(drafted))
             if seconds is None or seconds <= 0:
