@@ -43,16 +43,6 @@ def _without_keys(engine) -> None:
     engine._offers = lambda rows: [o._replace(key=0) for o in offers(rows)]
 
 
-def _without_budget(engine) -> None:
-    """Exploration unbounded: untrusted costs always priced by their optimistic bound."""
-    engine.policy._may_explore = lambda: True
-
-
-def _without_relax(engine) -> None:
-    """A request parked at k = 0 keeps its estimate: it never relaxes toward the pool's."""
-    engine.policy.acceptance.declined = lambda request_id, key: None
-
-
 def _without_allocation(engine) -> None:
     """One k for every adaptive row (drafts handed out level by level), not by marginal gain."""
     gains = engine.policy._gains
@@ -66,8 +56,7 @@ def _without_allocation(engine) -> None:
     engine.policy._gains = level_by_level
 
 
-ABLATIONS = {"same": lambda engine: None, "without-keys": _without_keys, "without-budget": _without_budget,
-             "without-relax": _without_relax, "without-allocation": _without_allocation}
+ABLATIONS = {"same": lambda engine: None, "without-keys": _without_keys, "without-allocation": _without_allocation}
 
 
 def parse_args(argv=None) -> argparse.Namespace:

@@ -45,17 +45,6 @@ def test_without_allocation_hands_out_drafts_level_by_level():
     assert [i for _, i in gains] == [0, 1, 0, 1, 0, 1]
 
 
-def test_without_budget_always_explores_and_without_relax_never_relaxes():
-    engine, _, _ = planned("without-budget")
-    engine.policy.explore_debt_s = 1e9
-    assert engine.policy._may_explore()
-    engine, _, _ = planned("without-relax")
-    engine.policy.acceptance.observe("r", "ngram", 0, 4, 0)
-    before = engine.policy.acceptance.alpha("r", "ngram", 0)
-    engine.policy.acceptance.declined("r", 0)
-    assert engine.policy.acceptance.alpha("r", "ngram", 0) == before
-
-
 @pytest.mark.parametrize("draft_model,method", [(None, "ngram"), ("qwen2.5-coder-0.5b-instruct", "draft")])
 def test_both_versions_draft_as_asked_and_plain_runs_no_draft_model(draft_model, method):
     argv = ["--baseline", "same", "--model", "qwen2.5-coder-1.5b-instruct", "--k-max", "6"]

@@ -9,11 +9,10 @@ drafting pays most. alpha's estimate is (S + w * prior) / (S + F + w).
 
 Estimates are kept per request and per offer key (n-gram: the length of the matched
 suffix, which separates acceptance from ~0.2 at n = 1 to ~0.8 at n = 4), each with the
-proposer's pooled estimate for that key as its prior. Evidence decays: an answer moves
-between copying and writing, and old rounds say less about the next one. A request that
-does not draft under a key gets no evidence there, so its estimate relaxes toward the
-prior each round it is offered drafts and declines them: a request parked at k = 0 by a
-bad stretch is tried again once the pool says drafting pays.
+proposer's pooled estimate for that key as its prior. Evidence decays with the tokens
+drafted: an answer moves between copying and writing, and old rounds say less about the
+next one. (A request parked at k = 0 gets no new evidence and keeps its estimate:
+relaxing it toward the pool measured no gain on 128-token answers.)
 """
 from __future__ import annotations
 
@@ -28,8 +27,6 @@ POOL_HALF_LIFE_TOKENS = 2048.0
 PRIOR_WEIGHT = 4.0
 # Before any evidence at all: even odds for each drafted token.
 COLD_ALPHA = 0.5
-# Offered drafts it declined, a request's evidence halves every 16 rounds.
-PARKED_HALF_LIFE_ROUNDS = 16.0
 
 
 def expected_tokens(alpha: float, k: int) -> float:
@@ -52,10 +49,6 @@ class Counts:
         keep = 0.5 ** (drafted / half_life)
         self.successes = self.successes * keep + accepted
         self.failures = self.failures * keep + (1.0 if accepted < drafted else 0.0)
-
-    def fade(self, keep: float) -> None:
-        self.successes *= keep
-        self.failures *= keep
 
     def alpha(self, prior: float, weight: float) -> float:
         return (self.successes + weight * prior) / (self.successes + self.failures + weight)
@@ -83,12 +76,6 @@ class AcceptanceModel:
         own = self._requests.setdefault(request_id, {}).setdefault(key, Counts())
         own.observe(drafted, accepted, HALF_LIFE_TOKENS)
         self._pools.setdefault((proposer, key), Counts()).observe(drafted, accepted, POOL_HALF_LIFE_TOKENS)
-
-    def declined(self, request_id: str, key: Hashable) -> None:
-        """The request was offered drafts under `key` and drafted none this round."""
-        counts = self._requests.get(request_id, {}).get(key)
-        if counts is not None:
-            counts.fade(0.5 ** (1.0 / PARKED_HALF_LIFE_ROUNDS))
 
     def forget(self, request_id: str) -> None:
         self._requests.pop(request_id, None)

@@ -7,17 +7,14 @@ per exact size would take too long to fill where they cost almost alike. A cell 
 trusted once it holds `TRUSTED_AT` timings; its price is their median over the last
 `WINDOW`, which ignores the odd stall of a shared machine and follows a drift in speed.
 
-A pass costs no less with more rows or more tokens, so a cell without trusted timings
-costs at most its upper bound: the cheapest trusted cell with no fewer rows and no fewer
-tokens. Priced so (pessimistic), a plan that pays even at its worst is safe to play, and
-playing it measures its cell.
-
-While the policy may explore it prices optimistically, one step at a time: at a given
-row count, a size between two trusted cells at their chord (a lower bound where cost
-grows concavely with tokens, as a weight-streaming pass does), and the next bucket past
-the largest trusted one at that cell's cost plus EXPLORE_SLOPE of the last measured cost
-per token. So exploration widens from what is measured, and stops widening where even
-half the last increment no longer pays; sizes further out keep their upper bound.
+Cells without trusted timings are priced so that exploring widens one step at a time
+from what is measured. At a given row count: a size between two trusted cells at their
+chord (a lower bound where cost grows concavely with tokens, as a weight-streaming pass
+does); the next bucket past the largest trusted one at that cell's cost plus
+EXPLORE_SLOPE of the last measured cost per token, so widening stops where even half the
+last increment no longer pays; sizes further out at their upper bound (a pass costs no
+less with more rows or tokens: the cheapest trusted cell with no fewer of either), so a
+plan there is played only if it pays at its worst (a drained batch still drafts).
 """
 from __future__ import annotations
 
@@ -57,7 +54,7 @@ class CostCells:
     def trusted(self, rows: int, size: int) -> float | None:
         return self._trusted.get((rows, size_bucket(size)))
 
-    def at(self, rows: int, optimistic: bool) -> "RowPrices":
+    def at(self, rows: int) -> "RowPrices":
         """Prices of every size at `rows`, built in one pass over the trusted cells."""
         n = len(_BUCKETS)
         own: list[float | None] = [None] * n
@@ -71,14 +68,14 @@ class CostCells:
         for i in range(n - 2, -1, -1):  # no more than a costlier-or-equal bucket
             if upper[i + 1] is not None and (upper[i] is None or upper[i + 1] < upper[i]):
                 upper[i] = upper[i + 1]
-        return RowPrices(own, _optimistic(own, upper) if optimistic else upper)
+        return RowPrices(own, _exploring(own, upper))
 
     def snapshot(self) -> list[dict]:
         return [{"rows": r, "size": b, "median_s": round(m, 6), "n": len(self._timings[(r, b)])}
                 for (r, b), m in sorted(self._trusted.items())]
 
 
-def _optimistic(own: list, upper: list) -> list:
+def _exploring(own: list, upper: list) -> list:
     """Upper bounds, with the chords between trusted cells and one step past the last."""
     bound = list(upper)
     known = [i for i, m in enumerate(own) if m is not None]
@@ -97,18 +94,18 @@ def _optimistic(own: list, upper: list) -> list:
 
 
 class RowPrices:
-    """price(size) -> (seconds, trusted): the cell's median when trusted, else its bound
-    (optimistic when exploring, upper when not); (None, False) when there is none."""
+    """price(size) -> seconds: the cell's median when trusted, else its exploring price
+    (`_exploring`); None when there is none."""
 
     __slots__ = ("_own", "_bound")
 
     def __init__(self, own: list, bound: list):
         self._own, self._bound = own, bound
 
-    def price(self, size: int) -> tuple[float | None, bool]:
+    def price(self, size: int) -> float | None:
         i = bisect.bisect_right(_BUCKETS, size) - 1
         median = self._own[i]
-        return (median, True) if median is not None else (self._bound[i], False)
+        return median if median is not None else self._bound[i]
 
 
 class PerToken:

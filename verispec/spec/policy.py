@@ -18,10 +18,9 @@ depth). A row that must first catch up (a draft model's KV behind its history) i
 charged that one-off cost spread over the rounds it has left. Rows whose request fixed
 k (adaptive off) draft min(k, available) and are counted, not chosen for.
 
-Costs not measured yet are priced from bounds (`costs.py`): optimistically while the
-exploration budget lasts (EXPLORE_SHARE of decode time: what an untried plan may lose
-against the best measured one), pessimistically after, so a plan is then played only if
-it pays at its worst. Acceptance comes from `acceptance.py`.
+Costs not measured yet are priced as `costs.py` explores: one size past the largest
+measured one at a time, sizes further out at their upper bound. Acceptance comes from
+`acceptance.py`.
 """
 from __future__ import annotations
 
@@ -31,12 +30,6 @@ from typing import NamedTuple
 
 from verispec.spec.acceptance import AcceptanceModel, expected_tokens
 from verispec.spec.costs import CostCells, PerToken, size_bucket
-
-# Exploration may cost 1.5% of the time of rounds with decode rows: enough to measure the
-# few cells a workload uses within its first seconds, small enough to stay within noise.
-EXPLORE_SHARE = 0.015
-# ... plus a fixed allowance, so a cold engine explores before it has decoded for long.
-EXPLORE_ALLOWANCE_S = 0.05
 
 
 class RowOffer(NamedTuple):
@@ -77,15 +70,6 @@ class RoundReport:
     total_s: float = 0.0
 
 
-@dataclass
-class _Plan:
-    ks: list[int]
-    tokens: float             # expected tokens
-    seconds: float | None     # priced cost
-    explored: bool            # priced from an optimistic bound
-    best_trusted_rate: float | None
-
-
 class SpeculationPolicy:
     def __init__(self, k_max: int):
         self.k_max = k_max
@@ -93,24 +77,15 @@ class SpeculationPolicy:
         self.verify_costs = CostCells()
         self.draft_costs: dict[str, CostCells] = {}
         self.catch_up_cost = PerToken()
-        self.decode_s = 0.0
-        self.explore_debt_s = 0.0
         self.rounds = 0
         self.k_counts = [0] * (k_max + 1)
-        self._last: _Plan | None = None
-        self._offers: list[RowOffer] = []
 
     # ------------------------------------------------------------------ plan
     def plan(self, rows: list[RowOffer]) -> list[int]:
         """k per row (0 <= k <= available), in the order given."""
-        self._offers = rows
         ks = [min(r.k_max, r.available) if not r.adaptive and r.proposer else 0 for r in rows]
         gains = self._gains(rows)
-        if not gains:
-            self._last = None
-            return ks
-        self._last = self._best(rows, ks, gains, self._may_explore())
-        return self._last.ks
+        return self._best(rows, ks, gains) if gains else ks
 
     def _gains(self, rows: list[RowOffer]) -> list[tuple[float, int]]:
         """(alpha^j, row) for every draft an adaptive row may take, best first."""
@@ -122,15 +97,16 @@ class SpeculationPolicy:
         gains.sort(key=lambda g: -g[0])
         return gains
 
-    def _best(self, rows: list[RowOffer], fixed: list[int], gains: list, optimistic: bool) -> _Plan:
+    def _best(self, rows: list[RowOffer], fixed: list[int], gains: list) -> list[int]:
+        """The ks with the best expected tokens per priced second (fixed ones if none is priced)."""
         batch = len(rows)
-        verify = self.verify_costs.at(batch, optimistic)
-        draft_tables = {name: _DraftPrices(cells, optimistic) for name, cells in self.draft_costs.items()}
+        verify = self.verify_costs.at(batch)
+        draft_tables = {name: _DraftPrices(cells) for name, cells in self.draft_costs.items()}
         ks = list(fixed)
         tokens = batch + sum(self._fixed_gain(r, k) for r, k in zip(rows, fixed))
         drafted = sum(fixed)
         timed = any(r.timed for r in rows)
-        best = best_trusted = None
+        best_rate, best = 0.0, list(fixed)  # nothing priced yet: plain measures the baseline cell
         for n in range(len(gains) + 1):
             if n:
                 gain, i = gains[n - 1]
@@ -139,30 +115,21 @@ class SpeculationPolicy:
                 drafted += 1
             if not timed and n < len(gains) and size_bucket(drafted + 1) == size_bucket(drafted):
                 continue  # one more draft costs the same (same cell) and adds tokens: it wins
-            seconds, trusted = (self._price(rows, ks, verify, draft_tables, optimistic) if timed
-                                else verify.price(drafted))
-            if seconds is None or seconds <= 0:
-                continue
-            rate = tokens / seconds
-            if best is None or rate > best[0]:
-                best = (rate, list(ks), tokens, seconds, not trusted)
-            if trusted and (best_trusted is None or rate > best_trusted):
-                best_trusted = rate
-        if best is None:  # nothing priced yet: plain, which measures the baseline cell
-            return _Plan(list(fixed), float(batch), None, False, None)
-        return _Plan(best[1], best[2], best[3], best[4], best_trusted)
+            seconds = self._price(rows, ks, verify, draft_tables) if timed else verify.price(drafted)
+            if seconds is not None and seconds > 0 and tokens / seconds > best_rate:
+                best_rate, best = tokens / seconds, list(ks)
+        return best
 
     def _fixed_gain(self, row: RowOffer, k: int) -> float:
         if not k:
             return 0.0
         return expected_tokens(self.acceptance.alpha(row.request_id, row.proposer, row.key), k) - 1.0
 
-    def _price(self, rows: list[RowOffer], ks: list[int], verify, draft_tables,
-               optimistic: bool) -> tuple[float | None, bool]:
-        """(seconds, every part measured) of the round with these ks."""
-        seconds, trusted = verify.price(sum(ks))
+    def _price(self, rows: list[RowOffer], ks: list[int], verify, draft_tables) -> float | None:
+        """Seconds of the round with these ks; None where a part has no price."""
+        seconds = verify.price(sum(ks))
         if seconds is None:
-            return None, False
+            return None
         passes: dict[str, list[int]] = {}  # timed proposer -> [rows drafting, depth]
         for r, k in zip(rows, ks):
             if k and r.timed:
@@ -174,32 +141,22 @@ class SpeculationPolicy:
                     seconds += r.catch_up * self.catch_up_cost.value() / rounds_left
         for name, (n_rows, depth) in passes.items():
             table = draft_tables.get(name)
-            cost, known = table.price(n_rows, depth) if table else (None, False)
+            cost = table.price(n_rows, depth) if table else None
             if cost is None:  # never measured: a first pass of depth 1 is tried, as free
-                if not (optimistic and depth == 1):
-                    return None, False
+                if depth != 1:
+                    return None
                 cost = 0.0
             seconds += cost
-            trusted = trusted and known
-        return seconds, trusted
-
-    def _may_explore(self) -> bool:
-        return self.explore_debt_s <= EXPLORE_SHARE * self.decode_s + EXPLORE_ALLOWANCE_S
+        return seconds
 
     # ------------------------------------------------------------------ observe
     def observe(self, report: RoundReport) -> None:
         """Learn from a round: acceptance of every row that drafted, costs of its passes."""
-        drafted_ids = set()
         for row in report.rows:
             if row.drafted:
-                drafted_ids.add(row.request_id)
                 self.acceptance.observe(row.request_id, row.proposer, row.key, row.drafted, row.accepted)
             if row.drafted <= self.k_max:
                 self.k_counts[row.drafted] += 1
-        for offer in self._offers:
-            if offer.available and offer.adaptive and offer.request_id not in drafted_ids:
-                self.acceptance.declined(offer.request_id, offer.key)
-        for row in report.rows:
             if row.finished:
                 self.acceptance.forget(row.request_id)
         self.catch_up_cost.observe(*report.catch_up)
@@ -207,41 +164,26 @@ class SpeculationPolicy:
             self.draft_costs.setdefault(name, CostCells()).observe(n_rows, depth, seconds)
         if report.verify_s is not None:
             self.verify_costs.observe(report.batch_size, report.drafted, report.verify_s)
-            self._charge_exploration(report.total_s, report.batch_size + sum(r.accepted for r in report.rows))
-        self.decode_s += report.total_s
         self.rounds += 1
-        self._offers, self._last = [], None
-
-    def _charge_exploration(self, seconds: float, emitted: int) -> None:
-        """An explored plan is charged what it lost: its time less the time the tokens it
-        emitted take at the best measured plan's rate (at its own priced rate when no plan
-        was measured yet)."""
-        plan = self._last
-        if plan is None or not plan.explored:
-            return
-        rate = plan.best_trusted_rate or plan.tokens / plan.seconds
-        self.explore_debt_s += max(0.0, seconds - emitted / rate)
 
     def forget(self, request_id: str) -> None:
         self.acceptance.forget(request_id)
 
     def snapshot(self) -> dict:
-        return {"rounds": self.rounds, "k_counts": list(self.k_counts),
-                "decode_s": round(self.decode_s, 4), "explore_debt_s": round(self.explore_debt_s, 4),
-                "alpha_pools": self.acceptance.snapshot(), "verify_cells": self.verify_costs.snapshot(),
+        return {"rounds": self.rounds, "k_counts": list(self.k_counts), "alpha_pools": self.acceptance.snapshot(), "verify_cells": self.verify_costs.snapshot(),
                 "draft_cells": {n: c.snapshot() for n, c in self.draft_costs.items()}}
 
 
 class _DraftPrices:
     """A timed proposer's pass prices for this plan, one row count's table at a time."""
 
-    def __init__(self, cells: CostCells, optimistic: bool):
-        self._cells, self._optimistic, self._tables = cells, optimistic, {}
+    def __init__(self, cells: CostCells):
+        self._cells, self._tables = cells, {}
 
-    def price(self, rows: int, depth: int) -> tuple[float | None, bool]:
+    def price(self, rows: int, depth: int) -> float | None:
         table = self._tables.get(rows)
         if table is None:
-            table = self._tables[rows] = self._cells.at(rows, self._optimistic)
+            table = self._tables[rows] = self._cells.at(rows)
         return table.price(depth)
 
 
