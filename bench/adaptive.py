@@ -284,8 +284,8 @@ def _score(rate: dict[str, float], by_run: dict[str, list[float]] | None = None)
     With `by_run` (each contender's rate in each repeat, in repeat order) a ratio is the
     median over the repeats of that repeat's ratio: a repeat's contenders are a pair (in
     lockstep they ran at once, step by step), and a ratio of medians would set one repeat's
-    run against another's, the machine's speed between them included. (From session 33; the
-    ratios of the medians stay beside it, `ratio_of_medians`.) The best fixed k is the one
+    run against another's, the machine's speed between them included. (The ratios of the
+    medians stay beside it, `ratio_of_medians`.) The best fixed k is the one
     of the highest median rate either way."""
     # without a fixed k (--contenders) the cell is judged against plain only: best_fixed and
     # adaptive_vs_best_fixed None, and the verdict says "plain only"

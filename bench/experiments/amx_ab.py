@@ -3,7 +3,7 @@
 Where the int4 kernel has its AMX path (`kernels.int4_amx`: passes of 32 tokens or more on
 AMX tiles, the same outputs bit for bit as its AVX-512 path), this runs `--pairs` pairs of
 engines (plain decoding, or with `--spec adaptive` adaptive n-gram speculation, whose
-controller measures each engine's own costs) over the same weights on one task at one concurrency, closed loop, greedy:
+policy measures each engine's own costs) over the same weights on one task at one concurrency, closed loop, greedy:
 in each pair one engine with the tiles on and one with them off (`kernels.set_int4_amx`,
 set before each of its steps). All engines step in lockstep (one step each in turn, the
 order shuffled every round, each timed on its own steps; `common.run_lockstep`), so a slow
