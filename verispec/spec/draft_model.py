@@ -9,10 +9,11 @@ The draft's KV is filled lazily: prompts are prefilled by the target alone, and 
 that never drafts (plain rows, n-gram rows, rows the policy keeps at k = 0) never runs
 the draft model at all. When a request drafts, `catch_up` (the interface's `prepare`)
 first computes everything its draft KV lacks (the prompt on its first draft, the tokens
-decoded since it last drafted), in passes of at most `chunk_tokens`; then each propose call feeds the one or two
-tokens a round leaves unseen (the pending token, plus the last accepted draft after a
-fully accepted round) and drafts autoregressively. The engine times catch-ups apart from
-drafting: they are one-off costs, not the per-round cost the policy weighs.
+decoded since it last drafted), in passes of at most `chunk_tokens`; then each propose
+call feeds the one or two tokens a round leaves unseen (the pending token, plus the last
+accepted draft after a fully accepted round) and drafts autoregressively. The engine
+times catch-ups apart from drafting: they are one-off costs, not the per-round cost the
+policy weighs.
 """
 from __future__ import annotations
 
