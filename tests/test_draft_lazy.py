@@ -48,13 +48,13 @@ def draft_tokens_run(eng: LLMEngine) -> list[int]:
 def proposals(eng: LLMEngine) -> list[list[int]]:
     """Wrap the proposer: log every drafted token list."""
     log = []
-    propose = eng.proposers['draft'].propose
+    propose = eng.proposers['draft'].draft
 
     def logged(reqs, ks):
         out = propose(reqs, ks)
         log.extend(tokens for tokens, _ in out)
         return out
-    eng.proposers['draft'].propose = logged
+    eng.proposers['draft'].draft = logged
     return log
 
 
@@ -130,9 +130,9 @@ def test_draft_cost_excludes_catch_ups(monkeypatch, broken):
         return catch_up(self, reqs)
     monkeypatch.setattr(DraftModelProposer, "catch_up", slow_catch_up)
     if broken:  # catches up inside propose, so the draft pass is timed with it
-        propose = DraftModelProposer.propose
+        propose = DraftModelProposer.draft
         monkeypatch.setattr(DraftModelProposer, "catch_up", lambda self, reqs: 0)
-        monkeypatch.setattr(DraftModelProposer, "propose",
+        monkeypatch.setattr(DraftModelProposer, "draft",
                             lambda self, reqs, ks: (slow_catch_up(self, reqs), propose(self, reqs, ks))[1])
     eng = engine()
     draft = []

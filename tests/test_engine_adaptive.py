@@ -17,7 +17,7 @@ import pytest
 from tiny import run_all, tiny_engine, tiny_pair
 from verispec.engine.engine import SpecOverride
 from verispec.sampling import SamplingParams
-from verispec.spec.costs import TRUSTED_AT
+from verispec.spec.costs import TRUSTED_AT, CostCells
 from verispec.spec.ngram import NgramProposer, _History
 
 VOCAB = 48
@@ -55,7 +55,7 @@ def drafting_is_free(engine) -> None:
         for n in range(0, 40):
             for _ in range(TRUSTED_AT):
                 engine.policy.verify_costs.observe(b, n, 1.0)
-                engine.policy.draft_costs.setdefault("draft", type(engine.policy.verify_costs)()).observe(b, n, 0.0)
+                engine.policy.draft_costs.setdefault("draft", CostCells()).observe(b, n, 0.0)
     engine.policy.observe = lambda report: None
 
 

@@ -30,7 +30,11 @@ def brute_force_match(tokens: list[int], k: int, min_n: int, max_n: int) -> tupl
 
 
 def propose_one(proposer: NgramProposer, seq: Seq, k: int) -> list[int]:
-    return proposer.lookup([seq], [k])[0]
+    return lookup(proposer, [seq], [k])[0]
+
+
+def lookup(proposer: NgramProposer, seqs, ks) -> list[list[int]]:
+    return [tokens for tokens, _ in proposer.lookup_matches(seqs, ks)]
 
 
 @dataclass
@@ -66,7 +70,7 @@ def test_no_match_proposes_nothing_and_min_n_is_respected():
     proposer = NgramProposer(max_n=3, min_n=2)
     seqs = [Seq(0, [1, 2, 3, 4]), Seq(1, [9, 1, 9]), Seq(2, []), Seq(3, [5])]
     # Row 1: only the 1-gram (9,) recurs, below min_n = 2.
-    assert proposer.lookup(seqs, [3] * 4) == [[], [], [], []]
+    assert lookup(proposer, seqs, [3] * 4) == [[], [], [], []]
 
 
 def test_offer_then_draft_hands_out_the_lookup_up_to_each_rows_k():
@@ -94,7 +98,7 @@ def test_incremental_index_equals_brute_force_scan_on_random_histories(min_n, ma
         for seq in seqs:  # histories grow by ragged chunks, as accepted tokens do
             seq.token_ids.extend(rng.randrange(4) for _ in range(rng.randrange(0, 4)))
         ks = [rng.randrange(0, 6) for _ in seqs]
-        drafts = proposer.lookup(seqs, ks)
+        drafts = lookup(proposer, seqs, ks)
         matched = proposer.lookup_matches(seqs, ks)
         for row, (seq, k) in enumerate(zip(seqs, ks)):
             got = drafts[row]
@@ -106,11 +110,11 @@ def test_incremental_index_equals_brute_force_scan_on_random_histories(min_n, ma
 def test_index_is_incremental_not_a_rescan():
     proposer = NgramProposer(max_n=4)
     seq = Seq(0, list(range(1000)) * 2)
-    proposer.lookup([seq], [3])
+    lookup(proposer, [seq], [3])
     index = proposer._indexes[0]
     size = len(index.latest_start)
     seq.token_ids.append(5)
-    proposer.lookup([seq], [3])
+    lookup(proposer, [seq], [3])
     assert index.num_tokens == len(seq.token_ids)
     assert len(index.latest_start) - size <= 4  # at most one new n-gram per n
 

@@ -38,7 +38,7 @@ def simulate(policy: SpeculationPolicy, alphas: list[float], cost, rounds: int, 
             results.append(RowResult(f"r{i}", "ngram", 0, k, accepted))
         spent = cost(len(alphas), sum(ks)) * rng.uniform(0.97, 1.03)
         if fixed_k is None:
-            policy.observe(RoundReport(len(alphas), results, spent, sum(ks), total_s=spent))
+            policy.observe(RoundReport(len(alphas), results, spent, sum(ks)))
         if n >= rounds // 2:
             tokens += sum(1 + r.accepted for r in results)
             seconds += spent
@@ -181,7 +181,7 @@ def test_the_simulation_catches_a_policy_that_ignores_acceptance(monkeypatch):
 def test_a_round_with_prefill_is_not_priced():
     policy = SpeculationPolicy(16)
     policy.plan([RowOffer("r", "ngram", 4, 4)])
-    policy.observe(RoundReport(1, [RowResult("r", "ngram", 0, 2, 1)], None, 2, total_s=5.0))
+    policy.observe(RoundReport(1, [RowResult("r", "ngram", 0, 2, 1)], None, 2))
     assert policy.verify_costs.snapshot() == [] and policy.verify_costs.at(1).price(2) is None
 
 

@@ -87,8 +87,6 @@ class LLMEngine:
         self.scheduler = Scheduler(config.scheduler, self.kv, self.max_model_len, OutOfBlocks)
         self.policy = SpeculationPolicy(MAX_SPEC_TOKENS)
         self._accepted: dict[str, int] = {}  # this step's accepted drafts, by request
-        self._passes: dict[str, tuple[int, int, float]] = {}  # this step's timed draft passes
-        self._caught_up = 0                  # this step's catch-up tokens
         self.requests: dict[str, Request] = {}
         self._arrivals = 0
         self.eos_ids = set(tokenizer.eos_token_ids)
@@ -203,12 +201,12 @@ class LLMEngine:
             return []
         self._accepted.clear()
         try:
-            drafts = self._draft(rows, ks, timer)
+            drafts, passes, caught_up = self._draft(rows, ks, timer)
             outputs = self._verify_and_commit(batch, rows, drafts)
         except Exception as exc:
             return self._fail(exc, batch)
         if rows:
-            self.policy.observe(self._report(batch, rows, offers, drafts, timer))
+            self.policy.observe(self._report(batch, rows, offers, drafts, passes, caught_up, timer))
         return outputs
 
     def _fail(self, exc: Exception, batch: ScheduledBatch) -> list[RequestOutput]:
@@ -235,37 +233,38 @@ class LLMEngine:
                                      o.catch_up, o.key, r.remaining_tokens, proposer.timed)
         return offers
 
-    def _draft(self, rows: list[Request], ks: list[int], timer: RoundTimer) -> dict:
-        """Draft tokens (and q, or None) per request id. A timed proposer's catch-up and
-        drafting are timed apart (laps "catch_up" and "draft") and its passes recorded in
-        `_passes` and `_caught_up` for the round's report."""
+    def _draft(self, rows: list[Request], ks: list[int], timer: RoundTimer) -> tuple[dict, dict, int]:
+        """(draft tokens and q or None by request id, each timed proposer's pass as (rows,
+        depth, seconds), catch-up tokens). A timed proposer's catch-up and drafting are
+        timed apart (laps "catch_up" and "draft")."""
         drafts: dict[str, tuple[list[int], torch.Tensor | None]] = {}
-        self._passes, self._caught_up = {}, 0
+        passes: dict[str, tuple[int, int, float]] = {}
+        caught_up = 0
         for name, proposer in self.proposers.items():
             members = [(r, k) for r, k in zip(rows, ks) if k and r.spec_method == name]
             if not members:
                 continue
             reqs, row_ks = [r for r, _ in members], [k for _, k in members]
             timer.lap("round")
-            self._caught_up += proposer.prepare(reqs)
+            caught_up += proposer.prepare(reqs)
             timer.lap("catch_up" if proposer.timed else "round")
             proposed = proposer.draft(reqs, row_ks)
             seconds = timer.lap("draft" if proposer.timed else "round")
             if proposer.timed:
-                self._passes[name] = (len(reqs), max(row_ks), seconds)
+                passes[name] = (len(reqs), max(row_ks), seconds)
             drafts.update({r.request_id: d for r, d in zip(reqs, proposed) if d[0]})
-        return drafts
+        return drafts, passes, caught_up
 
-    def _report(self, batch: ScheduledBatch, rows: list[Request], offers: list[RowOffer],
-                drafts: dict, timer: RoundTimer) -> RoundReport:
-        total = timer.total()
-        timed = timer.phases.get("draft", 0.0) + timer.phases.get("catch_up", 0.0)
-        results = [RowResult(r.request_id, o.proposer, o.key, len(drafts.get(r.request_id, ((),))[0]),
+    def _report(self, batch: ScheduledBatch, rows: list[Request], offers: list[RowOffer], drafts: dict,
+                passes: dict, caught_up: int, timer: RoundTimer) -> RoundReport:
+        """The round for the policy; its verify time is the step's less the timed passes."""
+        drafted = {rid: len(tokens) for rid, (tokens, _) in drafts.items()}
+        results = [RowResult(r.request_id, o.proposer, o.key, drafted.get(r.request_id, 0),
                              self._accepted.get(r.request_id, 0), r.finished)
                    for r, o in zip(rows, offers) if o.proposer]
-        return RoundReport(len(rows), results, None if batch.prefill else total - timed,
-                           sum(len(d[0]) for d in drafts.values()), self._passes,
-                           (self._caught_up, timer.phases.get("catch_up", 0.0)), total)
+        catch_up_s = timer.phases.get("catch_up", 0.0)
+        verify_s = None if batch.prefill else timer.total() - timer.phases.get("draft", 0.0) - catch_up_s
+        return RoundReport(len(rows), results, verify_s, sum(drafted.values()), passes, (caught_up, catch_up_s))
 
     def _verify_and_commit(self, batch: ScheduledBatch, rows: list[Request], drafts) -> list[RequestOutput]:
         inputs = []

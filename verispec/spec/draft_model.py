@@ -9,7 +9,7 @@ The draft's KV is filled lazily: prompts are prefilled by the target alone, and 
 that never drafts (plain rows, n-gram rows, rows the policy keeps at k = 0) never runs
 the draft model at all. When a request drafts, `catch_up` (the interface's `prepare`)
 first computes everything its draft KV lacks (the prompt on its first draft, the tokens
-decoded since it last drafted), in passes of at most `chunk_tokens`; then each propose
+decoded since it last drafted), in passes of at most `chunk_tokens`; then each draft
 call feeds the one or two tokens a round leaves unseen (the pending token, plus the last
 accepted draft after a fully accepted round) and drafts autoregressively. The engine
 times catch-ups apart from drafting: they are one-off costs, not the per-round cost the
@@ -48,9 +48,6 @@ class DraftModelProposer:
     def prepare(self, rows: list[Request]) -> int:
         return self.catch_up(rows)
 
-    def draft(self, rows: list[Request], ks: list[int]) -> list[tuple[list[int], torch.Tensor | None]]:
-        return self.propose(rows, ks)
-
     def forget(self, request_id: str) -> None:
         """Nothing kept per request here: its draft KV length lives on the request."""
 
@@ -82,7 +79,7 @@ class DraftModelProposer:
         self.catch_up_tokens += done
         return done
 
-    def propose(self, reqs: list[Request], ks: list[int]) -> list[tuple[list[int], torch.Tensor | None]]:
+    def draft(self, reqs: list[Request], ks: list[int]) -> list[tuple[list[int], torch.Tensor | None]]:
         """Draft ks[i] tokens for reqs[i]; returns (tokens, q (k_i, V)) per request.
 
         When every request is greedy, q is one-hot at each drafted token (temperature 0), so

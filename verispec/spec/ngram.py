@@ -89,12 +89,9 @@ class NgramProposer:
     def rollback(self, req) -> None:
         """Nothing to undo: the index only ever reads committed history."""
 
-    def lookup(self, histories: Sequence[TokenHistory], ks: Sequence[int]) -> list[list[int]]:
-        """Up to ks[i] proposed tokens per history."""
-        return [tokens for tokens, _ in self.lookup_matches(histories, ks)]
-
     def lookup_matches(self, histories: Sequence[TokenHistory], ks: Sequence[int]) -> list[tuple[list[int], int]]:
-        """`lookup`, each proposal with the length n of the suffix it matched (0: none)."""
+        """Up to ks[i] proposed tokens per history, each with the length n of the suffix it
+        matched (0: none)."""
         if len(ks) != len(histories) or any(not isinstance(n, int) or n < 0 for n in ks):
             raise ValueError(f"ks must be one integer >= 0 per history ({len(histories)}), got {ks!r}")
         return [self._propose_one(seq, k) for seq, k in zip(histories, ks)]

@@ -67,7 +67,6 @@ class RoundReport:
     drafted: int                                 # draft tokens in the verify pass
     draft_passes: dict = field(default_factory=dict)  # proposer -> (rows, depth, seconds)
     catch_up: tuple[int, float] = (0, 0.0)       # (tokens, seconds) of one-off passes
-    total_s: float = 0.0
 
 
 class SpeculationPolicy:
@@ -170,7 +169,8 @@ class SpeculationPolicy:
         self.acceptance.forget(request_id)
 
     def snapshot(self) -> dict:
-        return {"rounds": self.rounds, "k_counts": list(self.k_counts), "alpha_pools": self.acceptance.snapshot(), "verify_cells": self.verify_costs.snapshot(),
+        return {"rounds": self.rounds, "k_counts": list(self.k_counts),
+                "alpha_pools": self.acceptance.snapshot(), "verify_cells": self.verify_costs.snapshot(),
                 "draft_cells": {n: c.snapshot() for n, c in self.draft_costs.items()}}
 
 
