@@ -165,15 +165,28 @@ class EngineCore:
 
     # ------------------------------------------------------------------ steps
     def step(self, out: M.CoreOutputs) -> None:
-        """One engine step; a step that raises fails every request in flight, the loop goes on."""
+        """One engine step, and its failures in `out.step_error` / `out.step_errors`.
+
+        The engine fails a request that raises alone (LLMEngine.step isolates it; it ends
+        with an error event of its own) and counts it in `step_errors`: the count it rose
+        by this step is reported with the engine's `last_step_error`. A step that still
+        raises out of the engine is the last resort: every request in flight fails (one
+        more error counted), and the loop goes on.
+        """
+        errors_before = getattr(self.engine, "step_errors", 0)
         try:
             outputs = self.engine.step()
         except Exception as exc:
             log.exception("engine.step() raised; failing %d in-flight request(s)", len(self.live))
             out.step_error = f"{type(exc).__name__}: {exc}"
+            out.step_errors = 1 + max(0, getattr(self.engine, "step_errors", 0) - errors_before)
             out.events.extend(self._end_all(M.FAILED, None))
             self.check_integrity(out)
             return
+        failed = getattr(self.engine, "step_errors", 0) - errors_before
+        if failed > 0:
+            out.step_error = getattr(self.engine, "last_step_error", None) or "a request failed in the engine"
+            out.step_errors = failed
         for o in outputs:
             if o.request_id not in self.live:
                 continue

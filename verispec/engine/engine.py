@@ -12,13 +12,25 @@ KV manager until the rejection sampler has decided:
 When every row of a step is greedy, acceptance is decided from the target's argmaxes
 (`greedy_accept`) instead of V-wide distributions: the same verdicts the rejection
 sampler gives one-hot distributions, without building them.
+
+A step computes everything batch-wide first (offers, plan, drafts, the forward, first
+tokens, verdicts on drafts) and only then commits row by row (KV, tokens, text, stops).
+A row whose commit raises fails alone. If the batch-wide part raises, every scheduled row
+is rolled back to the start of the step (provisional KV, num_computed, draft_computed,
+proposers' state, RNG states) and the step is rerun on halves of its rows, recursively:
+a subset that succeeds advances once, exactly as an undisturbed step would have advanced
+it (greedy rows token-identical; sampled rows remain exact samples, and a seeded row draws
+the same values, but unseeded rows draw other values from the shared generator); a row
+that still fails alone ends with finish_reason "abort", its KV freed, and an `error`
+naming only the exception's type. Failures are counted in `step_errors`, the latest's
+text kept in `last_step_error` (for the operator) and the traceback logged.
 """
 from __future__ import annotations
 
 import itertools
 import logging
-import time
-from dataclasses import dataclass, replace
+from dataclasses import replace
+from typing import NamedTuple
 
 import torch
 
@@ -43,6 +55,47 @@ log = logging.getLogger("verispec")
 # The most draft tokens a request may ask for: a verify row is 1 + k tokens, and past 16
 # the chance that every draft is accepted is too small to pay for the pass.
 MAX_SPEC_TOKENS = 16
+
+
+class _Mark:
+    """The state a failed step attempt returns its rows to: each scheduled row's
+    (num_computed, draft_computed), and the states of the RNGs its sampling may draw
+    from (the shared one, seeded sampled rows' own). Taken at every attempt: ~1 us for no
+    rows, ~1.6 us for 16, plus ~0.7 us per seeded sampled row (a generator's get_state)."""
+
+    __slots__ = ("rows", "lengths", "rngs")
+
+    def __init__(self, shared: torch.Generator, rows: list[Request]):
+        self.rows: list[Request] = []
+        self.lengths: list[tuple[int, int]] = []
+        self.rngs = [(shared, shared.get_state())]
+        self.add(rows)
+
+    def add(self, rows) -> None:
+        for r in rows:
+            self.rows.append(r)
+            self.lengths.append((r.num_computed, r.draft_computed))
+            if r.generator is not None and not r.params.greedy:  # greedy: draws never decide
+                self.rngs.append((r.generator, r.generator.get_state()))
+
+
+class _Fault(NamedTuple):
+    """A step attempt that raised: the exception and the rows it had scheduled (rolled back)."""
+
+    exc: Exception
+    rows: list[Request]
+
+
+class _Verdicts(NamedTuple):
+    """What a step attempt computed batch-wide, before committing anything."""
+
+    first: list[int | None]      # per prefill chunk: the first token of the prompt it completes
+    counts: list[int]            # per decode row: 1 + the drafts it verified
+    accepted: list[int]          # per decode row: drafts accepted
+    emitted: list[list[int]]     # per decode row: tokens to append
+    drafts: dict                 # request id -> (draft tokens, q or None)
+    passes: dict                 # timed proposer -> (rows, depth, seconds)
+    caught_up: int               # tokens computed by catch-ups
 
 
 class LLMEngine:
@@ -86,7 +139,8 @@ class LLMEngine:
             config, self.draft_runner, self.kv.block_table, self._shared_generator))
         self.scheduler = Scheduler(config.scheduler, self.kv, self.max_model_len, OutOfBlocks)
         self.policy = SpeculationPolicy(MAX_SPEC_TOKENS)
-        self._accepted: dict[str, int] = {}  # this step's accepted drafts, by request
+        self.step_errors = 0  # requests failed alone by an exception in the engine
+        self.last_step_error: str | None = None  # the latest one, with its text (for the operator)
         self.requests: dict[str, Request] = {}
         self._arrivals = 0
         self.eos_ids = set(tokenizer.eos_token_ids)
@@ -187,37 +241,121 @@ class LLMEngine:
 
     # ------------------------------------------------------------------ the step
     def step(self) -> list[RequestOutput]:
+        """One step: the outputs of every row it advanced or ended.
+
+        If the batch-wide part raises, the step is rolled back and its rows isolated
+        (`_isolate`): only a row that fails on its own is failed; every other row advances
+        exactly once, as an undisturbed step would have advanced it.
+        """
+        result = self._attempt(None)
+        return self._isolate(result) if isinstance(result, _Fault) else result
+
+    def _attempt(self, only: set[str] | None) -> list[RequestOutput] | _Fault:
+        """Schedule, compute batch-wide (nothing committed), then commit row by row.
+
+        `only`: schedule just these running requests and admit none (a rerun). If the
+        batch-wide part raises, every scheduled row is back at its state at the start of
+        the attempt (`_restore`) and the _Fault names them; the scheduler's allocations,
+        preemptions and admissions stay (valid states).
+        """
         timer = RoundTimer()
-        batch = self.scheduler.schedule_decode()
+        batch = self.scheduler.schedule_decode(only)
         rows = batch.decode
+        mark = _Mark(self._shared_generator, rows)
         try:
             offers = self._offers(rows)
             ks = self.policy.plan(offers) if rows else []
         except Exception as exc:
-            return self._fail(exc, batch)
-        # prefill gets the step's token budget less what the decode rows verify (scheduler)
-        self.scheduler.schedule_prefill(batch, len(rows) + sum(ks))
+            return self._rolled_back(exc, mark)
+        self._schedule_prefill(batch, len(rows) + sum(ks), only)
         if batch.empty:
             return []
-        self._accepted.clear()
+        mark.add(c.request for c in batch.prefill)
         try:
-            drafts, passes, caught_up = self._draft(rows, ks, timer)
-            outputs = self._verify_and_commit(batch, rows, drafts)
+            verdicts = self._compute(batch, ks, timer)
         except Exception as exc:
-            return self._fail(exc, batch)
+            return self._rolled_back(exc, mark)
+        outputs = self._commit(batch, verdicts)
         if rows:
-            self.policy.observe(self._report(batch, rows, offers, drafts, passes, caught_up, timer))
+            self._learn(self._report(batch, offers, verdicts, timer))
         return outputs
 
-    def _fail(self, exc: Exception, batch: ScheduledBatch) -> list[RequestOutput]:
-        """One failed step fails its own rows only (decode rows and prefill chunks), never
-        the others'."""
-        log.exception("engine step failed")
-        outputs = []
-        for req in {*batch.decode, *(c.request for c in batch.prefill)}:
-            req.error = f"internal error: {type(exc).__name__}: {exc}"
-            outputs.append(self._finish(req, "abort", cache=False))
+    def _schedule_prefill(self, batch: ScheduledBatch, verify_tokens: int, only: set[str] | None) -> None:
+        """Prefill gets the step's token budget less what the decode rows verify; a rerun
+        (`only`) schedules just its requests' chunks and admits nobody."""
+        if only is None:  # the plain step's call, the one the scheduling tests intercept
+            self.scheduler.schedule_prefill(batch, verify_tokens)
+        else:
+            self.scheduler.schedule_prefill(batch, verify_tokens, only)
+
+    def _rolled_back(self, exc: Exception, mark: "_Mark") -> "_Fault":
+        self._restore(mark)
+        return _Fault(exc, mark.rows)
+
+    def _restore(self, mark: "_Mark") -> None:
+        """Undo what a failed attempt's batch-wide part did to its rows: provisional draft
+        KV evicted, num_computed / draft_computed back to the mark, each proposer's
+        per-request state rolled back to them, RNG states back. KV written past those
+        lengths is stale and never read (no mask admits it until it is overwritten).
+        A proposer whose rollback raises here is beyond isolation (the core's last resort)."""
+        for req, (computed, draft_computed) in zip(mark.rows, mark.lengths):
+            if req.request_id in self.kv:
+                self.kv.evict_provisional(req.request_id)
+            req.num_computed, req.draft_computed = computed, draft_computed
+            proposer = self.proposers.get(req.spec_method)
+            if proposer is not None:
+                proposer.rollback(req)
+        for generator, state in mark.rngs:
+            generator.set_state(state)
+
+    def _isolate(self, fault: "_Fault") -> list[RequestOutput]:
+        """Find the rows that make a step raise by rerunning it on halves, recursively.
+
+        A subset that succeeds advances its rows once; a row that still fails alone is
+        failed alone (`_fail_row`). Subsets are disjoint and every rerun schedules a strict
+        subset of its failed parent's rows, so each row succeeds at most once and the loop
+        ends: at most 2n - 1 attempts, O(log n) reruns per faulty row. A fault that names
+        no row cannot be isolated and is raised (the core's last resort).
+        """
+        log.warning("engine step raised; isolating the faulty row(s) among its %d", len(fault.rows),
+                    exc_info=fault.exc)
+        outputs: list[RequestOutput] = []
+        todo: list[_Fault | list[Request]] = [fault]
+        while todo:
+            item = todo.pop()
+            if isinstance(item, list):  # a subset to rerun
+                result = self._attempt({r.request_id for r in item})
+                if isinstance(result, _Fault):
+                    todo.append(result)
+                else:
+                    outputs.extend(result)
+            elif not item.rows:
+                raise item.exc
+            elif len(item.rows) == 1:  # popped right after its attempt: still running
+                outputs.append(self._fail_row(item.rows[0], item.exc))
+            else:
+                half = len(item.rows) // 2
+                todo += [item.rows[half:], item.rows[:half]]
         return outputs
+
+    def _fail_row(self, req: Request, exc: Exception) -> RequestOutput:
+        """Fail one request alone: finish "abort", KV freed at once, counted in step_errors.
+
+        Its `error` names the exception's type only: the text may hold data and goes to
+        the log with the traceback, and to `last_step_error` (for the operator).
+        """
+        log.error("request %s failed in the engine; aborting it alone", req.request_id, exc_info=exc)
+        self.step_errors += 1
+        self.last_step_error = f"request {req.request_id}: {type(exc).__name__}: {exc}"
+        req.error = f"internal error while generating this request ({type(exc).__name__}); see the server log"
+        return self._finish(req, "abort", cache=False)
+
+    def _learn(self, report: RoundReport) -> None:
+        """policy.observe; a failure there costs the policy one round, never a request."""
+        try:
+            self.policy.observe(report)
+        except Exception:
+            log.exception("policy.observe failed; this round is not learned from")
 
     def _offers(self, rows: list[Request]) -> list[RowOffer]:
         """What each row's proposer offers now, up to the row's budget (max_tokens, context)."""
@@ -232,6 +370,20 @@ class LLMEngine:
                 offers[i] = RowOffer(r.request_id, name, o.available, r.num_spec_tokens, r.adaptive,
                                      o.catch_up, o.key, r.remaining_tokens, proposer.timed)
         return offers
+
+    def _compute(self, batch: ScheduledBatch, ks: list[int], timer: RoundTimer) -> "_Verdicts":
+        """The batch-wide part: drafts, the target forward, first tokens, verdicts on drafts.
+
+        Commits nothing; changes only what `_restore` undoes (provisional KV, proposers'
+        per-request state, draft_computed, RNG states) and KV past the rows' lengths.
+        """
+        rows = batch.decode
+        drafts, passes, caught_up = self._draft(rows, ks, timer)
+        logits = self.target.forward(self._inputs(batch, drafts))
+        n = len(batch.prefill)
+        first = self._after_prefill(batch.prefill, logits[:n])
+        counts, accepted, emitted = self._accept(rows, logits[n:], drafts)
+        return _Verdicts(first, counts, accepted, emitted, drafts, passes, caught_up)
 
     def _draft(self, rows: list[Request], ks: list[int], timer: RoundTimer) -> tuple[dict, dict, int]:
         """(draft tokens and q or None by request id, each timed proposer's pass as (rows,
@@ -255,18 +407,20 @@ class LLMEngine:
             drafts.update({r.request_id: d for r, d in zip(reqs, proposed) if d[0]})
         return drafts, passes, caught_up
 
-    def _report(self, batch: ScheduledBatch, rows: list[Request], offers: list[RowOffer], drafts: dict,
-                passes: dict, caught_up: int, timer: RoundTimer) -> RoundReport:
+    def _report(self, batch: ScheduledBatch, offers: list[RowOffer], v: "_Verdicts",
+                timer: RoundTimer) -> RoundReport:
         """The round for the policy; its verify time is the step's less the timed passes."""
-        drafted = {rid: len(tokens) for rid, (tokens, _) in drafts.items()}
-        results = [RowResult(r.request_id, o.proposer, o.key, drafted.get(r.request_id, 0),
-                             self._accepted.get(r.request_id, 0), r.finished)
-                   for r, o in zip(rows, offers) if o.proposer]
+        drafted = {rid: len(tokens) for rid, (tokens, _) in v.drafts.items()}
+        results = [RowResult(r.request_id, o.proposer, o.key, drafted.get(r.request_id, 0), a, r.finished)
+                   for r, o, a in zip(batch.decode, offers, v.accepted) if o.proposer]
         catch_up_s = timer.phases.get("catch_up", 0.0)
         verify_s = None if batch.prefill else timer.total() - timer.phases.get("draft", 0.0) - catch_up_s
-        return RoundReport(len(rows), results, verify_s, sum(drafted.values()), passes, (caught_up, catch_up_s))
+        return RoundReport(len(batch.decode), results, verify_s, sum(drafted.values()), v.passes,
+                           (v.caught_up, catch_up_s))
 
-    def _verify_and_commit(self, batch: ScheduledBatch, rows: list[Request], drafts) -> list[RequestOutput]:
+    def _inputs(self, batch: ScheduledBatch, drafts) -> list[RowInput]:
+        """The forward's rows (prefill chunks, then [pending, drafts] per decode row); the
+        drafts are recorded as provisional KV first."""
         inputs = []
         for chunk in batch.prefill:
             req = chunk.request
@@ -274,74 +428,50 @@ class LLMEngine:
             emits = chunk.end == req.num_tokens  # a fresh prompt's last chunk samples token 1
             inputs.append(RowInput(ids, chunk.start, self.kv.block_table(req.request_id),
                                    len(ids) - 1 if emits else len(ids)))
-        for req in rows:
+        for req in batch.decode:
             d_tokens = drafts.get(req.request_id, ([], None))[0]
             base = req.num_computed  # position of the pending token
             slots = self.target.slots(self.kv.block_table(req.request_id), base + 1, base + 1 + len(d_tokens))
             if d_tokens:
                 self.kv.insert_provisional(req.request_id, d_tokens, slots, base + 1)
             inputs.append(RowInput([req.all_ids[-1]] + d_tokens, base, self.kv.block_table(req.request_id), 0))
-        logits = self.target.forward(inputs)
-        outputs = self._after_prefill(batch.prefill, logits[: len(batch.prefill)])
-        outputs.extend(self._accept(rows, logits[len(batch.prefill):], drafts))
-        return outputs
+        return inputs
 
-    def _after_prefill(self, chunks, logits: list[torch.Tensor]) -> list[RequestOutput]:
-        """Commit prefill chunks; prompts that are now complete sample their first token."""
-        done, last = [], []
-        for chunk, lg in zip(chunks, logits):
-            req = chunk.request
-            req.num_computed = chunk.end
-            req.stats.target_forwards += 1
-            self.kv.commit(req.request_id, chunk.end)
-            if req.is_prefilling or lg.shape[0] == 0:
-                continue
-            if self.config.cache.prefix_cache:
-                req.draft_computed = self.kv.cache_sequence(req.request_id, req.all_ids[: req.num_computed],
-                                                            req.draft_computed)
-            done.append(req)
-            last.append(lg[-1:])
+    def _after_prefill(self, chunks, logits: list[torch.Tensor]) -> list[int | None]:
+        """Per chunk, the first token of the prompt it completes (None: it completes none).
+        Samples only; the chunks are committed by `_commit_prefill`."""
+        first: list[int | None] = [None] * len(chunks)
+        done = [i for i, lg in enumerate(logits) if lg.shape[0]]  # only completing chunks have logits
         if not done:
-            return []
-        probs = SamplingTensors.from_params([r.params for r in done], last[0].device).to_probs(torch.cat(last))
-        tokens = sample(probs, [r.generator for r in done], shared_generator=self._shared_generator).tolist()
-        return [out for req, t in zip(done, tokens) for out in self._append_tokens(req, [t])]
+            return first
+        reqs = [chunks[i].request for i in done]
+        last = torch.cat([logits[i][-1:] for i in done])
+        probs = SamplingTensors.from_params([r.params for r in reqs], last.device).to_probs(last)
+        tokens = sample(probs, [r.generator for r in reqs], shared_generator=self._shared_generator).tolist()
+        for i, t in zip(done, tokens):
+            first[i] = t
+        return first
 
-    def _accept(self, rows: list[Request], logits: list[torch.Tensor], drafts) -> list[RequestOutput]:
-        """Verify every row's drafts, commit, emit."""
+    def _accept(self, rows: list[Request], logits: list[torch.Tensor], drafts):
+        """Verdicts on every row's drafts: (1 + drafts verified, drafts accepted, tokens to
+        append) per row. Commits nothing."""
         if not rows:
-            return []
+            return [], [], []
         counts = [lg.shape[0] for lg in logits]  # k_i + 1 per row
         proposed = [drafts.get(r.request_id, ([], None))[0] for r in rows]
         flat = logits[0] if len(logits) == 1 else torch.cat(logits)  # (sum(k_i + 1), V)
         if all(r.params.greedy for r in rows):  # the same result from argmaxes, no V-wide work
             argmax = kernels.greedy_tokens(flat, self.target.model.kernels)
             starts = itertools.accumulate([0] + counts)
-            accepted_lens, emitted = greedy_accept([argmax[s: s + c] for s, c in zip(starts, counts)], proposed)
-        else:
-            k_max = max(counts) - 1
-            draft_tokens = torch.tensor([t + [0] * (k_max - len(t)) for t in proposed],
-                                        dtype=torch.long).view(len(rows), k_max)  # (B, K)
-            result = self._rejection_sample(rows, flat, counts, draft_tokens, drafts)
-            accepted_lens, num_output = result.accepted_len.tolist(), result.num_output.tolist()
-            emitted = [e[:n] for e, n in zip(result.output_tokens.tolist(), num_output)]
-        outputs = []
-        for i, r in enumerate(rows):
-            k = counts[i] - 1
-            accepted = accepted_lens[i]
-            new = emitted[i]
-            base = r.num_computed
-            if k:  # commits the pending token (its KV was just written) and the accepted drafts
-                self.kv.commit_provisional(r.request_id, accepted)
-                self.kv.evict_provisional(r.request_id)
-            else:
-                self.kv.commit(r.request_id, base + 1)
-            self._accepted[r.request_id] = accepted
-            self._rollback(r, base, accepted, k)
-            r.stats.record_round(k, accepted)
-            r.stats.target_forwards += 1
-            outputs.extend(self._append_tokens(r, new))
-        return outputs
+            accepted, emitted = greedy_accept([argmax[s: s + c] for s, c in zip(starts, counts)], proposed)
+            return counts, accepted, emitted
+        k_max = max(counts) - 1
+        draft_tokens = torch.tensor([t + [0] * (k_max - len(t)) for t in proposed],
+                                    dtype=torch.long).view(len(rows), k_max)  # (B, K)
+        result = self._rejection_sample(rows, flat, counts, draft_tokens, drafts)
+        num_output = result.num_output.tolist()
+        emitted = [e[:n] for e, n in zip(result.output_tokens.tolist(), num_output)]
+        return counts, result.accepted_len.tolist(), emitted
 
     def _rejection_sample(self, rows: list[Request], flat_logits: torch.Tensor, counts: list[int],
                           draft_tokens: torch.Tensor, drafts) -> RejectionResult:
@@ -360,6 +490,50 @@ class LLMEngine:
                     draft_probs[i, torch.arange(len(toks)), torch.tensor(toks)] = 1.0
         return rejection_sample(target_probs, draft_tokens, draft_probs, [c - 1 for c in counts],
                                 [r.generator for r in rows], shared_generator=self._shared_generator)
+
+    # ------------------------------------------------------------------ commit, row by row
+    def _commit(self, batch: ScheduledBatch, v: "_Verdicts") -> list[RequestOutput]:
+        """Commit every row's verdict; a row whose commit raises (KV bookkeeping, its
+        proposer, its detokenizer, stop strings) fails alone and the others go on."""
+        outputs: list[RequestOutput] = []
+        for chunk, token in zip(batch.prefill, v.first):
+            try:
+                outputs.extend(self._commit_prefill(chunk, token))
+            except Exception as exc:
+                outputs.append(self._fail_row(chunk.request, exc))
+        for req, count, accepted, new in zip(batch.decode, v.counts, v.accepted, v.emitted):
+            try:
+                outputs.extend(self._commit_decode(req, count - 1, accepted, new))
+            except Exception as exc:
+                outputs.append(self._fail_row(req, exc))
+        return outputs
+
+    def _commit_prefill(self, chunk, token: int | None) -> list[RequestOutput]:
+        """The chunk's KV is verified; a completed fresh prompt is published in the prefix
+        tree and gets its first token."""
+        req = chunk.request
+        req.num_computed = chunk.end
+        req.stats.target_forwards += 1
+        self.kv.commit(req.request_id, chunk.end)
+        if token is None:
+            return []
+        if self.config.cache.prefix_cache:
+            req.draft_computed = self.kv.cache_sequence(req.request_id, req.all_ids[: req.num_computed],
+                                                        req.draft_computed)
+        return self._append_tokens(req, [token])
+
+    def _commit_decode(self, req: Request, k: int, accepted: int, new: list[int]) -> list[RequestOutput]:
+        """Commit the pending token and the accepted drafts, end the round, emit."""
+        base = req.num_computed
+        if k:  # commits the pending token (its KV was just written) and the accepted drafts
+            self.kv.commit_provisional(req.request_id, accepted)
+            self.kv.evict_provisional(req.request_id)
+        else:
+            self.kv.commit(req.request_id, base + 1)
+        self._rollback(req, base, accepted, k)
+        req.stats.record_round(k, accepted)
+        req.stats.target_forwards += 1
+        return self._append_tokens(req, new)
 
     def _rollback(self, req: Request, base: int, accepted: int, k: int) -> None:
         """O(1) per row: only the pending token and the accepted drafts stay as context.
@@ -414,8 +588,11 @@ class LLMEngine:
         keep = req.all_ids[: req.num_computed] if cache and self.config.cache.prefix_cache else None
         if req.request_id in self.kv:  # a request still waiting holds no blocks
             self.kv.close_sequence(req.request_id, keep, req.draft_computed)
-        for proposer in self.proposers.values():
-            proposer.forget(req.request_id)
+        for name, proposer in self.proposers.items():
+            try:  # a plug-in's cleanup failing must not stop the request from ending
+                proposer.forget(req.request_id)
+            except Exception:
+                log.exception("proposer %r failed to forget request %s", name, req.request_id)
         self.policy.forget(req.request_id)
         del self.requests[req.request_id]
         return self._output(req, list(new_ids), new_text)

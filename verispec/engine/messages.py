@@ -22,7 +22,7 @@ ACCEPTED = 0   # the engine queued the request
 REJECTED = 1   # the engine refused it: `error` says why (bad_input: a ValueError, HTTP 400)
 OUTPUT = 2     # new tokens/text; `finished` ends it; `error` set: it failed on its own
 ABORTED = 3    # an Abort (or the shutdown) took effect; `error` set when the shutdown did it
-FAILED = 4     # a step raised and took this request with it
+FAILED = 4     # a step raised out of the engine (the last resort) and took this request with it
 
 
 class SpecFields(msgspec.Struct, array_like=True, omit_defaults=True):
@@ -104,11 +104,14 @@ class CoreOutputs(msgspec.Struct, array_like=True, omit_defaults=True):
     events: list[RequestEvent] = []
     calls: list[CallResult] = []
     stats: EngineStats | None = None
-    step_error: str | None = None        # a step raised: its text (server log, /health)
+    step_error: str | None = None        # a request failed in the engine, or a step raised:
+                                         # the latest one's text (server log, /health)
     integrity_error: str | None = None   # the idle KV integrity check failed
     integrity_checked: bool = False      # the check ran this turn (passing clears the error)
     closed: bool = False                 # the core's last message: it has stopped
     fatal: str | None = None             # why it stopped, when not by Shutdown
+    step_errors: int = 0                 # failures behind step_error this turn (requests failed
+                                         # alone, or 1 for a step that raised out of the engine)
 
 
 class EngineInfo(msgspec.Struct):

@@ -15,6 +15,9 @@ between them:
    arrival order (FCFS). The head of the queue is never skipped, so no request starves: a
    request that cannot be admitted blocks later ones.
 
+Both phases take `only`, a set of request ids: the engine's rerun of a failed step on a
+subset of its rows schedules just those (and admits nobody).
+
 The budget is charged the drafts the step will verify, not the k_max it reserved slots for:
 charged at k_max, a speculative engine that chose k = 0 for most rows (as adaptive draft
 length does where drafting does not pay) cut every prefill chunk short by k_max tokens a
@@ -77,25 +80,40 @@ class Scheduler:
         room = min(req.remaining_tokens - 1, self.max_model_len - req.num_tokens)
         return max(0, min(req.num_spec_tokens, room))
 
-    def schedule_decode(self) -> ScheduledBatch:
-        """Phase 1: the decode rows, each with KV slots reserved for 1 + its spec budget."""
+    def schedule_decode(self, only: set[str] | None = None) -> ScheduledBatch:
+        """Phase 1: the decode rows, each with KV slots reserved for 1 + its spec budget.
+
+        `only` (a rerun of a failed step on a subset): just these running requests' rows;
+        preemption may still pick any running request as its victim."""
         batch = ScheduledBatch()
         for req in sorted(self.running, key=lambda r: r.arrival):
             if req.status is not Status.RUNNING or req.is_prefilling:
+                continue
+            if only is not None and req.request_id not in only:
                 continue
             if self._reserve_decode(req, batch):
                 batch.decode.append(req)
         return batch
 
-    def schedule_prefill(self, batch: ScheduledBatch, verify_tokens: int) -> None:
+    def schedule_prefill(self, batch: ScheduledBatch, verify_tokens: int, only: set[str] | None = None) -> None:
         """Phase 2: prefill chunks within the step's token budget less `verify_tokens`, the
-        tokens the decode rows will verify (one each plus their chosen drafts)."""
+        tokens the decode rows will verify (one each plus their chosen drafts).
+
+        `only` (a rerun of a failed step on a subset): just these running requests'
+        chunks, and no waiting request is admitted."""
         budget = self.cfg.max_num_batched_tokens - verify_tokens
         for req in sorted(self.running, key=lambda r: r.arrival):
             if budget <= 0:
                 break
+            if only is not None and req.request_id not in only:
+                continue
             if req.status is Status.RUNNING and req.is_prefilling:
                 budget -= self._schedule_prefill(req, budget, batch)
+        if only is None:
+            self._admit(batch, budget)
+
+    def _admit(self, batch: ScheduledBatch, budget: int) -> None:
+        """Waiting requests in arrival order (FCFS), each with a first prefill chunk."""
         while self.waiting and budget > 0 and len(self.running) < self.cfg.max_num_seqs:
             req = self.waiting[0]
             req.num_computed = self.kv.open_sequence(req.request_id, req.all_ids)
