@@ -12,8 +12,11 @@ max_model_len, spec_method) with pure Python:
   prefix is accepted, and emits accepted + 1 tokens; the output does not depend on k,
   just as real speculative decoding must not change it;
 - a block pool (block_size tokens per block) with check_integrity();
-- hooks for the tests: a step delay, and prompts containing FAIL_STEP (step() raises)
-  or FAIL_REQUEST (that request alone fails with RequestOutput.error).
+- hooks for the tests: a step delay, and prompts containing FAIL_STEP (step() raises),
+  FAIL_REQUEST (that request alone fails with RequestOutput.error) or HANG_STEP (the
+  first step that runs it sleeps `hang_s`: a wedged engine);
+- `CostlyByteTokenizer`: the same tokens, at the price of the real tokenizer (the
+  tokenizers library holds the interpreter lock for a whole encode).
 
 Run as a script it serves itself over HTTP (the subprocess the HTTP tests start):
     python tests/fake_engine.py --port 8123 [--step-delay 0.002] [server flags]
@@ -48,7 +51,7 @@ class ByteTokenizer:
     eos_token_ids = (EOS,)
     vocab_size = 258
 
-    def encode(self, text: str) -> list[int]:
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return list(text.encode("utf-8"))
 
     def decode(self, ids: list[int]) -> str:
@@ -60,6 +63,19 @@ class ByteTokenizer:
 
     def encode_chat(self, messages: list[dict]) -> list[int]:
         return [BOS] + self.encode(self.apply_chat_template(messages))
+
+
+class CostlyByteTokenizer(ByteTokenizer):
+    """ByteTokenizer whose encode also runs the default model's real tokenizer on the text
+    (result discarded): the real cost, with the fake's exact one-token-per-byte counts."""
+
+    def __init__(self):
+        from verispec.model.loader import load_config_and_tokenizer, resolve_model
+        self.real = load_config_and_tokenizer(resolve_model("smollm2-135m-instruct"))[1]
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        self.real.encode(text)
+        return super().encode(text)
 
 
 def greedy_next(history: list[int], allow_eos: bool) -> int:
@@ -84,6 +100,7 @@ class _Request:
     stats: SpecStats = field(default_factory=SpecStats)
     fail_step: bool = False
     fail_request: bool = False
+    hang: bool = False
 
 
 class FakeEngine:
@@ -92,9 +109,10 @@ class FakeEngine:
     def __init__(self, *, model_name: str = "fake-model", max_model_len: int = 512,
                  max_num_seqs: int = 8, block_size: int = 16, spec_method: str = "ngram",
                  num_spec_tokens: int = 3, has_draft: bool = False, step_delay_s: float = 0.0,
-                 leak_blocks_on_abort: bool = False):
+                 leak_blocks_on_abort: bool = False, hang_s: float = 20.0, costly_tokenizer: bool = False):
         self.model_name = model_name
-        self.tokenizer = ByteTokenizer()
+        self.tokenizer = CostlyByteTokenizer() if costly_tokenizer else ByteTokenizer()
+        self.hang_s = hang_s
         self.max_model_len = max_model_len
         self.spec_method = spec_method
         self.max_num_seqs = max_num_seqs
@@ -139,7 +157,7 @@ class FakeEngine:
         text = bytes(t for t in prompt_token_ids if t < 256)
         req = _Request(request_id, list(prompt_token_ids), params, "none" if k == 0 else method, k,
                        random.Random(params.seed), fail_step=b"FAIL_STEP" in text,
-                       fail_request=b"FAIL_REQUEST" in text)
+                       fail_request=b"FAIL_REQUEST" in text, hang=b"HANG_STEP" in text)
         self.requests[request_id] = req
         self.waiting.append(req)
 
@@ -181,6 +199,10 @@ class FakeEngine:
         self.steps += 1
         if any(r.fail_step for r in self.running):
             raise RuntimeError("injected step failure (FAIL_STEP in a running prompt)")
+        for req in self.running:
+            if req.hang:
+                req.hang = False
+                time.sleep(self.hang_s)
         outputs = []
         for req in list(self.running):
             outputs.append(self._decode(req))
@@ -285,10 +307,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--step-delay", type=float, default=0.0, help="seconds slept per step")
     parser.add_argument("--max-num-seqs", type=int, default=8)
     parser.add_argument("--max-model-len", type=int, default=512)
+    parser.add_argument("--hang-seconds", type=float, default=20.0, help="how long HANG_STEP sleeps")
+    parser.add_argument("--costly-tokenizer", action="store_true",
+                        help="tokenize at the real tokenizer's cost (CostlyByteTokenizer)")
     args = parser.parse_args(argv)
     import functools
     return serve(functools.partial(FakeEngine, step_delay_s=args.step_delay, max_num_seqs=args.max_num_seqs,
-                                   max_model_len=args.max_model_len), args)
+                                   max_model_len=args.max_model_len, hang_s=args.hang_seconds,
+                                   costly_tokenizer=args.costly_tokenizer), args)
 
 
 if __name__ == "__main__":

@@ -111,6 +111,17 @@ def test_top_p_always_keeps_the_top_token_and_top_k_ties_go_to_lower_ids():
     torch.testing.assert_close(probs[1], torch.tensor([0.5, 0.5, 0.0]))
 
 
+@pytest.mark.parametrize("fields", [{"top_p": 1e-46}, {"top_p": 1e-46, "top_k": 3},
+                                    {"temperature": 1e-45}, {"temperature": 1e-45, "top_p": 0.5}])
+def test_values_that_underflow_float32_sample_the_argmax_not_nan(fields):
+    """top_p 1e-46 is 0 in float32 and temperature 1e-45 makes logits / T infinite: once an
+    empty answer (every probability NaN); now the T -> 0 / top_p -> 0 limit, the argmax."""
+    logits = torch.tensor([[0.5, 2.0, -1.0, 1.9]])
+    probs = SamplingTensors.from_params([SamplingParams(**fields)], "cpu").to_probs(logits)
+    assert probs.tolist() == [[0.0, 1.0, 0.0, 0.0]]
+    assert SamplingParams(temperature=1e-45).greedy and not SamplingParams(temperature=1e-4).greedy
+
+
 def test_expand_repeats_each_row_by_its_count():
     params = [SamplingParams(temperature=0.0), SamplingParams(top_k=5), SamplingParams(top_p=0.5)]
     tensors = SamplingTensors.from_params(params, "cpu")

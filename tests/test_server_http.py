@@ -261,6 +261,22 @@ def test_errors_over_http(server):
     assert r.status_code == 413
 
 
+def test_sampling_values_that_underflow_float32_give_the_greedy_answer(server):
+    """temperature 1e-45 and top_p 1e-46 (0 in float32) once returned empty text with
+    finish_reason "stop"; they are the T -> 0 / top_p -> 0 limits: the greedy answer."""
+    c = client(server)
+
+    def text(**sampling) -> tuple[str, str]:
+        r = c.completions.create(model=BACKEND.model, prompt="The capital of France is",
+                                 max_tokens=8, **sampling)
+        return r.choices[0].text, r.choices[0].finish_reason
+    greedy = text(temperature=0)
+    assert greedy[0]
+    assert text(temperature=1e-45) == greedy
+    if BACKEND.name == "real":  # the fake engine has no top-p to underflow
+        assert text(temperature=1.0, top_p=1e-46, seed=3) == greedy
+
+
 def _sum_specs(specs: list[dict]) -> dict:
     out = {"num_drafts": 0, "drafted": 0, "accepted": 0, "per_pos": {}}
     for s in specs:

@@ -38,7 +38,7 @@ async def serving(engine: FakeEngine | None = None, **config):
     app = create_app(engine, ServerConfig(**config))
     async with app.router.lifespan_context(app):
         transport = httpx.ASGITransport(app=app)
-        async with httpx.AsyncClient(transport=transport, base_url="http://test") as client:
+        async with httpx.AsyncClient(transport=transport, base_url="http://localhost") as client:
             yield app, client, engine
 
 
@@ -103,6 +103,16 @@ BAD_REQUESTS = [
     (CHAT, {"messages": MSG, "n": 3}, 400, "n"),
     (CHAT, {"messages": MSG, "presence_penalty": 0.5}, 400, "presence_penalty"),
     (CHAT, {"messages": MSG, "tools": [{"type": "function"}]}, 400, "tools"),
+    # nesting past any recursion limit, and just past MAX_JSON_DEPTH
+    (COMP, b'{"prompt": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", 400, None),
+    (CHAT, b'{"messages": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", 400, None),
+    (COMP, b'{"prompt": "x", "user": ' + b"[" * 64 + b"]" * 64 + b"}", 400, "user"),
+    # a lone surrogate decodes from JSON but is not Unicode text: every route, every field
+    (COMP, b'{"prompt": "ab\\ud800cd"}', 400, "prompt"),
+    (COMP, b'{"prompt": "x", "stop": ["\\udfff"]}', 400, "stop[0]"),
+    (CHAT, b'{"messages": [{"role": "user", "content": "\\ud83d"}]}', 400, "messages[0].content"),
+    (CHAT, b'{"messages": [{"role": "user", "content": [{"type": "text", "text": "\\ud800"}]}]}',
+     400, "messages[0].content[0].text"),
 ]
 
 
@@ -414,9 +424,38 @@ def test_full_waiting_queue_raises_queue_full_and_http_429():
             codes = sorted(r.status_code for r in results)
             assert 429 in codes and 200 in codes and set(codes) <= {200, 429}, codes
             limited = next(r for r in results if r.status_code == 429)
-            assert limited.headers["retry-after"] == "1"
+            assert 1 <= int(limited.headers["retry-after"]) <= 90  # the drain rate: see test_retry_after_*
             assert limited.json()["error"]["code"] == "queue_full"
             await wait_idle(client)
+    run(scenario())
+
+
+def test_retry_after_follows_the_measured_drain_rate_with_jitter(monkeypatch):
+    """Retry-After = the queue ahead at the measured rate of finishes, clamped to
+    [1, 60] s, times 1..1.5 at random, so refused clients do not come back together."""
+    from verispec.server import async_engine as AE
+    ae = AsyncEngine(FakeEngine())
+    assert {ae.retry_after_s(50) for _ in range(200)} <= {1, 2}  # no rate measured yet: 1 s
+    ae._finishes.extend(10.0 + i / 4 for i in range(9))        # 4 finishes a second
+    values = [ae.retry_after_s(40) for _ in range(400)]        # 40 waiting: 10 s to drain
+    assert min(values) in (10, 11) and max(values) == 15 and len(set(values)) >= 4, sorted(set(values))
+    assert max(ae.retry_after_s(10_000) for _ in range(100)) <= 90  # clamped at 60 s (+50%)
+    monkeypatch.setattr(AE, "RETRY_JITTER", 0.0)
+    assert {ae.retry_after_s(40) for _ in range(20)} == {10}  # the twin without jitter: one wave
+
+
+def test_admission_refuses_before_the_body_is_read_or_parsed():
+    """With the queue full, a request is refused 429 before its body is even parsed: the
+    same answer for an invalid body as for a valid one."""
+    async def scenario():
+        engine = FakeEngine(step_delay_s=0.02, max_num_seqs=1)
+        async with serving(engine, max_waiting=1) as (app, client, _engine):
+            app.state.server._preparing = 1  # one request is being prepared: the queue is full
+            bad = await client.post(COMP, content=b"{not json", headers={"content-type": "application/json"})
+            assert bad.status_code == 429 and bad.json()["error"]["code"] == "queue_full", bad.text
+            app.state.server._preparing = 0
+            bad = await client.post(COMP, content=b"{not json", headers={"content-type": "application/json"})
+            assert bad.status_code == 400
     run(scenario())
 
 

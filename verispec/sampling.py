@@ -16,6 +16,13 @@ if TYPE_CHECKING:
     import torch
 
 
+# Temperatures below this sample greedily (the T -> 0 limit). logits / T overflows float32
+# once T is below about 1e-37, which made every probability NaN and the answer empty; at
+# 1e-5 a logit gap of 1e-3 already leaves the runner-up e^-100 of the mass. vLLM draws
+# the same line.
+MIN_TEMPERATURE = 1e-5
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """Per-request sampling settings; validated on construction."""
@@ -48,6 +55,9 @@ class SamplingParams:
                f"seed must be an integer, got {self.seed!r}")
         _check(all(isinstance(s, str) and s for s in self.stop),
                f"stop must be non-empty strings, got {self.stop!r}")
+
+        if 0 < self.temperature < MIN_TEMPERATURE:  # the limit, without float32 overflow
+            object.__setattr__(self, "temperature", 0.0)
 
     @property
     def greedy(self) -> bool:
@@ -190,7 +200,7 @@ def _top_k_top_p_removed(scaled: torch.Tensor, top_k: torch.Tensor,
     # mass >= top_p, and rank 0 always (mass 0). top_p == 1 rows skip the test, so
     # rounding in the cumsum can never drop a tail token there.
     top_p = top_p.float()[:, None]
-    removed |= (top_p < 1) & (mass_before >= top_p)
+    removed |= (top_p < 1) & (mass_before >= top_p) & (rank[None, :] > 0)
     return torch.empty_like(removed).scatter_(-1, order, removed)            # (N, V) vocab order
 
 

@@ -9,7 +9,10 @@ Security defaults: binds 127.0.0.1; with an API key (--api-key or VERISPEC_API_K
 /v1 route needs `Authorization: Bearer <key>` (compared in constant time); /health and
 /metrics stay open for probes and scrapers. Request bodies are capped while they are read.
 A client that disconnects (streaming or not) has its request aborted, which frees its KV
-blocks at once.
+blocks at once. Slow clients and browsers are guarded against (verispec/server/guard.py,
+docs/serving.md): header, body and keep-alive timeouts; a connection cap below the
+descriptor limit that evicts idle connections first; without an API key, only loopback
+Host/Origin names (or --allowed-hosts); JSON-only POST bodies.
 
 The CLI calls `add_arguments(parser)` and `serve(engine_factory, args)`; tests can call
 `create_app(engine, ServerConfig(...))` and talk to it in-process.
@@ -19,10 +22,10 @@ from __future__ import annotations
 import argparse
 import asyncio
 import hmac
-import ipaddress
 import logging
 import os
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Any, AsyncIterator, Callable
@@ -30,20 +33,23 @@ from typing import Any, AsyncIterator, Callable
 import uvicorn
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from verispec.outputs import RequestOutput
+from verispec.server import guard
 from verispec.server import protocol as P
 from verispec.server.async_engine import (AsyncEngine, EngineClosed, EngineStartError, QueueFull,
                                           RequestFailed, RequestStream)
 from verispec.server.metrics import ServerMetrics
+from verispec.server.prompts import PromptTooLong, check_length, longest_token_chars
 
 log = logging.getLogger("verispec.server")
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions; chat: rest of context
 API_KEY_ENV = "VERISPEC_API_KEY"
+HEALTH_PROBE_S = 0.05  # /health waits this long for the core's own answer, then reports what it knows
 
 
 @dataclass(frozen=True)
@@ -60,6 +66,14 @@ class ServerConfig:
     max_buffered_outputs: int = 1024  # outputs a stream may hold unread before it is aborted
     log_level: str = "info"
     access_log: bool = True
+    stall_timeout_s: float = 30.0  # /health fails when work waits this long with no step done
+    # Slow clients and descriptor exhaustion (verispec/server/guard.py, docs/serving.md).
+    header_timeout_s: float = 10.0     # to complete a request's headers
+    body_timeout_s: float = 30.0       # to receive a whole declared body, from its headers
+    keep_alive_timeout_s: float = 5.0  # an idle kept-alive connection is closed after this
+    max_connections: int = 1024        # also capped at RLIMIT_NOFILE's soft limit - fd_reserve
+    fd_reserve: int = 128              # descriptors left to the process itself and accept bursts
+    allowed_hosts: tuple[str, ...] | None = None  # Host names beyond loopback; None: not given
 
     def __post_init__(self):
         if not 0 <= self.port <= 65535:
@@ -70,10 +84,21 @@ class ServerConfig:
             raise ValueError(f"max_body_bytes must be >= 1024, got {self.max_body_bytes}")
         if self.max_buffered_outputs < 1:
             raise ValueError(f"max_buffered_outputs must be >= 1, got {self.max_buffered_outputs}")
+        if not self.stall_timeout_s > 0:
+            raise ValueError(f"stall_timeout must be > 0, got {self.stall_timeout_s}")
         if self.shutdown_timeout_s < 0:
             raise ValueError(f"shutdown_timeout must be >= 0, got {self.shutdown_timeout_s}")
         if self.api_key is not None and not self.api_key:
             raise ValueError("api_key must not be empty (omit it to disable authentication)")
+        for name in ("header_timeout_s", "body_timeout_s", "keep_alive_timeout_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name.removesuffix('_s')} must be > 0, got {getattr(self, name)}")
+        if self.max_connections < 1:
+            raise ValueError(f"max_connections must be >= 1, got {self.max_connections}")
+        if self.fd_reserve < 0:
+            raise ValueError(f"fd_reserve must be >= 0, got {self.fd_reserve}")
+        # "a,b" or names with ports -> bare lowercase names, so the policy compares like with like
+        object.__setattr__(self, "allowed_hosts", guard.parse_allowed_hosts(self.allowed_hosts))
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> "ServerConfig":
@@ -86,7 +111,14 @@ class ServerConfig:
                    served_model_name=getattr(args, "served_model_name", None),
                    shutdown_timeout_s=getattr(args, "shutdown_timeout", d.shutdown_timeout_s),
                    log_level=getattr(args, "log_level", d.log_level),
-                   access_log=getattr(args, "access_log", d.access_log))
+                   access_log=getattr(args, "access_log", d.access_log),
+                   stall_timeout_s=getattr(args, "stall_timeout", d.stall_timeout_s),
+                   header_timeout_s=getattr(args, "header_timeout", d.header_timeout_s),
+                   body_timeout_s=getattr(args, "body_timeout", d.body_timeout_s),
+                   keep_alive_timeout_s=getattr(args, "keep_alive_timeout", d.keep_alive_timeout_s),
+                   max_connections=getattr(args, "max_connections", d.max_connections),
+                   fd_reserve=getattr(args, "fd_reserve", d.fd_reserve),
+                   allowed_hosts=getattr(args, "allowed_hosts", None))
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -112,6 +144,25 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--log-level", default=d.log_level,
                    choices=["critical", "error", "warning", "info", "debug"])
     g.add_argument("--access-log", action=argparse.BooleanOptionalAction, default=d.access_log)
+    g.add_argument("--stall-timeout", type=float, default=d.stall_timeout_s,
+                   help="seconds requests may wait with no engine step completed before /health "
+                        "answers 503 (raise it for models whose longest step takes longer)")
+    g.add_argument("--header-timeout", type=float, default=d.header_timeout_s,
+                   help="seconds a connection gets to send a request's complete headers, from "
+                        "opening or from the end of its previous response (then: closed)")
+    g.add_argument("--body-timeout", type=float, default=d.body_timeout_s,
+                   help="seconds a request gets to send its whole body after its headers (then: 408)")
+    g.add_argument("--keep-alive-timeout", type=float, default=d.keep_alive_timeout_s,
+                   help="seconds an idle kept-alive connection stays open")
+    g.add_argument("--max-connections", type=int, default=d.max_connections,
+                   help="open connections kept (also at most the descriptor limit minus "
+                        "--fd-reserve); at the cap a new one evicts the longest idle connection")
+    g.add_argument("--fd-reserve", type=int, default=d.fd_reserve,
+                   help="file descriptors (of `ulimit -n`) the connection cap leaves to the process")
+    g.add_argument("--allowed-hosts", default=None,
+                   help="comma-separated Host names accepted besides loopback and the bind address "
+                        "('*': any); without an API key only those are served (DNS-rebinding "
+                        "protection), with one the check is off unless this is given")
 
 
 def serve(engine_factory: Callable[[], Any], args: argparse.Namespace) -> int:
@@ -139,10 +190,14 @@ def serve(engine_factory: Callable[[], Any], args: argparse.Namespace) -> int:
     app = create_app(engine, config)
     # uvicorn's own grace period is only a backstop: the engine drain below ends every stream
     # (normally or with an error event) first, so no client sees a connection cut mid-body.
+    plan = guard.plan_connections(config.max_connections, config.fd_reserve)
+    guard.log_connection_plan(plan, config.max_connections, config.fd_reserve)
+    http = guard.guarded_protocol(guard.ConnectionGuard(plan.cap, config.header_timeout_s))
     uv_config = uvicorn.Config(
         app, host=config.host, port=config.port, log_level=config.log_level, lifespan="on",
         access_log=config.access_log, server_header=False,
-        timeout_graceful_shutdown=round(config.shutdown_timeout_s) + 5)
+        timeout_graceful_shutdown=round(config.shutdown_timeout_s) + 5,
+        http=http, ws="none", timeout_keep_alive=config.keep_alive_timeout_s, backlog=plan.backlog)
     server = DrainingServer(uv_config, engine, config.shutdown_timeout_s)
 
     def on_death(why: str) -> None:
@@ -210,6 +265,10 @@ def create_app(engine, config: ServerConfig = ServerConfig()) -> Starlette:
     app = Starlette(routes=routes, lifespan=lifespan,
                     exception_handlers={HTTPException: _http_exception})
     app.state.server = server
+    hosts = guard.host_policy(config.host, config.api_key, config.allowed_hosts)
+    guard.log_host_policy(hosts, config.host, api_key_set=config.api_key is not None)
+    app.add_middleware(guard.RequestGuard, hosts=hosts, body_timeout_s=config.body_timeout_s,
+                       on_reject=server.metrics.on_rejected)
     return app
 
 
@@ -222,6 +281,8 @@ def _api(handler):
             if exc.rejected:
                 self.metrics.on_rejected(exc.status)
             return JSONResponse(exc.body(), exc.status, headers=exc.headers)
+        except ClientDisconnect:  # left while sending its body: nobody to answer, nothing to log
+            return Response(status_code=499)
         except Exception:
             log.exception("unhandled error in %s", request.url.path)
             body = P.error_body("internal server error", type="server_error", code="internal_error")
@@ -238,6 +299,11 @@ class OpenAIServer:
         self.async_engine = async_engine
         self.config = config
         self.tokenizer = async_engine.tokenizer
+        self.max_token_chars = longest_token_chars(self.tokenizer)
+        # Parsing and tokenizing run here, off the event loop. One thread: they hold the
+        # interpreter lock, so a second would add no throughput, only contention.
+        self._prepare_pool = ThreadPoolExecutor(1, thread_name_prefix="verispec-prepare")
+        self._preparing = 0   # requests admitted, not yet handed to the engine
         self.model_name = config.served_model_name or async_engine.model_name
         self.created = P.now()
         self.metrics = ServerMetrics(self.model_name, stats_source=lambda: async_engine.latest_stats)
@@ -245,19 +311,29 @@ class OpenAIServer:
 
     # ------------------------------------------------------------------ plain routes
     async def health(self, request: Request) -> Response:
-        """Engine state; runs the KV integrity check when the engine is idle."""
+        """Liveness and engine state, answered within HEALTH_PROBE_S: 503 when the engine
+        process is gone, when requests have waited stall_timeout_s with no step completed,
+        or when the idle KV integrity check failed. Error texts need the API key."""
         ae = self.async_engine
+        shown = self._has_key(request)
         body: dict[str, Any] = {"status": "ok", "model": self.model_name, "accepting": ae.accepting,
-                                "in_flight": ae.num_in_flight, "last_step_error": ae.last_step_error,
-                                "engine_pid": ae.engine_pid}
+                                "in_flight": ae.num_in_flight, "engine_pid": ae.engine_pid,
+                                "last_step_error": _shown(ae.last_step_error, shown)}
         if not ae.is_alive:
             return JSONResponse({**body, "status": "unavailable", "error": ae.death}, 503)
+        stalled = ae.stalled_for()
+        if stalled is not None and stalled > self.config.stall_timeout_s:
+            return JSONResponse({**body, **_stats_dict(ae.latest_stats), "status": "stalled",
+                                 "error": f"no engine step completed for {stalled:.1f} s with "
+                                          f"{ae.num_in_flight} request(s) in flight"}, 503)
         try:
-            stats, integrity = await ae.health(timeout_s=5.0)
+            stats, integrity = await ae.health(timeout_s=HEALTH_PROBE_S)
         except (asyncio.TimeoutError, EngineClosed):
             stats, integrity = ae.latest_stats, "skipped: engine busy"
-        body.update(_stats_dict(stats), integrity=integrity)
-        if integrity.startswith("failed"):
+        failed = integrity.startswith("failed")
+        body.update(_stats_dict(stats), integrity="failed: " + _shown(integrity[8:], shown)
+                    if failed else integrity)
+        if failed:
             body["status"] = "degraded"
             return JSONResponse(body, 503)
         return JSONResponse(body)
@@ -277,9 +353,7 @@ class OpenAIServer:
     @_api
     async def completions(self, request: Request) -> Response:
         self._authorize(request)
-        req = P.parse_request(P.CompletionRequest, await read_body(request, self.config.max_body_bytes))
-        self._check_model(req.model)
-        prompt_ids = self._encode_prompt(req.prompt)
+        req, prompt_ids = await self._prepare(request, self._parse_completion)
         max_tokens = self._resolve_max_tokens(req.max_tokens, "max_tokens", len(prompt_ids), "prompt",
                                               DEFAULT_COMPLETION_MAX_TOKENS)
         rid = f"cmpl-{uuid.uuid4().hex}"
@@ -289,13 +363,7 @@ class OpenAIServer:
     @_api
     async def chat_completions(self, request: Request) -> Response:
         self._authorize(request)
-        req = P.parse_request(P.ChatCompletionRequest, await read_body(request, self.config.max_body_bytes))
-        self._check_model(req.model)
-        try:
-            prompt_ids = list(self.tokenizer.encode_chat(req.message_dicts()))
-        except Exception as exc:  # the template rejecting a conversation is bad input
-            raise P.APIError(400, f"messages: the chat template rejected them: {exc}",
-                             param="messages", code="invalid_value") from None
+        req, prompt_ids = await self._prepare(request, self._parse_chat)
         param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
         max_tokens = self._resolve_max_tokens(req.requested_max_tokens(), param, len(prompt_ids),
                                               "messages", None)
@@ -358,13 +426,66 @@ class OpenAIServer:
             yield P.sse(_failure(exc, rejected=False).body())
         yield P.sse("[DONE]")
 
+    # ------------------------------------------------------------------ before the engine
+    async def _prepare(self, request: Request, parse: Callable[[bytes], tuple[Any, list[int]]]):
+        """(request, prompt ids) of a POST: admission first (429/503 before any work), then
+        the body, then `parse` (validation, the model check, tokenizing) on the prepare
+        thread, so the event loop keeps streaming while a large body is handled."""
+        self._admit()
+        self._preparing += 1
+        try:
+            body = await read_body(request, self.config.max_body_bytes)
+            return await asyncio.get_running_loop().run_in_executor(self._prepare_pool, parse, body)
+        finally:
+            self._preparing -= 1
+
+    def _admit(self) -> None:
+        try:
+            self.async_engine.admit(self._preparing)
+        except QueueFull as exc:
+            raise _queue_full(exc) from None
+        except EngineClosed as exc:
+            raise _failure(exc, rejected=True) from None
+
+    def _parse_completion(self, body: bytes) -> tuple[P.CompletionRequest, list[int]]:
+        req = P.parse_request(P.CompletionRequest, body)
+        self._check_model(req.model)
+        return req, self._encode_prompt(req.prompt)
+
+    def _parse_chat(self, body: bytes) -> tuple[P.ChatCompletionRequest, list[int]]:
+        req = P.parse_request(P.ChatCompletionRequest, body)
+        self._check_model(req.model)
+        messages = req.message_dicts()
+        try:
+            self._check_length(self.tokenizer.apply_chat_template(messages), "messages")
+            return req, list(self.tokenizer.encode_chat(messages))
+        except P.APIError:
+            raise
+        except Exception as exc:  # the template rejecting a conversation is bad input
+            raise P.APIError(400, f"messages: the chat template rejected them: {exc}",
+                             param="messages", code="invalid_value") from None
+
+    def _check_length(self, text: str, param: str) -> None:
+        """400 for a text that cannot fit the context, decided before tokenizing it whole."""
+        context = self.async_engine.max_model_len
+        try:
+            check_length(self.tokenizer, text, context - 1, self.max_token_chars)
+        except PromptTooLong as exc:
+            raise P.APIError(400, f"{param}: the prompt is at least {exc.at_least} tokens; the "
+                             f"context is {context} tokens and must leave room for at least one "
+                             "generated token", param=param, code="context_length_exceeded") from None
+
     # ------------------------------------------------------------------ helpers
-    def _authorize(self, request: Request) -> None:
+    def _has_key(self, request: Request) -> bool:
+        """True when no API key is configured or the request carries it."""
         key = self.config.api_key
         if key is None:
-            return
+            return True
         scheme, _, token = request.headers.get("authorization", "").partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), key.encode()):
+        return scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), key.encode())
+
+    def _authorize(self, request: Request) -> None:
+        if not self._has_key(request):
             raise P.APIError(401, "missing or invalid API key (send 'Authorization: Bearer <key>')",
                              type="authentication_error", code="invalid_api_key",
                              headers={"WWW-Authenticate": "Bearer"})
@@ -376,6 +497,7 @@ class OpenAIServer:
 
     def _encode_prompt(self, prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, str):
+            self._check_length(prompt, "prompt")
             return list(self.tokenizer.encode(prompt))
         vocab = getattr(self.tokenizer, "vocab_size", None)
         if vocab is not None and any(not 0 <= t < vocab for t in prompt):
@@ -408,8 +530,7 @@ class OpenAIServer:
         try:
             return await self.async_engine.add_request(rid, prompt_ids, params, P.spec_override(req))
         except QueueFull as exc:
-            raise P.APIError(429, str(exc), type="rate_limit_error", code="queue_full",
-                             headers={"Retry-After": str(exc.retry_after_s)}) from None
+            raise _queue_full(exc) from None
         except ValueError as exc:
             raise P.APIError(400, str(exc), param=P.engine_error_param(str(exc)),
                              code="invalid_value") from None
@@ -509,6 +630,18 @@ def _raise_if_engine_aborted(out: RequestOutput) -> None:
         raise RequestFailed(f"the engine ended the request ({out.finish_reason})")
 
 
+def _queue_full(exc: QueueFull) -> P.APIError:
+    return P.APIError(429, str(exc), type="rate_limit_error", code="queue_full",
+                      headers={"Retry-After": str(exc.retry_after_s)})
+
+
+def _shown(text: str | None, shown: bool) -> str | None:
+    """An internal error text for /health: only to a caller with the API key."""
+    if text is None or shown:
+        return text
+    return "hidden (send the API key to see it)"
+
+
 def _failure(exc: Exception, rejected: bool) -> P.APIError:
     if isinstance(exc, EngineClosed):
         return P.APIError(503, str(exc), type="server_error", code="unavailable", rejected=rejected)
@@ -535,9 +668,4 @@ async def _http_exception(request: Request, exc: HTTPException) -> Response:
 
 
 def _is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
+    return guard.is_loopback_host(host)

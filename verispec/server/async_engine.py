@@ -25,11 +25,14 @@ cause, `is_alive` turns false and `on_death` is called (serve exits non-zero).
 from __future__ import annotations
 
 import asyncio
+import collections
 import itertools
 import logging
 import multiprocessing
+import math
 import os
 import pickle
+import random
 import shutil
 import signal
 import tempfile
@@ -48,10 +51,19 @@ from verispec.sampling import SamplingParams
 log = logging.getLogger("verispec.server")
 
 
+# Retry-After for a 429: the time the queue ahead takes to drain at the measured rate of
+# finishes, within these bounds, times a random factor so refused clients do not return
+# together (a fixed value brings them back as one wave, to be refused again).
+RETRY_AFTER_MIN_S = 1
+RETRY_AFTER_MAX_S = 60
+RETRY_JITTER = 0.5          # up to +50%
+DRAIN_WINDOW = 64           # finishes the rate is measured over
+
+
 class QueueFull(RuntimeError):
     """Too many requests are already waiting for the engine; retry later (HTTP 429)."""
 
-    def __init__(self, num_waiting: int, max_waiting: int, retry_after_s: int = 1):
+    def __init__(self, num_waiting: int, max_waiting: int, retry_after_s: int = RETRY_AFTER_MIN_S):
         super().__init__(f"{num_waiting} requests are waiting (max_waiting={max_waiting}); "
                          f"retry in {retry_after_s} s")
         self.retry_after_s = retry_after_s
@@ -96,7 +108,7 @@ class RequestObserver(Protocol):
     def on_first_token(self, record: RequestRecord) -> None: ...
     def on_request_output(self, record: RequestRecord, output: RequestOutput) -> None: ...
     def on_request_finished(self, record: RequestRecord, outcome: str) -> None: ...
-    def on_step_error(self, exc: BaseException) -> None: ...
+    def on_step_error(self, exc: BaseException, count: int) -> None: ...
 
 
 _ACCEPTED = object()  # first item of a queue: the engine took the request
@@ -218,6 +230,10 @@ class AsyncEngine:
         self._call_ids = itertools.count()
         self._pending_adds = 0          # Adds sent, not yet answered
         self._engine_waiting = 0        # num_waiting of the latest stats
+        self._finishes: collections.deque[float] = collections.deque(maxlen=DRAIN_WINDOW)
+        self._last_message_at = time.monotonic()  # the core's latest CoreOutputs
+        self._busy_since = 0.0          # when the first of the requests in flight was sent
+        self._health_call: asyncio.Future | None = None
         self._accepting = False
         self._shutdown_sent = False
         self._latest_stats = None
@@ -384,13 +400,11 @@ class AsyncEngine:
         Raises QueueFull (too many waiting), EngineClosed (shutting down or dead), ValueError
         (the engine rejected the input) or RequestFailed (the engine raised something else).
         """
-        if not self.accepting:
-            raise EngineClosed(self.death or "the engine is not accepting requests (shutting down)")
-        waiting = self._engine_waiting + self._pending_adds
-        if waiting >= self.max_waiting:
-            raise QueueFull(waiting, self.max_waiting)
+        self.admit()
         if request_id in self._channels:
             raise ValueError(f"request id {request_id!r} is already in use")
+        if not self._channels:
+            self._busy_since = time.monotonic()
         prompt = list(prompt_token_ids)
         record = RequestRecord(request_id, len(prompt), self._method_label(spec), time.monotonic())
         channel = _Channel(record, prompt)
@@ -407,6 +421,31 @@ class AsyncEngine:
             stream._done = True
             raise first
         return stream
+
+    def admit(self, preparing: int = 0) -> None:
+        """Raise EngineClosed or QueueFull unless one more request may queue. Cheap: the
+        server calls it before reading or tokenizing a body, counting the `preparing` ones."""
+        if not self.accepting:
+            raise EngineClosed(self.death or "the engine is not accepting requests (shutting down)")
+        waiting = self._engine_waiting + self._pending_adds + preparing
+        if waiting >= self.max_waiting:
+            raise QueueFull(waiting, self.max_waiting, self.retry_after_s(waiting))
+
+    def retry_after_s(self, waiting: int) -> int:
+        """Seconds a refused client should wait: `waiting` requests at the measured drain
+        rate (finishes per second), clamped, with up to RETRY_JITTER added at random."""
+        times = self._finishes
+        span = times[-1] - times[0] if len(times) > 1 else 0.0
+        base = waiting * span / (len(times) - 1) if span > 0 else RETRY_AFTER_MIN_S
+        base = min(max(base, RETRY_AFTER_MIN_S), RETRY_AFTER_MAX_S)
+        return math.ceil(base * (1 + RETRY_JITTER * random.random()))
+
+    def stalled_for(self) -> float | None:
+        """Seconds since the engine last reported progress while requests wait on it (None
+        when nothing is in flight): a wedged step shows here, not as a slow /health."""
+        if not self._channels:
+            return None
+        return time.monotonic() - max(self._last_message_at, self._busy_since)
 
     async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                        spec=None) -> AsyncIterator[RequestOutput]:
@@ -430,8 +469,13 @@ class AsyncEngine:
             self._calls.pop(call_id, None)
 
     async def health(self, timeout_s: float) -> tuple[Any, str]:
-        """(stats, integrity verdict) from the core; the KV check runs only when it is idle."""
-        return await self.call(health_probe, timeout_s)
+        """(stats, integrity verdict) from the core; the KV check runs only when it is idle.
+        At most one probe is outstanding: callers share it, so a busy or wedged core does
+        not collect a probe per /health request. asyncio.TimeoutError after timeout_s."""
+        if self._health_call is None or self._health_call.done():
+            self._health_call = asyncio.ensure_future(self.call(health_probe))
+            self._health_call.add_done_callback(_consume_exception)
+        return await asyncio.wait_for(asyncio.shield(self._health_call), timeout_s)
 
     def _submit_abort(self, channel: _Channel) -> None:
         rid = channel.record.request_id
@@ -488,12 +532,13 @@ class AsyncEngine:
                 pass
 
     def _handle(self, message: M.CoreOutputs) -> None:
+        self._last_message_at = time.monotonic()
         if message.stats is not None:
             self._latest_stats = message.stats
             self._engine_waiting = message.stats.num_waiting
         if message.step_error is not None:
             self.last_step_error = message.step_error
-            self._notify("on_step_error", RuntimeError(message.step_error))
+            self._notify("on_step_error", RuntimeError(message.step_error), max(1, message.step_errors))
         if message.integrity_checked:
             self.integrity_error = message.integrity_error
         for ev in message.events:
@@ -526,11 +571,11 @@ class AsyncEngine:
             channel.record.last_output = channel.output(ev)
         if kind == M.FAILED:
             channel.queue.put_nowait(RequestFailed("internal engine error (see the server log)"))
-            self._notify("on_request_finished", channel.record, "error")
+            self._ended(channel.record, "error")
             return
         if ev.error is not None:
             channel.queue.put_nowait(EngineClosed(ev.error))
-        self._notify("on_request_finished", channel.record, "abort")
+        self._ended(channel.record, "abort")
 
     def _on_output(self, channel: _Channel, ev: M.RequestEvent) -> None:
         record = channel.record
@@ -543,13 +588,13 @@ class AsyncEngine:
         if output.error is not None:
             del self._channels[ev.request_id]
             channel.queue.put_nowait(RequestFailed(output.error))
-            self._notify("on_request_finished", record, "error")
+            self._ended(record, "error")
             return
         if output.finished:
             del self._channels[ev.request_id]
             channel.queue.put_nowait(output)
             reason = output.finish_reason if output.finish_reason in ("stop", "length") else "abort"
-            self._notify("on_request_finished", record, reason)
+            self._ended(record, reason)
             return
         if channel.aborting:
             return  # its consumer has left
@@ -583,12 +628,17 @@ class AsyncEngine:
     def _fail_everything(self, error: BaseException) -> None:
         for channel in self._channels.values():
             channel.queue.put_nowait(error)
-            self._notify("on_request_finished", channel.record, "error")
+            self._ended(channel.record, "error")
         self._channels.clear()
         self._pending_adds = 0
         for future in self._calls.values():
             if not future.done():
                 future.set_exception(error)
+
+    def _ended(self, record: RequestRecord, outcome: str) -> None:
+        """A request left the engine: one more finish for the drain rate, and the observer."""
+        self._finishes.append(time.monotonic())
+        self._notify("on_request_finished", record, outcome)
 
     def _notify(self, hook: str, *args) -> None:
         if self.observer is None:
@@ -597,6 +647,11 @@ class AsyncEngine:
             getattr(self.observer, hook)(*args)
         except Exception:
             log.exception("request observer %s raised", hook)
+
+
+def _consume_exception(future: asyncio.Future) -> None:
+    if not future.cancelled():
+        future.exception()  # retrieved: a failed probe is reported by its waiters, not logged
 
 
 def _spec_fields(spec) -> M.SpecFields | None:

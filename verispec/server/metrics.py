@@ -52,7 +52,8 @@ class ServerMetrics:
         self.request_error = counter("request_error", "Requests the engine failed.")
         self.request_rejected = counter("request_rejected", "Requests refused before reaching "
                                         "the engine, by reason.", ("reason",))
-        self.engine_step_errors = counter("engine_step_errors", "Exceptions raised by engine.step().")
+        self.engine_step_errors = counter("engine_step_errors",
+                                          "Requests an engine step failed (each failing row counts once).")
         self.prompt_tokens = counter("prompt_tokens", "Prompt tokens of requests the engine accepted.")
         self.generation_tokens = counter("generation_tokens", "Generated tokens.")
         self.ttft = histogram("time_to_first_token_seconds", "Time to first token.", LATENCY_BUCKETS)
@@ -109,8 +110,8 @@ class ServerMetrics:
         if record.last_output is not None:
             self._count_spec(record.method, record.last_output.spec)
 
-    def on_step_error(self, exc: BaseException) -> None:
-        self.engine_step_errors.labels(self.model_name).inc()
+    def on_step_error(self, exc: BaseException, count: int = 1) -> None:
+        self.engine_step_errors.labels(self.model_name).inc(count)
 
     def _observe_latency(self, record) -> None:
         end = time.monotonic()

@@ -24,6 +24,9 @@ from verispec.sampling import SamplingParams
 MAX_STOP_STRINGS = 16
 MAX_SEED = 2**63 - 1
 MAX_INT32 = 2**31 - 1
+# Deepest JSON nesting accepted: chat messages with content parts need 5 levels and a
+# tool's JSON Schema rarely 20; Python's decoder would raise RecursionError near 1,000.
+MAX_JSON_DEPTH = 64
 
 
 class APIError(Exception):
@@ -257,16 +260,52 @@ def parse_request(model: type[_Strict], body: bytes) -> Any:
     """Decode and validate a JSON body; raises APIError(400) naming the offending field."""
     try:
         data = json.loads(body, parse_constant=_reject_constant)
+    except RecursionError:
+        raise APIError(400, f"request body: JSON nested more than {MAX_JSON_DEPTH} levels",
+                       code="invalid_json") from None
     except (UnicodeDecodeError, ValueError) as exc:  # JSONDecodeError is a ValueError
         raise APIError(400, f"request body is not valid JSON: {exc}", code="invalid_json") from None
     if not isinstance(data, dict):
         raise APIError(400, "request body must be a JSON object", code="invalid_json")
+    check_json_tree(data)
     try:
         request = model.model_validate(data)
     except ValidationError as exc:
         raise _validation_error(exc) from None
     request.check_stream_options()
     return request
+
+
+def check_json_tree(data: Any) -> None:
+    """Refuse (400) JSON nested deeper than MAX_JSON_DEPTH and strings that are not valid
+    Unicode (a lone surrogate such as "\\ud800" decodes but cannot be encoded, so it would
+    fail later, in the tokenizer). Iterative: no recursion limit to hit."""
+    stack: list[tuple[Any, tuple, int]] = [(data, (), 1)]
+    while stack:
+        value, loc, depth = stack.pop()
+        if isinstance(value, str):
+            _check_unicode(value, loc)
+            continue
+        if not isinstance(value, (dict, list)):
+            continue
+        if depth > MAX_JSON_DEPTH:
+            field = str(loc[0]) if loc else None
+            raise APIError(400, f"{field or 'request body'}: JSON nested more than {MAX_JSON_DEPTH} "
+                           "levels", param=field, code="invalid_json")
+        items = value.items() if isinstance(value, dict) else enumerate(value)
+        for key, item in items:
+            if isinstance(key, str):
+                _check_unicode(key, loc)
+            stack.append((item, (*loc, key), depth + 1))
+
+
+def _check_unicode(text: str, loc: tuple) -> None:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        param = format_param(loc) or "request body"
+        raise APIError(400, f"{param}: not valid Unicode (a lone surrogate at character "
+                       f"{exc.start})", param=format_param(loc) or None, code="invalid_value") from None
 
 
 def _reject_constant(name: str):
