@@ -296,25 +296,37 @@ def test_a_fault_on_every_row_fails_each_alone_and_the_engine_serves_on(monkeypa
     assert not broken
 
 
-@pytest.mark.parametrize("broken", [False, True])
-def test_seeded_sampled_rows_draw_the_same_tokens_after_a_recovered_fault(monkeypatch, broken):
-    """The RNGs are rolled back too: a seeded row's draws do not depend on the batch, so a
-    recovered fault leaves its sample unchanged (the draft model samples before the fault)."""
-    if broken:  # everything rolled back but the RNGs
-        restore = LLMEngine._restore
-
-        def keep_rngs(self, mark):
-            mark.rngs = []
-            restore(self, mark)
-        monkeypatch.setattr(LLMEngine, "_restore", keep_rngs)
+def test_seeded_sampled_rows_draw_the_same_tokens_after_a_recovered_fault(monkeypatch):
+    """A seeded row's noise is a function of its seed and output position, so a recovered
+    fault (the step rerun on fewer rows, the draft model sampling again) leaves its
+    tokens unchanged."""
     params = SamplingParams(temperature=1.0, max_tokens=12, ignore_eos=True, seed=7)
     want, _ = drive(engine("draft"), params=params)
     eng = engine("draft")
     poison_forward(monkeypatch, eng, lambda e: "long" in e.kv)
     got, checks = drive(eng, params=params)
     assert not checks and got["bad"].error == OWN_ERROR
-    same = {r: got[r].token_ids for r in INNOCENT} == {r: want[r].token_ids for r in INNOCENT}
-    assert same != broken
+    assert {r: got[r].token_ids for r in INNOCENT} == {r: want[r].token_ids for r in INNOCENT}
+
+
+@pytest.mark.parametrize("broken", [False, True])
+def test_a_failed_attempt_rolls_the_shared_generator_back(monkeypatch, broken):
+    """Unseeded sampled rows (and the draft model for them) draw from the shared generator;
+    a failed attempt returns it to its state at the mark. The check fails when the
+    rollback leaves the RNG out (`broken`)."""
+    restore, restored = LLMEngine._restore, []
+
+    def watched(self, mark):
+        saved = mark.rngs[0][1]
+        if broken:
+            mark.rngs = []
+        restore(self, mark)
+        restored.append(torch.equal(self._shared_generator.get_state(), saved))
+    monkeypatch.setattr(LLMEngine, "_restore", watched)
+    eng = engine("draft")
+    poison_forward(monkeypatch, eng, lambda e: "long" in e.kv)
+    drive(eng, params=SamplingParams(temperature=1.0, max_tokens=12, ignore_eos=True))
+    assert restored and all(restored) != broken
 
 
 def test_the_core_reports_each_failure_once_to_the_front_end(monkeypatch):

@@ -32,7 +32,7 @@ from scipy.stats import chisquare
 
 import verispec.spec.rejection as rejection
 from verispec.sampling import SamplingParams, SamplingTensors
-from verispec.spec.rejection import RejectionResult, rejection_sample
+from verispec.spec.rejection import RejectionResult, rejection_sample, seeded_verify
 
 VOCAB = 6
 NUM_ROWS = 20_000
@@ -429,27 +429,22 @@ def test_residual_of_p_equal_q_falls_back_to_p_without_nan(monkeypatch):
 
 
 def test_seeded_row_is_reproducible_regardless_of_batch_composition():
+    """`seeded_verify`: a row's tokens depend on its p, drafts, count and key (seed, output
+    position) only, never on the rows beside it or the padding width K."""
     gen = torch.Generator().manual_seed(9)
     p = torch.softmax(torch.randn(1, 5, 50, generator=gen), dim=-1)
-    q = torch.softmax(torch.randn(1, 4, 50, generator=gen), dim=-1)
-    drafts = torch.multinomial(q[0], 1, generator=gen).view(1, 4)
+    drafts = torch.multinomial(p[0, :4], 1, generator=gen).view(1, 4)
 
     def run(batch: int, row: int, k_max: int, count: int) -> list:
-        generator = torch.Generator().manual_seed(42)
         target = torch.softmax(torch.randn(batch, k_max + 1, 50), dim=-1)
-        draft_probs = torch.softmax(torch.randn(batch, k_max, 50), dim=-1)
         draft_tokens = torch.randint(50, (batch, k_max))
-        target[row, :count + 1], draft_probs[row, :count], draft_tokens[row, :count] = (
-            p[0, :count + 1], q[0, :count], drafts[0, :count])
+        target[row, :count + 1], draft_tokens[row, :count] = p[0, :count + 1], drafts[0, :count]
         counts = torch.randint(0, k_max + 1, (batch,))
         counts[row] = count
-        generators = [None] * batch
-        generators[row] = generator
-        outs = []
-        for _ in range(5):  # the generator's stream must advance the same way each call
-            r = rejection_sample(target, draft_tokens, draft_probs, counts, generators)
-            outs.append(r.output_tokens[row, :r.num_output[row]].tolist())
-        return outs
+        keys = [(int(s), 7) for s in torch.randint(1000, (batch,))]
+        keys[row] = (42, 3)
+        r = seeded_verify(target, draft_tokens, counts, keys)
+        return r.output_tokens[row, :r.num_output[row]].tolist()
 
     reference = run(1, 0, 3, 3)
     assert run(6, 2, 3, 3) == reference and run(9, 8, 7, 3) == reference

@@ -6,7 +6,7 @@ import torch
 from scipy.stats import chisquare
 
 from verispec.sampling import (SamplingParams, SamplingTensors, draw_uniform, logits_to_probs,
-                               make_generator, race, sample)
+                               noise_key, race, sample)
 
 TEMPERATURES = [0.0, 0.5, 1.0, 1.7]
 TOP_KS = [0, 1, 3, 10, 100]
@@ -152,7 +152,7 @@ def test_race_samples_the_distribution_and_a_wrong_noise_transform_is_caught():
     gen = torch.Generator().manual_seed(3)
     assert _chi2_p(sample(batch, shared_generator=gen), probs) > 0.01
     # Injected bug: argmax(p / U) with U uniform (not exponential) is not the exact race.
-    uniform = draw_uniform(n, 8, None, "cpu", shared_generator=gen)
+    uniform = draw_uniform(n, 8, "cpu", shared_generator=gen)
     buggy = (batch / uniform.clamp_min(1e-30)).argmax(dim=-1)
     assert _chi2_p(buggy, probs) < 0.01
 
@@ -166,25 +166,28 @@ def test_race_is_never_nan_and_one_hot_rows_always_return_their_argmax():
 
 
 def test_seeded_request_is_reproducible_regardless_of_batch_composition():
+    """A keyed row draws race(p, u(seed, position)): neither its neighbours (seeded or not),
+    nor the shared stream's state, nor the order of calls changes its token."""
     gen = torch.Generator().manual_seed(4)
     probs = torch.softmax(torch.randn(6, 100, generator=gen), dim=-1)
-    seeded = SamplingParams(seed=1234)
 
     def run(batch_size: int, row: int) -> list[int]:
-        generators = [None] * batch_size
-        generators[row] = make_generator(seeded, "cpu")
-        # Extra seeded neighbours must not disturb our row either.
-        generators[(row + 1) % batch_size] = make_generator(SamplingParams(seed=99), "cpu")
+        shared = torch.Generator().manual_seed(batch_size)
         out = []
         for step in range(6):
+            keys = [None] * batch_size
+            keys[row] = noise_key(SamplingParams(seed=1234), step)
+            keys[(row + 1) % batch_size] = noise_key(SamplingParams(seed=99), step)  # a seeded neighbour
             batch = probs[torch.arange(batch_size) % 6]
             batch[row] = probs[step]
-            out.append(int(sample(batch, generators)[row]))
+            out.append(int(sample(batch, keys, shared_generator=shared)[row]))
         return out
 
     reference = run(3, 0)
     assert run(7, 4) == reference and run(2, 1) == reference
-    assert make_generator(SamplingParams(), "cpu") is None
+    assert noise_key(SamplingParams(), 3) is None and noise_key(SamplingParams(temperature=0, seed=1), 3) is None
+    other_seed = [int(sample(probs[s: s + 1], [(4321, s)])) for s in range(6)]
+    assert other_seed != reference  # the seed matters
 
 
 def test_reference_comparison_catches_top_p_applied_before_top_k(monkeypatch):

@@ -45,12 +45,11 @@ class Request:
     error: str | None = None
     num_preemptions: int = 0
     stats: SpecStats = field(default_factory=SpecStats)
-    # Text emitted so far (stop strings applied) and the engine's per-request objects
-    # (detokenizer, generator) live here so preemption and recompute keep them.
+    # Text emitted so far (stop strings applied) and the engine's per-request detokenizer
+    # live here so preemption and recompute keep them.
     text: str = ""
     held_text: str = ""              # decoded but not yet emitted: may start a stop string
     detokenizer: object = None
-    generator: object = None
 
     def __post_init__(self) -> None:
         self._all_ids = self.prompt_ids + self.output_ids

@@ -205,46 +205,67 @@ def _top_k_top_p_removed(scaled: torch.Tensor, top_k: torch.Tensor,
 
 
 # --------------------------------------------------------------------------------------
-# Seeded, sync-free sampling
+# Sampling noise: seeded rows by position, the rest from a shared stream; sync-free
 # --------------------------------------------------------------------------------------
-def make_generator(params: SamplingParams, device) -> torch.Generator | None:
-    """A torch.Generator seeded from params.seed, or None (use the shared stream)."""
+_MASK64 = (1 << 64) - 1
+
+
+def _mix64(z: int) -> int:
+    """splitmix64's finaliser: a bijection of 64-bit integers that scatters every input bit."""
+    z &= _MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return z ^ (z >> 31)
+
+
+def noise_seed(seed: int, position: int) -> int:
+    """The seed of the noise at output position `position` of a request seeded `seed`.
+
+    torch's CPU generator (mt19937) keeps only the low 32 bits of a seed, so the 64-bit
+    hash of (seed, position) is folded to 32 bits: two distinct keys share a noise vector
+    with probability 2^-32.
+    """
+    z = _mix64(_mix64(seed) ^ _mix64(position + 0x9E3779B97F4A7C15))
+    return (z ^ (z >> 32)) & 0xFFFFFFFF
+
+
+def seeded_uniform(keys: Sequence[tuple[int, int]], width: int, device) -> torch.Tensor:
+    """Uniforms u(seed, j, v) in [0, 1) for each key (seed, j): (len(keys), width) float32.
+
+    A pure function of (seed, j, v): a generator seeded with `noise_seed(seed, j)` draws
+    the row on the CPU (the first `width` values of one stream, so any width agrees on
+    its common prefix), whatever else is in the batch, whatever drew before.
+    """
     import torch
 
-    if params.seed is None:
-        return None
-    generator = torch.Generator(device=device)
-    generator.manual_seed(params.seed)
-    return generator
+    generator = torch.Generator()
+    rows = [torch.rand(width, generator=generator.manual_seed(noise_seed(s, j))) for s, j in keys]
+    return torch.stack(rows).to(device) if rows else torch.empty(0, width, device=device)
 
 
 def draw_uniform(
     num_rows: int,
     width: int,
-    generators: Sequence[torch.Generator | None] | None,
     device,
     *,
-    seeded_widths: Sequence[int] | None = None,
+    keys: Sequence[tuple[int, int] | None] | None = None,
     shared_generator: torch.Generator | None = None,
 ) -> torch.Tensor:  # (num_rows, width) float32 in [0, 1)
-    """Uniform noise, one row per request; a seeded row's values come from its own generator.
-
-    A row with a generator draws exactly seeded_widths[i] (default width) values from it,
-    into the start of its row, so what a seeded request sees depends only on its own
-    history, never on the batch around it. All other values (unseeded rows, the unused
-    tail of seeded rows) come from `shared_generator` (None = torch's default) in one call.
-    """
+    """Uniform noise, one row per request: row i is `seeded_uniform(keys[i])` where keys[i]
+    = (seed, output position) is given, else drawn from `shared_generator` (None = torch's
+    default), all such rows in one call."""
     import torch
 
-    noise = torch.rand(num_rows, width, device=device, generator=shared_generator)
-    if generators is None:
-        return noise
-    if len(generators) != num_rows:
-        raise ValueError(f"generators must have one entry per row ({num_rows}), got {len(generators)}")
-    for row, generator in enumerate(generators):
-        if generator is not None:
-            n = width if seeded_widths is None else seeded_widths[row]
-            noise[row, :n] = torch.rand(n, device=device, generator=generator)
+    if keys is None or all(k is None for k in keys):
+        return torch.rand(num_rows, width, device=device, generator=shared_generator)
+    if len(keys) != num_rows:
+        raise ValueError(f"keys must have one entry per row ({num_rows}), got {len(keys)}")
+    seeded = [i for i, k in enumerate(keys) if k is not None]
+    shared = [i for i, k in enumerate(keys) if k is None]
+    noise = torch.empty(num_rows, width, device=device)
+    noise[seeded] = seeded_uniform([keys[i] for i in seeded], width, device)
+    if shared:
+        noise[shared] = torch.rand(len(shared), width, device=device, generator=shared_generator)
     return noise
 
 
@@ -254,7 +275,8 @@ def race(probs: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
     probs (N, V) need not be normalised (the race is scale-invariant); uniform (N, V) in
     [0, 1). E = -log(u) with u floored at the smallest normal float, so E is finite and
     > 0: a token with p > 0 always beats every token with p = 0 (a one-hot row returns
-    its argmax, always), and 0 / E never makes a NaN. Returns (N,) int64, no host sync.
+    its argmax, always), and 0 / E never makes a NaN. It is the Gumbel-max rule
+    argmax log p(x) + G(x), G = -log E. Returns (N,) int64, no host sync.
     """
     import torch
 
@@ -264,11 +286,20 @@ def race(probs: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
 
 def sample(
     probs: torch.Tensor,  # (N, V)
-    generators: Sequence[torch.Generator | None] | None = None,  # per row, None = shared
+    keys: Sequence[tuple[int, int] | None] | None = None,  # per row (seed, position), None = shared
     *,
     shared_generator: torch.Generator | None = None,
 ) -> torch.Tensor:        # (N,) int64
-    """Draw one token per row from probs; a row with a generator is reproducible on its own."""
-    uniform = draw_uniform(probs.shape[0], probs.shape[1], generators, probs.device,
+    """Draw one token per row from probs by the race. A row keyed (seed, j) draws
+    race(p, u(seed, j)): a pure function of its probabilities, seed and output position."""
+    uniform = draw_uniform(probs.shape[0], probs.shape[1], probs.device, keys=keys,
                            shared_generator=shared_generator)
     return race(probs, uniform)
+
+
+def noise_key(params: SamplingParams, position: int) -> tuple[int, int] | None:
+    """The noise key of a row sampling output position `position`: (seed, position) for a
+    seeded sampled row, None (the shared stream) for unseeded and greedy rows."""
+    if params.seed is None or params.greedy:
+        return None
+    return (params.seed, position)

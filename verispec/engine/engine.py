@@ -19,8 +19,9 @@ A row whose commit raises fails alone. If the batch-wide part raises, every sche
 is rolled back to the start of the step (provisional KV, num_computed, draft_computed,
 proposers' state, RNG states) and the step is rerun on halves of its rows, recursively:
 a subset that succeeds advances once, exactly as an undisturbed step would have advanced
-it (greedy rows token-identical; sampled rows remain exact samples, and a seeded row draws
-the same values, but unseeded rows draw other values from the shared generator); a row
+it (greedy and seeded rows token-identical: a seeded row's noise is a function of its seed
+and output positions only; unseeded rows remain exact samples, drawing other values from
+the shared generator); a row
 that still fails alone ends with finish_reason "abort", its KV freed, and an `error`
 naming only the exception's type. Failures are counted in `step_errors`, the latest's
 text kept in `last_step_error` (for the operator) and the traceback logged.
@@ -44,10 +45,10 @@ from verispec.model.llama import LlamaModel
 from verispec.model.tokenizer import IncrementalDetokenizer, Tokenizer
 from verispec.outputs import RequestOutput
 from verispec.request import Request, SpecOverride, Status  # noqa: F401 (SpecOverride: the engine's API)
-from verispec.sampling import SamplingParams, SamplingTensors, make_generator, sample
+from verispec.sampling import SamplingParams, SamplingTensors, noise_key, sample
 from verispec.spec.policy import RoundReport, RoundTimer, RowOffer, RowResult, SpeculationPolicy
 from verispec.spec.proposer import ProposerContext, build_proposers
-from verispec.spec.rejection import RejectionResult, greedy_accept, rejection_sample
+from verispec.spec.rejection import RejectionResult, greedy_accept, rejection_sample, seeded_verify
 
 log = logging.getLogger("verispec")
 
@@ -59,9 +60,9 @@ MAX_SPEC_TOKENS = 16
 
 class _Mark:
     """The state a failed step attempt returns its rows to: each scheduled row's
-    (num_computed, draft_computed), and the states of the RNGs its sampling may draw
-    from (the shared one, seeded sampled rows' own). Taken at every attempt: ~1 us for no
-    rows, ~1.6 us for 16, plus ~0.7 us per seeded sampled row (a generator's get_state)."""
+    (num_computed, draft_computed), and the state of the shared RNG that unseeded sampled
+    rows draw from (seeded rows' noise is a function of seed and position: no state).
+    Taken at every attempt: ~1 us for no rows, ~1.6 us for 16."""
 
     __slots__ = ("rows", "lengths", "rngs")
 
@@ -75,8 +76,6 @@ class _Mark:
         for r in rows:
             self.rows.append(r)
             self.lengths.append((r.num_computed, r.draft_computed))
-            if r.generator is not None and not r.params.greedy:  # greedy: draws never decide
-                self.rngs.append((r.generator, r.generator.get_state()))
 
 
 class _Fault(NamedTuple):
@@ -194,7 +193,6 @@ class LLMEngine:
         req = Request(request_id, list(prompt_token_ids), params, method, k, adaptive, self._arrivals)
         self._arrivals += 1
         req.detokenizer = IncrementalDetokenizer(self.tokenizer, req.prompt_ids)
-        req.generator = make_generator(params, self.target.device)  # None: the shared stream
         self.requests[request_id] = req
         self.scheduler.add(req)
 
@@ -447,7 +445,8 @@ class LLMEngine:
         reqs = [chunks[i].request for i in done]
         last = torch.cat([logits[i][-1:] for i in done])
         probs = SamplingTensors.from_params([r.params for r in reqs], last.device).to_probs(last)
-        tokens = sample(probs, [r.generator for r in reqs], shared_generator=self._shared_generator).tolist()
+        keys = [noise_key(r.params, output_position(r)) for r in reqs]
+        tokens = sample(probs, keys, shared_generator=self._shared_generator).tolist()
         for i, t in zip(done, tokens):
             first[i] = t
         return first
@@ -465,20 +464,36 @@ class LLMEngine:
             starts = itertools.accumulate([0] + counts)
             accepted, emitted = greedy_accept([argmax[s: s + c] for s, c in zip(starts, counts)], proposed)
             return counts, accepted, emitted
-        k_max = max(counts) - 1
+        st = SamplingTensors.from_params([r.params for r in rows], flat.device).expand(counts)
+        target_probs = _pad_rows(st.to_probs(flat), counts)  # (B, K+1, V)
+        keys = [noise_key(r.params, output_position(r)) for r in rows]
+        seeded = [i for i, key in enumerate(keys) if key is not None]
+        other = [i for i, key in enumerate(keys) if key is None]
+        parts = []  # (row indices, their verdicts); seeded and unseeded rows may share a batch
+
+        def probs_of(index):
+            return target_probs if len(index) == len(rows) else target_probs[index]
+        if seeded:
+            parts.append((seeded, seeded_verify(probs_of(seeded), [proposed[i] for i in seeded],
+                                                [counts[i] - 1 for i in seeded], [keys[i] for i in seeded])))
+        if other:
+            parts.append((other, self._rejection_sample([rows[i] for i in other], probs_of(other),
+                                                        [proposed[i] for i in other], drafts)))
+        accepted, emitted = [0] * len(rows), [[] for _ in rows]
+        for index, result in parts:
+            tokens, lengths, num = (result.output_tokens.tolist(), result.accepted_len.tolist(),
+                                    result.num_output.tolist())
+            for i, t, a, n in zip(index, tokens, lengths, num):
+                accepted[i], emitted[i] = a, t[:n]
+        return counts, accepted, emitted
+
+    def _rejection_sample(self, rows: list[Request], target_probs: torch.Tensor,
+                          proposed: list[list[int]], drafts) -> RejectionResult:
+        """Unseeded sampled (and greedy) rows: exact rejection sampling against each row's q
+        (one-hot at the draft for probability-free proposers)."""
+        k_max, vocab = target_probs.shape[1] - 1, target_probs.shape[2]
         draft_tokens = torch.tensor([t + [0] * (k_max - len(t)) for t in proposed],
                                     dtype=torch.long).view(len(rows), k_max)  # (B, K)
-        result = self._rejection_sample(rows, flat, counts, draft_tokens, drafts)
-        num_output = result.num_output.tolist()
-        emitted = [e[:n] for e, n in zip(result.output_tokens.tolist(), num_output)]
-        return counts, result.accepted_len.tolist(), emitted
-
-    def _rejection_sample(self, rows: list[Request], flat_logits: torch.Tensor, counts: list[int],
-                          draft_tokens: torch.Tensor, drafts) -> RejectionResult:
-        """The general path: every row's distribution from its settings, then the sampler."""
-        st = SamplingTensors.from_params([r.params for r in rows], flat_logits.device).expand(counts)
-        target_probs = _pad_rows(st.to_probs(flat_logits), counts)  # (B, K+1, V)
-        k_max, vocab = draft_tokens.shape[1], flat_logits.shape[-1]
         has_q = any(drafts.get(r.request_id, (None, None))[1] is not None for r in rows)
         draft_probs = torch.zeros(len(rows), k_max, vocab) if has_q else None  # (B, K, V)
         if has_q:
@@ -488,8 +503,8 @@ class LLMEngine:
                     draft_probs[i, : len(toks)] = q
                 elif toks:  # mixed batch: one-hot q for probability-free rows
                     draft_probs[i, torch.arange(len(toks)), torch.tensor(toks)] = 1.0
-        return rejection_sample(target_probs, draft_tokens, draft_probs, [c - 1 for c in counts],
-                                [r.generator for r in rows], shared_generator=self._shared_generator)
+        return rejection_sample(target_probs, draft_tokens, draft_probs, [len(t) for t in proposed],
+                                shared_generator=self._shared_generator)
 
     # ------------------------------------------------------------------ commit, row by row
     def _commit(self, batch: ScheduledBatch, v: "_Verdicts") -> list[RequestOutput]:
@@ -648,6 +663,12 @@ def load_model(spec: str, config: EngineConfig, draft: bool = False):
             if not stale.stem.endswith(f"-{_RUNTIME_LAYOUT}"):
                 stale.unlink(missing_ok=True)
     return model, mcfg, tokenizer
+
+
+def output_position(req: Request) -> int:
+    """The output index of the token a row samples next (its first sampled token is 0);
+    a verify row's position i is this + i. Unchanged by preemption and recompute."""
+    return len(req.output_ids)
 
 
 def _pad_rows(flat: torch.Tensor, counts: list[int]) -> torch.Tensor:

@@ -22,7 +22,7 @@ import torch
 from verispec.engine.runner import ModelRunner, RowInput
 from verispec.model import kernels
 from verispec.request import Request
-from verispec.sampling import SamplingTensors, sample
+from verispec.sampling import SamplingTensors, noise_key, sample
 from verispec.spec.proposer import Offer
 
 
@@ -82,7 +82,9 @@ class DraftModelProposer:
     def draft(self, reqs: list[Request], ks: list[int]) -> list[tuple[list[int], torch.Tensor | None]]:
         """Draft ks[i] tokens for reqs[i]; returns (tokens, q (k_i, V)) per request.
 
-        When every request is greedy, q is one-hot at each drafted token (temperature 0), so
+        A seeded row drafts d = race(q, u(seed, j)) at output position j, with the very noise
+        the verifier races p with there (`seeded_verify`): when q is close to p, d is
+        likely the target's own choice. When every request is greedy, q is one-hot at each drafted token (temperature 0), so
         the tokens are argmaxes and q is returned as None, which the verifier reads as that
         one-hot: the same proposals and the same verdicts without V-wide softmax and sampling.
         """
@@ -112,8 +114,8 @@ class DraftModelProposer:
             else:
                 st = SamplingTensors.from_params([reqs[i].params for i in active], logits.device)
                 probs = self.to_probs(st, logits)           # (B, V)
-                drawn = sample(probs, [reqs[i].generator for i in active],
-                               shared_generator=self.shared_generator).tolist()
+                keys = [noise_key(reqs[i].params, len(reqs[i].output_ids) + len(tokens_out[i])) for i in active]
+                drawn = sample(probs, keys, shared_generator=self.shared_generator).tolist()
                 for j, i in enumerate(active):
                     probs_out[i].append(probs[j])
             for j, i in enumerate(active):

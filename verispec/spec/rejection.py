@@ -26,6 +26,10 @@ Layout (the ASCII table for one row with K = 4, num_draft_tokens = 3, accepted_l
 
 With accepted_len = num_draft_tokens = 3 instead, output would be d0 d1 d2 b3 -1, with
 the bonus b3 ~ p3.
+
+Seeded rows are verified by `seeded_verify` instead: the target's own race choice at each
+position, with noise keyed by (seed, output position), must equal the draft; so their
+output is seeded plain decoding's, token for token (docs/correctness.md, "Seeded requests").
 """
 from __future__ import annotations
 
@@ -34,7 +38,7 @@ from typing import NamedTuple
 
 import torch
 
-from verispec.sampling import draw_uniform, race
+from verispec.sampling import draw_uniform, race, seeded_uniform
 
 # A residual of total mass below this is treated as empty (see `_final_distribution`).
 # Far below any probability that matters, far above float32 underflow once the race
@@ -56,7 +60,6 @@ def rejection_sample(
     draft_tokens: torch.Tensor,                # (B, K) int64 proposals; past a row's count: ignored
     draft_probs: torch.Tensor | None,          # (B, K, V) float32 draft q, or None = one-hot at d
     num_draft_tokens: torch.Tensor | Sequence[int],  # (B,) int64 in [0, K]; may live on the host
-    generators: Sequence[torch.Generator | None] | None = None,  # (B,) per-request, None = shared
     *,
     shared_generator: torch.Generator | None = None,
 ) -> RejectionResult:
@@ -66,22 +69,17 @@ def rejection_sample(
     decoding: one token from target_probs[b, 0]). Both p and q must come from the same
     `logits_to_probs` with the request's settings. Temperature 0 needs no special case:
     p is one-hot, so d is accepted iff it is the argmax and the recovered token is the
-    argmax, exactly greedy decoding. Noise: one draw per seeded row (V + its count
-    uniforms, from its own generator); all unseeded rows share one draw.
+    argmax, exactly greedy decoding. Noise: one draw of V + K uniforms per row from
+    `shared_generator` (seeded rows take `seeded_verify` instead).
     """
-    counts_host = _check_inputs(target_probs, draft_tokens, draft_probs, num_draft_tokens)
+    _check_inputs(target_probs, draft_tokens, draft_probs, num_draft_tokens)
     batch, num_positions, vocab = target_probs.shape
     k_max = num_positions - 1
     device = target_probs.device
     num_draft = torch.as_tensor(num_draft_tokens, dtype=torch.int64).to(device, non_blocking=True)
 
     # Columns [0, V) drive the race for the final token, [V, V + K) the accept tests.
-    seeded = generators is not None and any(g is not None for g in generators)
-    if seeded and counts_host is None:
-        counts_host = num_draft.tolist()  # a seeded row must draw exactly V + its count
-    noise = draw_uniform(batch, vocab + k_max, generators, device,
-                         seeded_widths=None if counts_host is None else [vocab + n for n in counts_host],
-                         shared_generator=shared_generator)                       # (B, V + K)
+    noise = draw_uniform(batch, vocab + k_max, device, shared_generator=shared_generator)  # (B, V + K)
     valid = torch.arange(k_max, device=device)[None, :] < num_draft[:, None]      # (B, K)
     draft_tokens = torch.where(valid, draft_tokens, 0)  # padding may be -1: keep gathers legal
 
@@ -91,6 +89,41 @@ def rejection_sample(
                                       accepted_len, num_draft)                    # (B, V)
     final_token = race(final_probs, noise[:, :vocab])                             # (B,)
     return _assemble(draft_tokens, accepted_len, final_token)
+
+
+def seeded_verify(
+    target_probs: torch.Tensor,                # (B, K + 1, V) float32 target p at each position
+    draft_tokens: torch.Tensor | Sequence[Sequence[int]],  # (B, K) or per-row lists; past a count: ignored
+    num_draft_tokens: torch.Tensor | Sequence[int],  # (B,) in [0, K]
+    keys: Sequence[tuple[int, int]],           # (B,) (seed, output position of position 0)
+) -> RejectionResult:
+    """Verification for seeded rows by the race: the result is seeded plain decoding's.
+
+    Row b's choice at position i is c_i = race(p_i, u(seed, j + i)) with (seed, j) =
+    keys[b]: the token seeded plain decoding emits at output position j + i given the
+    same prefix. Draft d_i is accepted iff d_i == c_i; at the first mismatch c_i is
+    emitted, after all n drafts the bonus c_n. Every emitted token is therefore the one
+    plain decoding would emit, whatever the drafts, k or the batch. Over seeds each c_i
+    is an exact sample of p_i, so a draft is accepted with probability p_i(d_i) (a one-hot
+    q's rejection-sampling rate). Noise is drawn only for the positions decided
+    (accepted + 1 per row): about one V-wide generator draw each.
+    """
+    batch = target_probs.shape[0]
+    vocab = target_probs.shape[-1]
+    counts = num_draft_tokens.tolist() if isinstance(num_draft_tokens, torch.Tensor) else list(num_draft_tokens)
+    rows = draft_tokens.tolist() if isinstance(draft_tokens, torch.Tensor) else draft_tokens
+    accepted, emitted = [], []
+    for b in range(batch):
+        seed, start = keys[b]
+        drafts, choices = rows[b][: counts[b]], []
+        for i in range(len(drafts) + 1):
+            u = seeded_uniform([(seed, start + i)], vocab, target_probs.device)  # (1, V)
+            choices.append(int(race(target_probs[b, i: i + 1], u)))
+            if i == len(drafts) or choices[i] != drafts[i]:
+                break
+        accepted.append(len(choices) - 1)
+        emitted.append(choices)
+    return _host_result(accepted, emitted, target_probs.shape[1] - 1, target_probs.device)
 
 
 def greedy_verify(
@@ -114,10 +147,14 @@ def greedy_verify(
     counts = num_draft_tokens.tolist() if isinstance(num_draft_tokens, torch.Tensor) else list(num_draft_tokens)
     drafts = [d[:n] for d, n in zip(draft_tokens.tolist(), counts)]
     accepted, emitted = greedy_accept(target_argmax.tolist(), drafts)
+    return _host_result(accepted, emitted, k_max, draft_tokens.device)
+
+
+def _host_result(accepted: list[int], emitted: list[list[int]], k_max: int, device) -> RejectionResult:
+    """A RejectionResult from host lists: accepted drafts per row and the tokens it emits."""
     output = [e + [-1] * (k_max + 1 - len(e)) for e in emitted]
-    device = draft_tokens.device
     accepted_len = torch.tensor(accepted, dtype=torch.int64, device=device)
-    return RejectionResult(torch.tensor(output, dtype=torch.int64, device=device).view(batch, k_max + 1),
+    return RejectionResult(torch.tensor(output, dtype=torch.int64, device=device).view(len(emitted), k_max + 1),
                            accepted_len + 1, accepted_len)
 
 
