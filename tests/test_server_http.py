@@ -525,3 +525,27 @@ def test_continuous_usage_stats_count_every_chunk(server):
     assert counted[0] == 0 and counted == sorted(counted)  # the role chunk, then growing
     assert counted[-1] == chunks[-1].usage.completion_tokens == 12
     assert all(c.usage.prompt_tokens == chunks[-1].usage.prompt_tokens for c in chunks)
+
+
+def test_a_seeded_request_returns_the_same_text_whatever_else_is_in_flight(server):
+    """Seeded sampling is keyed by (seed, output position): the same seeded request at
+    T = 0.8 gives one text alone, beside other requests, and without speculation."""
+    async def scenario():
+        c = aclient(server)
+        req = dict(model=BACKEND.model, prompt="Rewrite politely: send me the report now.",
+                   max_tokens=24, temperature=0.8, top_p=0.95, seed=77)
+
+        async def once(**extra) -> str:
+            return (await c.completions.create(**req, **extra)).choices[0].text
+        alone = await once()
+        others = [c.completions.create(model=BACKEND.model, prompt=p, max_tokens=24, temperature=0.8)
+                  for p in PROMPTS[:4]]
+        busy, *_ = await asyncio.gather(once(), *others)
+        plain = await once(extra_body={"speculative": {"method": "none"}})
+        other_seed = await c.completions.create(**{**req, "seed": 78})
+        await c.close()
+        return alone, busy, plain, other_seed.choices[0].text
+    alone, busy, plain, other_seed = asyncio.run(scenario())
+    assert alone and alone == busy == plain
+    if BACKEND.name == "real":  # the fake engine's seeded draws are its own
+        assert other_seed != alone
