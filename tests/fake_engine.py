@@ -61,8 +61,8 @@ class ByteTokenizer:
         text = "".join(f"<|{m['role']}|>{m['content']}\n" for m in messages)
         return text + ("<|assistant|>" if add_generation_prompt else "")
 
-    def encode_chat(self, messages: list[dict]) -> list[int]:
-        return [BOS] + self.encode(self.apply_chat_template(messages))
+    def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
+        return [BOS] + self.encode(self.apply_chat_template(messages, add_generation_prompt))
 
 
 class CostlyByteTokenizer(ByteTokenizer):
@@ -101,6 +101,7 @@ class _Request:
     fail_step: bool = False
     fail_request: bool = False
     hang: bool = False
+    cached: int = 0          # prompt tokens found in the prefix cache when admitted
 
 
 class FakeEngine:
@@ -209,7 +210,7 @@ class FakeEngine:
         while self.waiting and len(self.running) < self.max_num_seqs:
             req = self.waiting.pop(0)
             self.running.append(req)
-            self._count_prefix(req.prompt)
+            req.cached = self._count_prefix(req.prompt)
             outputs.append(self._emit(req, [self._next(req)], k=None))
         return outputs
 
@@ -274,7 +275,7 @@ class FakeEngine:
 
     def _output(self, req, new_ids, new_text, finished, reason, error=None) -> RequestOutput:
         return RequestOutput(req.request_id, req.prompt, list(req.output), list(new_ids), req.text,
-                             new_text, finished, reason, req.stats, error)
+                             new_text, finished, reason, req.stats, error, num_cached_tokens=req.cached)
 
     # ------------------------------------------------------------------ blocks
     def _grow(self, req: _Request) -> None:
@@ -290,12 +291,16 @@ class FakeEngine:
         bs = self.block_size
         return [repr(prompt[: i + bs]).encode() for i in range(0, len(prompt) - bs + 1, bs)]
 
-    def _count_prefix(self, prompt: list[int]) -> None:
+    def _count_prefix(self, prompt: list[int]) -> int:
+        """Count the lookup; returns the prompt tokens found (whole cached blocks)."""
         self.prefix_query_tokens += len(prompt)
+        hit = 0
         for key in self._block_keys(prompt):
             if key not in self.cached_prefixes:
                 break
-            self.prefix_hit_tokens += self.block_size
+            hit += self.block_size
+        self.prefix_hit_tokens += hit
+        return hit
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -156,3 +156,74 @@ def test_models_list_shows_the_default_model_as_available():
     assert res.returncode == 0, res.stderr
     line = next(line for line in res.stdout.splitlines() if line.startswith(MODEL))
     assert "available" in line.split()
+
+
+# --- vLLM's spellings: positional model, --speculative-config, --chat-template -----------------
+
+@pytest.fixture
+def parsed(monkeypatch):
+    """main(ARGV) up to the command: returns the EngineConfig `generate`/`serve` would load
+    (in process, nothing loaded or started)."""
+    from verispec import cli
+    from verispec.config import config_from_args
+    seen = {}
+
+    def capture(args):
+        seen["config"] = config_from_args(args)
+        return 0
+    monkeypatch.setattr(cli, "cmd_generate", capture)
+    monkeypatch.setattr(cli, "cmd_serve", capture)
+
+    def run(*argv):
+        assert cli.main(list(argv)) == 0
+        return seen.pop("config")
+    return run
+
+
+def test_the_model_may_be_positional_as_in_vllm_serve(parsed):
+    assert parsed("serve", "some-model").model == "some-model"
+    assert parsed("serve", "some-model", "--model", "some-model").model == "some-model"
+    assert parsed("serve", "--model", "other").model == "other"
+    assert parsed("generate", "some-model", "--prompt", "x").model == "some-model"
+    assert parsed("generate", "--prompt", "x").model == MODEL
+
+
+def test_speculative_config_json_and_vllm_scheduler_flags_reach_the_config(parsed, tmp_path):
+    cfg = parsed("serve", "--speculative-config",
+                 '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 5, "prompt_lookup_min": 2}',
+                 "--max-num-batched-tokens", "1024", "--max-num-seqs", "8")
+    assert (cfg.spec.method, cfg.spec.num_spec_tokens, cfg.spec.ngram_max, cfg.spec.ngram_min) == ("ngram", 3, 5, 2)
+    assert (cfg.scheduler.max_num_batched_tokens, cfg.scheduler.max_num_seqs) == (1024, 8)
+    cfg = parsed("generate", "--prompt", "x", "--speculative-config", '{"model": "d", "num_speculative_tokens": 5}')
+    assert (cfg.spec.method, cfg.draft_model, cfg.spec.num_spec_tokens) == ("draft", "d", 5)
+    template = tmp_path / "t.jinja"
+    template.write_text("{{ messages[0]['content'] }}")
+    assert parsed("serve", "--chat-template", str(template)).chat_template == "{{ messages[0]['content'] }}"
+    assert parsed("serve", "--chat-template", "{{ 'x' }}").to_dict()["chat_template"] == "{{ 'x' }}"
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["serve", "a", "--model", "b"], ["given twice", "'a'", "'b'"]),
+    (["serve", "--speculative-config", '{"method": "eagle"}'], ["'eagle'", "allowed methods"]),
+    (["serve", "--speculative-config", '{"method": "ngram", "k": 3}'], ["['k']", "num_speculative_tokens"]),
+    (["serve", "--speculative-config", "{nope"], ["not valid JSON"]),
+    (["serve", "--speculative-config", "{}", "--num-spec-tokens", "3"], ["--num-spec-tokens"]),
+    (["generate", "--prompt", "x", "--speculative-config", "{}", "--spec", "none"], ["--spec"]),
+    (["generate", "--prompt", "x", "--chat-template", "missing.jinja"], ["missing.jinja", "no such file"]),
+])
+def test_bad_vllm_style_flags_are_one_line_errors(argv, words, capsys):
+    from verispec import cli
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and err.startswith("verispec: error: "), err
+    for w in words:
+        assert w in err, (w, err)
+
+
+def test_chat_template_reaches_the_engines_tokenizer():
+    """The default template adds a system prompt; a bare one renders just the message."""
+    res = verispec("generate", MODEL, "--prompt", "Hello", "--chat", "--max-tokens", "1", "--json",
+                   "--kv-tokens", "2048", "--chat-template", "{{ messages[0]['content'] }}")
+    assert res.returncode == 0, res.stderr
+    out = json.loads(res.stdout)
+    assert out["prompt_tokens"] <= 2 and out["config"]["chat_template"] == "{{ messages[0]['content'] }}"

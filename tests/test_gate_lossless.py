@@ -25,7 +25,7 @@ must leave the run error-free, its integrity check and its acceptance check pass
 fail the named statistical checks of the cells where the bug first acts: the statistics,
 not a crash or the acceptance range, are what catch it.
 """
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import pytest
 import torch
@@ -77,8 +77,9 @@ def exact_joint(model, params: SamplingParams, depth: int) -> torch.Tensor:
     """P(x_1..x_depth) under the target with `params`: a tensor of shape (V,) * depth."""
     joint = torch.ones(())
     prefixes = torch.tensor([PROMPT])
-    for _ in range(depth):
-        st = SamplingTensors.from_params([params] * prefixes.shape[0], "cpu")
+    for _ in range(depth):  # histories: logits processors count each prefix's own tokens
+        histories = [(PROMPT, row[len(PROMPT):]) for row in prefixes.tolist()]
+        st = SamplingTensors.from_params([params] * prefixes.shape[0], "cpu", histories)
         probs = st.to_probs(last_logits(model, prefixes))  # (V^j, V)
         joint = joint.unsqueeze(-1) * probs.reshape(*joint.shape, VOCAB)
         prefixes = torch.cat([prefixes.repeat_interleave(VOCAB, 0),
@@ -96,8 +97,7 @@ def sample_engine(pair, method: str, k: int, params: SamplingParams, max_tokens:
     engine = tiny_engine(target, draft if method == "draft" else None, method=method, k=k,
                          max_num_seqs=2048, max_batched_tokens=32768,
                          num_kv_tokens=(len(PROMPT) + 16) * 2048 * 2, block_size=4, seed=seed)
-    sp = SamplingParams(temperature=params.temperature, top_k=params.top_k, top_p=params.top_p,
-                        max_tokens=max_tokens, ignore_eos=True)
+    sp = replace(params, max_tokens=max_tokens, ignore_eos=True)
     # One request first puts the prompt's KV in the prefix cache; every sample then
     # shares it (and the gate covers prefix-cache reuse too).
     outs = run_all(engine, [PROMPT], sp, check=False)
@@ -207,6 +207,45 @@ def test_speculative_samples_match_the_exact_target_distribution(pair, exact, me
     params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p)
     verdict = run_gate(pair, exact(temperature, top_k, top_p), method, k, params)
     assert verdict.failed == [], verdict.measured
+
+
+# Logits processors: the penalties count the output so far, drafts before a position
+# included, in the target's p and in the draft's q; logit_bias and repetition_penalty
+# (which also counts the prompt) reshape every position.
+PENALTIES = dict(presence_penalty=0.4, frequency_penalty=0.7, repetition_penalty=1.3,
+                 logit_bias={2: 1.5, 9: -2.0})
+PENALTY_SETTINGS = [("draft", 3, 1.0), ("ngram", 2, 0.9)]  # (method, k, temperature)
+
+
+@pytest.fixture(scope="module")
+def exact_penalised(pair):
+    cache = {}
+
+    def get(params):
+        if params not in cache:
+            cache[params] = exact_joint(pair[0], params, max(CHECKED) + 1)
+        return cache[params]
+    return get
+
+
+@pytest.mark.parametrize("method,k,temperature", PENALTY_SETTINGS)
+def test_speculative_samples_with_penalties_match_the_exact_target_distribution(
+        pair, exact_penalised, method, k, temperature):
+    params = SamplingParams(temperature=temperature, **PENALTIES)
+    verdict = run_gate(pair, exact_penalised(params), method, k, params)
+    assert verdict.failed == [], verdict.measured
+
+
+def test_a_target_penalty_with_stale_counts_is_caught(pair, exact_penalised, monkeypatch):
+    """Bug: each verify position counts only the committed output, not the drafts before
+    it. x2 is the first draft's position (no draft before it: exact); x3 is not."""
+    import verispec.sampling as sampling_mod
+    monkeypatch.setattr(sampling_mod, "_at_position", lambda h, drafts, j: h)
+    params = SamplingParams(temperature=1.0, **PENALTIES)
+    verdict = run_gate(pair, exact_penalised(params), "draft", 3, params, num_samples=BUG_SAMPLES)
+    assert verdict.passed["acceptance"], verdict.measured
+    missed = [name for name in ("x3 TV", "x3 chi2") if verdict.passed[name]]
+    assert not missed, ("stale penalty counts went unnoticed by", missed, verdict.measured)
 
 
 # Each bug runs where it can act, and names the cells where it must show first: the

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import itertools
 
 import httpx
@@ -92,7 +93,8 @@ def _plain_alone(method: str, prompt: list[int], params: SamplingParams) -> list
     return _REFERENCE[key]
 
 
-def _batch(size: int, temperature: float, salt: int) -> tuple[list[list[int]], list[SamplingParams]]:
+def _batch(size: int, temperature: float, salt: int,
+           extra: dict | None = None) -> tuple[list[list[int]], list[SamplingParams]]:
     """`size` requests: seeded ones (filters cycling through top-k, top-p, min-p), and
     beside them, from the third on, an unseeded one and a greedy one."""
     filters = [{}, {"top_k": 6}, {"top_p": 0.8}, {"min_p": 0.1}, {"top_k": 10, "top_p": 0.9}]
@@ -102,14 +104,15 @@ def _batch(size: int, temperature: float, salt: int) -> tuple[list[list[int]], l
         seed = None if i % 3 == 2 else 1000 * salt + i
         t = 0.0 if i % 6 == 5 else temperature
         params.append(SamplingParams(temperature=t, max_tokens=18, ignore_eos=True, seed=seed,
-                                     **filters[i % len(filters)]))
+                                     **filters[i % len(filters)], **(extra or {})))
     return prompts, params
 
 
 def seeded_checks(method: str, k: int, size: int, temperature: float, salt: int = 0,
-                  **engine_options) -> dict[str, bool]:
-    """The named checks of one speculative run of a batch against the references."""
-    prompts, params = _batch(size, temperature, salt)
+                  extra: dict | None = None, **engine_options) -> dict[str, bool]:
+    """The named checks of one speculative run of a batch against the references; `extra`:
+    SamplingParams fields every request adds (logits processors)."""
+    prompts, params = _batch(size, temperature, salt, extra)
     draft = PAIR[1] if method == "draft" else None
     engine = tiny_engine(PAIR[0], draft, method=method, k=k, **engine_options)
     outs = run_all(engine, prompts, params)
@@ -125,8 +128,7 @@ def seeded_checks(method: str, k: int, size: int, temperature: float, salt: int 
 
 
 def _fields(p: SamplingParams) -> dict:
-    return {f: getattr(p, f) for f in ("temperature", "top_p", "top_k", "min_p", "max_tokens", "seed",
-                                       "stop", "ignore_eos")}
+    return {f.name: getattr(p, f.name) for f in dataclasses.fields(p)}
 
 
 SETTINGS = [  # (method, k, batch size, temperature, engine options)
@@ -148,6 +150,16 @@ SETTINGS = [  # (method, k, batch size, temperature, engine options)
                          ids=[f"{m}-k{k}-b{b}-T{t}-{'-'.join(o) or 'plain'}" for m, k, b, t, o in SETTINGS])
 def test_seeded_speculative_output_is_token_identical_to_seeded_plain(method, k, size, temperature, options):
     checks = seeded_checks(method, k, size, temperature, salt=k, **options)
+    assert all(checks.values()), checks
+
+
+PENALTIES = dict(presence_penalty=0.5, frequency_penalty=0.8, repetition_penalty=1.3, logit_bias={4: 2.0})
+
+
+@pytest.mark.parametrize("method,k", [("ngram", 4), ("draft", 3)])
+def test_seeded_speculative_output_with_penalties_is_seeded_plain(method, k):
+    """Penalties count the drafts before each position, in the target's and the draft's q."""
+    checks = seeded_checks(method, k, 6, 0.8, salt=11, extra=PENALTIES)
     assert all(checks.values()), checks
 
 

@@ -16,6 +16,7 @@ is quicker when working on the HTTP layer alone.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import random
 import signal
@@ -149,9 +150,10 @@ class ServerProcess:
         return Path(self.log.name).read_text()
 
 
-@pytest.fixture(scope="module")
-def server():
-    srv = ServerProcess(BACKEND)
+@contextlib.contextmanager
+def clean_server(backend: Backend, extra_flags: tuple[str, ...] = ()):
+    """A server that must shut down cleanly: exit status 0 (or SIGTERM), no traceback logged."""
+    srv = ServerProcess(backend, extra_flags)
     try:
         yield srv
         rc = srv.stop()
@@ -160,6 +162,12 @@ def server():
     finally:
         srv.stop()
         srv.log.close()
+
+
+@pytest.fixture(scope="module")
+def server():
+    with clean_server(BACKEND) as srv:
+        yield srv
 
 
 @pytest.fixture(scope="module")
@@ -219,7 +227,9 @@ def test_completions_and_chat_over_http_with_exact_usage(server, tokenizer):
                                        stream=True, stream_options={"include_usage": True},
                                        extra_body={"ignore_eos": True}))
     assert "".join(ch.choices[0].text for ch in chunks if ch.choices) == r.choices[0].text
-    assert chunks[-1].choices == [] and chunks[-1].usage == r.usage
+    assert chunks[-1].choices == [] and _counts(chunks[-1].usage) == _counts(r.usage)
+    assert (chunks[-1].usage.prompt_tokens_details.cached_tokens  # the same prompt again
+            >= r.usage.prompt_tokens_details.cached_tokens)
     assert same_spec_shape(spec_of(chunks[-1]), spec_of(r))
 
     messages = [{"role": "system", "content": "Answer briefly."}, {"role": "user", "content": "Hi there!"}]
@@ -236,7 +246,8 @@ def test_completions_and_chat_over_http_with_exact_usage(server, tokenizer):
     assert chunks[0].choices[0].delta.role == "assistant"
     text = "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices)
     assert text == r.choices[0].message.content
-    assert chunks[-1].usage == r.usage and same_spec_shape(spec_of(chunks[-1]), spec_of(r))
+    assert _counts(chunks[-1].usage) == _counts(r.usage) and same_spec_shape(spec_of(chunks[-1]), spec_of(r))
+    assert chunks[-1].usage.prompt_tokens_details.cached_tokens >= r.usage.prompt_tokens_details.cached_tokens
 
     ids = tokenizer.encode("token ids in")
     r = c.completions.create(model=BACKEND.model, prompt=ids, max_tokens=2, temperature=0)
@@ -275,6 +286,33 @@ def test_sampling_values_that_underflow_float32_give_the_greedy_answer(server):
     assert text(temperature=1e-45) == greedy
     if BACKEND.name == "real":  # the fake engine has no top-p to underflow
         assert text(temperature=1.0, top_p=1e-46, seed=3) == greedy
+
+
+def test_penalties_logit_bias_and_stop_token_ids_over_http(server, tokenizer):
+    """Each sampling field of the vLLM/OpenAI surface goes through to the engine."""
+    if BACKEND.name != "real":
+        pytest.skip("the fake engine has no logits")
+    c = client(server)
+    prompt = "1, 2, 3, 1, 2, 3, 1, 2, 3, 1, 2,"
+    forced = tokenizer.encode(" the")[-1]
+
+    def complete(max_tokens=12, **extra):
+        r = c.completions.create(model=BACKEND.model, prompt=prompt, max_tokens=max_tokens, temperature=0,
+                                 extra_body={"ignore_eos": True, **extra})
+        return r.choices[0].text, r.choices[0].finish_reason, r.usage.completion_tokens
+    plain = complete()
+    assert complete(top_k=-1) == plain
+    assert complete(repetition_penalty=2.0)[0] != plain[0]
+    assert complete(frequency_penalty=2.0, presence_penalty=2.0)[0] != plain[0]
+    bias = {str(forced): 100}
+    assert complete(max_tokens=3, logit_bias=bias) == (tokenizer.decode([forced] * 3), "length", 3)
+    assert complete(logit_bias=bias, stop_token_ids=[forced])[1:] == ("stop", 1)
+    assert complete(logit_bias=bias, stop_token_ids=[forced], min_tokens=3)[1:] == ("stop", 4)
+    for field, value in (("logit_bias", {"999999999": 1}), ("stop_token_ids", [999999999]),
+                         ("presence_penalty", 3), ("min_tokens", 20)):
+        with pytest.raises(openai.BadRequestError) as e:
+            complete(**{field: value})
+        assert e.value.body["param"] == field, e.value.body
 
 
 def _sum_specs(specs: list[dict]) -> dict:
@@ -316,15 +354,32 @@ def test_spec_counter_deltas_equal_the_sum_of_response_stats(server):
     def delta(name, **labels):
         return _metric(after, name, **labels) - _metric(before, name, **labels)
     labels = {"model_name": BACKEND.model, "method": method}
-    assert delta("verispec:spec_decode_num_drafts_total", **labels) == sums["num_drafts"]
-    assert delta("verispec:spec_decode_num_draft_tokens_total", **labels) == sums["drafted"]
-    assert delta("verispec:spec_decode_num_accepted_tokens_total", **labels) == sums["accepted"]
+    assert delta("vllm:spec_decode_num_drafts_total", **labels) == sums["num_drafts"]
+    assert delta("vllm:spec_decode_num_draft_tokens_total", **labels) == sums["drafted"]
+    assert delta("vllm:spec_decode_num_accepted_tokens_total", **labels) == sums["accepted"]
     for pos, n in sums["per_pos"].items():
-        assert delta("verispec:spec_decode_num_accepted_tokens_per_pos_total",
+        assert delta("vllm:spec_decode_num_accepted_tokens_per_pos_total",
                      position=str(pos), **labels) == n
-    assert delta("verispec:prompt_tokens_total") == sum(u.prompt_tokens for u in usages)
-    assert delta("verispec:generation_tokens_total") == sum(u.completion_tokens for u in usages)
-    assert delta("verispec:request_success_total") == len(specs)
+    assert delta("vllm:prompt_tokens_total") == sum(u.prompt_tokens for u in usages)
+    assert delta("vllm:generation_tokens_total") == sum(u.completion_tokens for u in usages)
+    assert delta("vllm:request_success_total") == len(specs)
+
+
+def test_cached_tokens_for_a_repeated_long_prompt(server):
+    """The second run of a long prompt is served from the radix prefix cache: its usage says
+    how many prompt tokens (> 0, whole blocks, fewer than the prompt); a cold one says 0."""
+    c = client(server)
+    prompt = f"{time.time_ns()} " + "the quick brown fox jumps over the lazy dog " * 8
+    before = server.metrics()
+    cold = c.completions.create(model=BACKEND.model, prompt=prompt, max_tokens=2, temperature=0)
+    warm = c.completions.create(model=BACKEND.model, prompt=prompt, max_tokens=2, temperature=0)
+    assert cold.usage.prompt_tokens_details.cached_tokens == 0
+    cached = warm.usage.prompt_tokens_details.cached_tokens
+    assert 0 < cached < warm.usage.prompt_tokens, (cached, warm.usage)
+    assert warm.system_fingerprint == cold.system_fingerprint and cold.system_fingerprint.startswith("fp_")
+    server.wait_idle()
+    after = server.metrics()
+    assert _metric(after, "vllm:prefix_cache_hits_total") - _metric(before, "vllm:prefix_cache_hits_total") >= cached
 
 
 # ---------------------------------------------------------------------------- load
@@ -359,7 +414,7 @@ async def _run_one(c: openai.AsyncOpenAI, req: dict, stream: bool, cancel_after:
     if not stream:
         r = await create(**req)
         text = r.choices[0].message.content if kind == "chat" else r.choices[0].text
-        return text, r.choices[0].finish_reason, r.usage
+        return text, r.choices[0].finish_reason, _counts(r.usage)
     s = await create(**req, stream=True, stream_options={"include_usage": True})
     parts, finish, usage, n = [], None, None, 0
     async for ch in s:
@@ -371,7 +426,12 @@ async def _run_one(c: openai.AsyncOpenAI, req: dict, stream: bool, cancel_after:
         for choice in ch.choices:
             parts.append((choice.delta.content or "") if kind == "chat" else choice.text)
             finish = choice.finish_reason or finish
-    return "".join(parts), finish, usage
+    return "".join(parts), finish, _counts(usage)
+
+
+def _counts(usage) -> tuple | None:
+    """The token counts of a usage (cached_tokens depends on what ran before: not compared)."""
+    return None if usage is None else (usage.prompt_tokens, usage.completion_tokens, usage.total_tokens)
 
 
 def test_load_cancellations_and_invalid_requests_leave_a_clean_engine(server):
@@ -494,7 +554,9 @@ def test_killing_the_engine_process_ends_every_open_request_and_the_server():
 
         async def scenario():
             tasks = [asyncio.create_task(streamed()), asyncio.create_task(plain())]
-            while srv.health()["in_flight"] < 2:
+            # both accepted and running (in_flight also counts requests not yet accepted,
+            # whose create() would raise the 503 instead of their stream)
+            while (h := srv.health())["in_flight"] < 2 or (h.get("num_running") or 0) < 2:
                 await asyncio.sleep(0.01)
             os.kill(engine_pid, signal.SIGKILL)
             t0 = time.monotonic()

@@ -70,7 +70,19 @@ BAD_REQUESTS = [
     (COMP, {"prompt": "x", "temperature": -0.1}, 400, "temperature"),
     (COMP, {"prompt": "x", "top_p": 0}, 400, "top_p"),
     (COMP, {"prompt": "x", "top_p": 1.5}, 400, "top_p"),
-    (COMP, {"prompt": "x", "top_k": -1}, 400, "top_k"),
+    (COMP, {"prompt": "x", "top_k": -2}, 400, "top_k"),
+    (COMP, {"prompt": "x", "presence_penalty": 2.5}, 400, "presence_penalty"),
+    (COMP, {"prompt": "x", "frequency_penalty": -2.1}, 400, "frequency_penalty"),
+    (COMP, {"prompt": "x", "frequency_penalty": "1"}, 400, "frequency_penalty"),
+    (COMP, {"prompt": "x", "repetition_penalty": 0}, 400, "repetition_penalty"),
+    (COMP, {"prompt": "x", "logit_bias": {"3": 101}}, 400, "logit_bias"),
+    (COMP, {"prompt": "x", "logit_bias": {"a": 1}}, 400, "logit_bias"),
+    (COMP, {"prompt": "x", "logit_bias": {"-3": 1}}, 400, "logit_bias"),
+    (COMP, {"prompt": "x", "logit_bias": {"3": True}}, 400, "logit_bias"),
+    (COMP, {"prompt": "x", "min_tokens": -1}, 400, "min_tokens"),
+    (COMP, {"prompt": "x", "min_tokens": 5, "max_tokens": 3}, 400, "min_tokens"),
+    (COMP, {"prompt": "x", "stop_token_ids": [-1]}, 400, "stop_token_ids"),
+    (COMP, {"prompt": "x", "stop_token_ids": ["1"]}, 400, "stop_token_ids[0]"),
     (COMP, {"prompt": "x", "min_p": 2}, 400, "min_p"),
     (COMP, {"prompt": "x", "max_tokens": 0}, 400, "max_tokens"),
     (COMP, {"prompt": "x", "max_tokens": "5"}, 400, "max_tokens"),
@@ -101,7 +113,7 @@ BAD_REQUESTS = [
     (CHAT, {"messages": MSG, "max_tokens": 10_000}, 400, "max_tokens"),
     (CHAT, {"messages": [{"role": "user", "content": "x" * 600}]}, 400, "messages"),
     (CHAT, {"messages": MSG, "n": 3}, 400, "n"),
-    (CHAT, {"messages": MSG, "presence_penalty": 0.5}, 400, "presence_penalty"),
+    (CHAT, {"messages": MSG, "presence_penalty": -3}, 400, "presence_penalty"),
     (CHAT, {"messages": MSG, "tools": [{"type": "function"}]}, 400, "tools"),
     # nesting past any recursion limit, and just past MAX_JSON_DEPTH
     (COMP, b'{"prompt": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", 400, None),
@@ -203,7 +215,8 @@ def test_completion_and_chat_report_exact_usage_and_spec():
             r = (await client.post(COMP, json={"prompt": "count me", "max_tokens": 7, "temperature": 0,
                                                "ignore_eos": True})).json()
             assert r["usage"] == {"prompt_tokens": len(tok.encode("count me")), "completion_tokens": 7,
-                                  "total_tokens": len(tok.encode("count me")) + 7}
+                                  "total_tokens": len(tok.encode("count me")) + 7,
+                                  "prompt_tokens_details": {"cached_tokens": 0}}
             assert r["choices"][0]["finish_reason"] == "length"
             assert set(r["spec"]) >= {"drafted", "accepted", "acceptance_per_position",
                                       "mean_accepted_len", "num_drafts"}
@@ -235,7 +248,11 @@ def test_stream_matches_non_stream_and_puts_usage_and_spec_on_the_last_chunk():
             events = _sse_events(r.text)
             text = "".join(c["text"] for e in events for c in e["choices"])
             assert text == whole["choices"][0]["text"]
-            assert events[-1]["choices"] == [] and events[-1]["usage"] == whole["usage"]
+            # the same prompt again: its whole blocks now come from the prefix cache
+            cached = {"cached_tokens": len(body["prompt"]) // 16 * 16}
+            assert events[-1]["choices"] == [] and events[-1]["usage"] == {
+                **whole["usage"], "prompt_tokens_details": cached}
+            assert whole["usage"]["prompt_tokens_details"] == {"cached_tokens": 0}
             assert events[-1]["spec"] == whole["spec"]
             assert all("spec" not in e for e in events[:-1])
             # without include_usage the finishing chunk carries spec
@@ -273,15 +290,15 @@ def total(samples: dict, name: str, **labels) -> float:
 
 
 EXPECTED_METRICS = [
-    "verispec:request_success_total", "verispec:request_aborted_total", "verispec:request_error_total",
-    "verispec:prompt_tokens_total", "verispec:generation_tokens_total",
-    "verispec:time_to_first_token_seconds_bucket", "verispec:time_per_output_token_seconds_bucket",
-    "verispec:e2e_request_latency_seconds_bucket", "verispec:num_requests_running",
-    "verispec:num_requests_waiting", "verispec:kv_cache_usage_perc", "verispec:prefix_cache_hit_rate",
-    "verispec:prefix_cache_queries_total", "verispec:prefix_cache_hits_total",
-    "verispec:spec_decode_num_drafts_total", "verispec:spec_decode_num_draft_tokens_total",
-    "verispec:spec_decode_num_accepted_tokens_total",
-    "verispec:spec_decode_num_accepted_tokens_per_pos_total",
+    "vllm:request_success_total", "verispec:request_aborted_total", "verispec:request_error_total",
+    "vllm:prompt_tokens_total", "vllm:generation_tokens_total",
+    "vllm:time_to_first_token_seconds_bucket", "vllm:request_time_per_output_token_seconds_bucket",
+    "vllm:e2e_request_latency_seconds_bucket", "vllm:num_requests_running",
+    "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc", "verispec:prefix_cache_hit_rate",
+    "vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total",
+    "vllm:spec_decode_num_drafts_total", "vllm:spec_decode_num_draft_tokens_total",
+    "vllm:spec_decode_num_accepted_tokens_total",
+    "vllm:spec_decode_num_accepted_tokens_per_pos_total",
 ]
 
 
@@ -310,16 +327,16 @@ def test_metric_names_and_spec_counters_equal_the_sum_of_response_stats():
             def delta(name, **labels):
                 return total(after, name, **labels) - total(before, name, **labels)
             m = {"model_name": "fake-model", "method": "ngram"}
-            assert delta("verispec:spec_decode_num_drafts_total", **m) == sums["drafts"] > 0
-            assert delta("verispec:spec_decode_num_draft_tokens_total", **m) == sums["drafted"]
-            assert delta("verispec:spec_decode_num_accepted_tokens_total", **m) == sums["accepted"]
+            assert delta("vllm:spec_decode_num_drafts_total", **m) == sums["drafts"] > 0
+            assert delta("vllm:spec_decode_num_draft_tokens_total", **m) == sums["drafted"]
+            assert delta("vllm:spec_decode_num_accepted_tokens_total", **m) == sums["accepted"]
             for pos, n in per_pos.items():
-                assert delta("verispec:spec_decode_num_accepted_tokens_per_pos_total",
+                assert delta("vllm:spec_decode_num_accepted_tokens_per_pos_total",
                              position=str(pos), **m) == n
-            assert delta("verispec:prompt_tokens_total") == sums["prompt"]
-            assert delta("verispec:generation_tokens_total") == sums["completion"]
-            assert delta("verispec:request_success_total") == 6
-            assert delta("verispec:e2e_request_latency_seconds_count") == 6
+            assert delta("vllm:prompt_tokens_total") == sums["prompt"]
+            assert delta("vllm:generation_tokens_total") == sums["completion"]
+            assert delta("vllm:request_success_total") == 6
+            assert delta("vllm:e2e_request_latency_seconds_count") == 6
             assert total(after, "verispec:request_rejected_total") == 0
     run(scenario())
 

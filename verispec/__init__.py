@@ -1,7 +1,11 @@
-"""verispec: lossless speculative decoding you can trust."""
+"""verispec: lossless speculative decoding you can trust.
+
+The offline API has vLLM's shape: `from verispec import LLM, SamplingParams`.
+"""
+from verispec.outputs import CompletionOutput, LLMRequestOutput
 from verispec.sampling import SamplingParams
 
-__all__ = ["LLM", "SamplingParams"]
+__all__ = ["LLM", "SamplingParams", "CompletionOutput", "LLMRequestOutput"]
 __version__ = "0.1.0"
 
 

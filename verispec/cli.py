@@ -24,6 +24,7 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
 
     gen = sub.add_parser("generate", help="generate text from a prompt, streaming to stdout")
+    gen.add_argument("model_tag", nargs="?", metavar="MODEL", help="the model (same as --model)")
     gen.add_argument("--prompt", required=True)
     gen.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     gen.add_argument("--max-tokens", type=int, default=128)
@@ -37,6 +38,7 @@ def main(argv: list[str] | None = None) -> int:
 
     srv = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
     if wanted in ("serve", "-h", "--help"):
+        srv.add_argument("model_tag", nargs="?", metavar="MODEL", help="the model (same as --model)")
         add_engine_arguments(srv)
         from verispec.server.app import add_arguments as add_server_arguments
         add_server_arguments(srv)
@@ -68,6 +70,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO if args.command in ("models", "serve") else logging.WARNING,
                         format="verispec: %(message)s")
     try:
+        _positional_model(args)
         return args.func(args)
     except KeyboardInterrupt:
         return 130
@@ -77,6 +80,16 @@ def main(argv: list[str] | None = None) -> int:
         message, code = _describe_error(exc)
         print(f"verispec: {message}", file=sys.stderr)
         return code
+
+
+def _positional_model(args) -> None:
+    """`verispec serve MODEL` as vLLM spells it: the same as --model; both, differing, is an error."""
+    model_tag = getattr(args, "model_tag", None)
+    if model_tag is None:
+        return
+    if args.model is not None and args.model != model_tag:
+        raise ValueError(f"the model is given twice and differs: {model_tag!r} and --model {args.model!r}")
+    args.model = model_tag
 
 
 def _describe_error(exc: Exception) -> tuple[str, int]:

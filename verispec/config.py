@@ -85,6 +85,7 @@ class EngineConfig:
     kernels: str = "auto"            # fused C++ CPU kernels (model/kernels.py): "auto" (if they build) | "on" | "off"
     huge_pages: bool = True          # CPU weights in huge pages where the OS offers them (model/memory.py)
     seed: int = 0
+    chat_template: str | None = None  # Jinja text that replaces the model's chat template (a path is read)
     spec: SpecConfig = field(default_factory=SpecConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
@@ -104,6 +105,8 @@ class EngineConfig:
                 raise ValueError(f"{name} must be one of {WEIGHT_FORMATS}, got {value!r}")
             if value not in ("auto", "dense") and self.dtype != "bfloat16":
                 raise ValueError(f"{name} {value!r} needs dtype bfloat16, got {self.dtype!r}")
+        if self.chat_template is not None:  # the text itself: the config records what ran
+            object.__setattr__(self, "chat_template", load_chat_template(self.chat_template))
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -128,6 +131,99 @@ class EngineConfig:
     def resolved_for(self, mode: str) -> "EngineConfig":
         """This config with `threads` chosen for `mode` ("serve" or "generate") if unset."""
         return self if self.threads is not None else replace(self, threads=auto_threads(mode))
+
+
+def load_chat_template(value: str) -> str:
+    """The Jinja text of a chat template given as a file path or as the template itself
+    (vLLM's --chat-template rule)."""
+    if not isinstance(value, str) or not value.strip():
+        raise ValueError(f"chat template must be a file path or Jinja text, got {value!r}")
+    if any(mark in value for mark in ("{{", "{%")):
+        return value
+    path = Path(value).expanduser()
+    if path.is_file():
+        return path.read_text(encoding="utf-8")
+    raise ValueError(f"chat template {value!r}: no such file, and it is not Jinja text "
+                     "(no '{{' or '{%' in it)")
+
+
+# vLLM's `speculative_config` keys -> verispec's; "adaptive" and "ngram_max"/"ngram_min"
+# spell verispec's own settings. Values are checked by SpecConfig as usual.
+SPECULATIVE_CONFIG_KEYS = ("method", "model", "num_speculative_tokens", "prompt_lookup_max",
+                           "prompt_lookup_min", "adaptive", "draft_tensor_parallel_size")
+# vLLM's method names -> verispec's; "none" and verispec's own names are accepted too.
+SPECULATIVE_METHODS = {"ngram": "ngram", "draft_model": "draft", "draft": "draft", "none": "none"}
+
+
+def spec_from_speculative_config(speculative_config: dict | str | None,
+                                 base: SpecConfig | None = None) -> tuple[SpecConfig, str | None]:
+    """(SpecConfig, draft model or None) for vLLM's `speculative_config` dict (or its JSON).
+
+    {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": n, "prompt_lookup_min": m}
+    and {"model": DRAFT, "num_speculative_tokens": k} (method "draft_model", implied by "model")
+    map onto verispec's n-gram and draft-model speculation; {"adaptive": false} fixes k.
+    Keys not given keep `base`'s values (verispec's defaults: adaptive n-gram, k 4, n-gram
+    lengths 1..4). A lone prompt_lookup_max or _min keeps the other bound's default (clamped);
+    vLLM copies it instead. Unknown keys and methods verispec lacks (eagle, medusa, mtp...)
+    are a ValueError naming the allowed ones.
+    """
+    import json
+
+    base = base or SpecConfig()
+    if speculative_config is None:
+        return base, None
+    if isinstance(speculative_config, str):
+        try:
+            speculative_config = json.loads(speculative_config)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"speculative_config is not valid JSON ({exc})") from None
+    if not isinstance(speculative_config, dict):
+        raise ValueError(f"speculative_config must be a dict (a JSON object), got {speculative_config!r}")
+    cfg = dict(speculative_config)
+    unknown = sorted(set(cfg) - set(SPECULATIVE_CONFIG_KEYS))
+    if unknown:
+        raise ValueError(f"speculative_config key(s) {unknown} not supported; allowed keys: "
+                         f"{list(SPECULATIVE_CONFIG_KEYS)}")
+    tp = cfg.get("draft_tensor_parallel_size")
+    if tp not in (None, 1):
+        raise ValueError(f"speculative_config draft_tensor_parallel_size must be 1 (verispec runs "
+                         f"the draft in the engine's process), got {tp!r}")
+    draft = cfg.get("model")
+    if draft is not None and not (isinstance(draft, str) and draft):
+        raise ValueError(f"speculative_config model must be a model name or path, got {draft!r}")
+    method = cfg.get("method")
+    if method is None:
+        method = "draft" if draft else base.method
+    elif method not in SPECULATIVE_METHODS:
+        raise ValueError(f"speculative_config method {method!r} is not supported; allowed methods: "
+                         f"{sorted(SPECULATIVE_METHODS)} (a draft model is implied by 'model')")
+    else:
+        method = SPECULATIVE_METHODS[method]
+    if draft and method != "draft":
+        raise ValueError(f"speculative_config model {draft!r} needs method 'draft_model', got {method!r}")
+    spec = asdict(base)
+    spec["method"] = method
+    if "num_speculative_tokens" in cfg:
+        spec["num_spec_tokens"] = _int_key(cfg, "num_speculative_tokens")
+    if "adaptive" in cfg:
+        if not isinstance(cfg["adaptive"], bool):
+            raise ValueError(f"speculative_config adaptive must be true or false, got {cfg['adaptive']!r}")
+        spec["adaptive"] = cfg["adaptive"]
+    lo, hi = cfg.get("prompt_lookup_min"), cfg.get("prompt_lookup_max")
+    if lo is not None or hi is not None:
+        if method != "ngram":
+            raise ValueError("speculative_config prompt_lookup_min/prompt_lookup_max need method 'ngram'")
+        hi = _int_key(cfg, "prompt_lookup_max") if hi is not None else max(spec["ngram_max"], lo)
+        lo = _int_key(cfg, "prompt_lookup_min") if lo is not None else min(spec["ngram_min"], hi)
+        spec["ngram_min"], spec["ngram_max"] = lo, hi
+    return SpecConfig(**spec), draft
+
+
+def _int_key(cfg: dict, key: str) -> int:
+    value = cfg[key]
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise ValueError(f"speculative_config {key} must be an integer, got {value!r}")
+    return value
 
 
 # Above this many cores `serve` leaves one to the HTTP front end (auto_threads).
@@ -198,11 +294,19 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--num-spec-tokens", type=int, help="k (k_max when adaptive)")
     g.add_argument("--spec-adaptive", action=argparse.BooleanOptionalAction, default=None,
                    help="choose k per step from measured acceptance and cost (default on)")
+    g.add_argument("--speculative-config", metavar="JSON",
+                   help='vLLM\'s speculative config as JSON, e.g. \'{"method": "ngram", '
+                        '"num_speculative_tokens": 4, "prompt_lookup_max": 4}\' or \'{"model": DRAFT, '
+                        '"num_speculative_tokens": 5}\' (instead of --spec/--num-spec-tokens/--draft-model)')
     g.add_argument("--kv-tokens", type=int, help="KV pool capacity in tokens")
     g.add_argument("--block-size", type=int)
     g.add_argument("--no-prefix-cache", action="store_true", default=None)
-    g.add_argument("--max-num-seqs", type=int)
+    g.add_argument("--max-num-seqs", type=int, help="running requests at once (default 32)")
+    g.add_argument("--max-num-batched-tokens", type=int,
+                   help="tokens per engine step: prefill chunks + verify rows (default 512)")
     g.add_argument("--max-model-len", type=int)
+    g.add_argument("--chat-template", metavar="PATH_OR_TEMPLATE",
+                   help="Jinja chat template (a file, or the template text) replacing the model's")
     g.add_argument("--seed", type=int)
     g.add_argument("--threads", type=int, help="torch intra-op threads (default: one per physical "
                    "core; serve leaves one to its HTTP front end above 8 cores); on a machine shared "
@@ -223,16 +327,29 @@ def config_from_args(args: argparse.Namespace) -> EngineConfig:
     _set(top, "threads", getattr(args, "threads", None))
     _set(top, "kernels", getattr(args, "kernels", None))
     _set(top, "huge_pages", getattr(args, "huge_pages", None))
+    _set(top, "chat_template", getattr(args, "chat_template", None))
     _set(spec, "method", args.spec)
     if args.spec is None and args.draft_model and not getattr(args, "config", None):
         spec["method"] = "draft"   # naming a draft model means you want to use it
     _set(spec, "num_spec_tokens", args.num_spec_tokens)
     _set(spec, "adaptive", args.spec_adaptive)
+    if getattr(args, "speculative_config", None) is not None:
+        clash = [flag for flag, value in (("--spec", args.spec), ("--num-spec-tokens", args.num_spec_tokens),
+                                          ("--spec-adaptive", args.spec_adaptive),
+                                          ("--draft-model", args.draft_model)) if value is not None]
+        if clash:
+            raise ValueError(f"--speculative-config cannot be combined with {', '.join(clash)}: "
+                             "say it in one of them")
+        spec_cfg, draft = spec_from_speculative_config(args.speculative_config, SpecConfig(**spec))
+        spec = asdict(spec_cfg)
+        if draft:
+            top["draft_model"] = draft
     _set(cache, "num_kv_tokens", args.kv_tokens)
     _set(cache, "block_size", args.block_size)
     if args.no_prefix_cache:
         cache["prefix_cache"] = False
     _set(sched, "max_num_seqs", args.max_num_seqs)
+    _set(sched, "max_num_batched_tokens", getattr(args, "max_num_batched_tokens", None))
     _set(sched, "max_model_len", args.max_model_len)
     return EngineConfig.from_dict({**top, "spec": spec, "cache": cache, "scheduler": sched})
 

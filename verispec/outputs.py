@@ -69,6 +69,7 @@ class RequestOutput:
     finish_reason: str | None      # "stop" | "length" | "abort" | None while running
     spec: SpecStats
     error: str | None = None       # set when this request failed; other requests go on
+    num_cached_tokens: int = 0     # prompt tokens served from the prefix cache when first scheduled
 
     @property
     def prompt_tokens(self) -> int:
@@ -77,3 +78,70 @@ class RequestOutput:
     @property
     def completion_tokens(self) -> int:
         return len(self.token_ids)
+
+
+# --- vLLM-shaped results of the offline API (LLM.generate / LLM.chat) -----------------------
+
+
+@dataclass
+class CompletionOutput:
+    """One completion of a prompt, as vLLM's `vllm.outputs.CompletionOutput`.
+
+    `cumulative_logprob` and `logprobs` stay None: verispec does not return log-probabilities
+    yet. `stop_reason` is the stop string or stop token id that ended the completion, None
+    when it ended at EOS or max_tokens (vLLM's meaning).
+    """
+
+    index: int
+    text: str
+    token_ids: list[int]
+    cumulative_logprob: float | None = None
+    logprobs: None = None
+    finish_reason: str | None = None     # "stop" | "length" | "abort"
+    stop_reason: int | str | None = None
+
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class LLMRequestOutput:
+    """The final result of one prompt, as vLLM's `vllm.outputs.RequestOutput`.
+
+    `prompt` is the prompt text (None for a token-id prompt; the rendered conversation for
+    `LLM.chat`); `outputs` holds one CompletionOutput (n > 1 is not supported yet). verispec
+    adds `spec` (SpecStats: drafted / accepted tokens, per position) and `error` (set when
+    this request failed alone). `text`, `token_ids` and `finish_reason` read `outputs[0]`,
+    for code written against verispec's earlier results.
+    """
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool
+    spec: SpecStats
+    metrics: None = None                 # vLLM's per-request metrics: not recorded (see `spec`)
+    prompt_logprobs: None = None
+    num_cached_tokens: int | None = None  # prompt tokens served from the prefix cache
+    error: str | None = None
+
+    @property
+    def text(self) -> str:
+        return self.outputs[0].text
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.outputs[0].token_ids
+
+    @property
+    def finish_reason(self) -> str | None:
+        return self.outputs[0].finish_reason
+
+    @property
+    def prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def completion_tokens(self) -> int:
+        return len(self.outputs[0].token_ids)

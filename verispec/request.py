@@ -44,6 +44,7 @@ class Request:
     finish_reason: str | None = None
     error: str | None = None
     num_preemptions: int = 0
+    num_cached_tokens: int | None = None  # prompt tokens the prefix cache served at first admission
     stats: SpecStats = field(default_factory=SpecStats)
     # Text emitted so far (stop strings applied) and the engine's per-request detokenizer
     # live here so preemption and recompute keep them.

@@ -23,9 +23,36 @@ if TYPE_CHECKING:
 MIN_TEMPERATURE = 1e-5
 
 
+class _FrozenBias(dict):
+    """`logit_bias` as a read-only, hashable dict {token id: bias} (SamplingParams is hashable)."""
+
+    def __hash__(self):  # type: ignore[override]
+        return hash(frozenset(self.items()))
+
+    def _read_only(self, *args, **kwargs):
+        raise TypeError("SamplingParams.logit_bias is read-only")
+
+    __setitem__ = __delitem__ = update = pop = popitem = clear = setdefault = _read_only
+
+
 @dataclass(frozen=True)
 class SamplingParams:
-    """Per-request sampling settings; validated on construction."""
+    """Per-request sampling settings; validated on construction (ValueError naming the field).
+
+    Logits processors, applied in this order to the logits of every position before
+    temperature and the filters (vLLM's semantics and ranges):
+
+    - logit_bias {token id: bias in [-100, 100]}: added to that token's logit (OpenAI).
+    - repetition_penalty > 0 (1 = off): a token seen in the prompt or the output has its
+      logit divided by it when positive, multiplied by it otherwise.
+    - frequency_penalty, presence_penalty in [-2, 2] (0 = off): logit[t] -= frequency *
+      count(t) + presence * (count(t) > 0), count over OUTPUT tokens only.
+    - min_tokens >= 0: while fewer output tokens than this exist, EOS (unless ignore_eos)
+      and stop_token_ids get probability 0.
+
+    stop_token_ids end the request like EOS (the id is kept in the output, finish_reason
+    "stop"). top_k = -1 means disabled, like 0 (stored as 0).
+    """
 
     temperature: float = 1.0
     top_p: float = 1.0
@@ -35,18 +62,31 @@ class SamplingParams:
     seed: int | None = None
     stop: tuple[str, ...] = field(default_factory=tuple)
     ignore_eos: bool = False
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] | None = None
+    min_tokens: int = 0
+    stop_token_ids: tuple[int, ...] = field(default_factory=tuple)
 
     def __post_init__(self):
         if isinstance(self.stop, str):
             object.__setattr__(self, "stop", (self.stop,))
         elif isinstance(self.stop, list):
             object.__setattr__(self, "stop", tuple(self.stop))
+        if isinstance(self.stop_token_ids, list):
+            object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        elif self.stop_token_ids is None:
+            object.__setattr__(self, "stop_token_ids", ())
+        if self.top_k == -1 and not isinstance(self.top_k, bool):  # vLLM's and llama.cpp's "disabled"
+            object.__setattr__(self, "top_k", 0)
+        self._check_processors()
         _check(isinstance(self.temperature, (int, float)) and self.temperature >= 0,
                f"temperature must be >= 0, got {self.temperature!r}")
         _check(isinstance(self.top_p, (int, float)) and 0 < self.top_p <= 1,
                f"top_p must be in (0, 1], got {self.top_p!r}")
-        _check(isinstance(self.top_k, int) and self.top_k >= 0,
-               f"top_k must be an integer >= 0 (0 disables it), got {self.top_k!r}")
+        _check(_is_int(self.top_k) and self.top_k >= 0,
+               f"top_k must be an integer >= 1, or 0 or -1 to disable it, got {self.top_k!r}")
         _check(isinstance(self.min_p, (int, float)) and 0 <= self.min_p <= 1,
                f"min_p must be in [0, 1], got {self.min_p!r}")
         _check(isinstance(self.max_tokens, int) and self.max_tokens > 0,
@@ -59,14 +99,49 @@ class SamplingParams:
         if 0 < self.temperature < MIN_TEMPERATURE:  # the limit, without float32 overflow
             object.__setattr__(self, "temperature", 0.0)
 
+    def _check_processors(self) -> None:
+        for name in ("presence_penalty", "frequency_penalty"):
+            v = getattr(self, name)
+            _check(_is_number(v) and -2 <= v <= 2, f"{name} must be a number in [-2, 2], got {v!r}")
+        v = self.repetition_penalty
+        _check(_is_number(v) and v > 0 and v != float("inf"),
+               f"repetition_penalty must be a number > 0 (1 disables it), got {v!r}")
+        _check(_is_int(self.min_tokens) and self.min_tokens >= 0,
+               f"min_tokens must be an integer >= 0, got {self.min_tokens!r}")
+        _check(self.min_tokens <= self.max_tokens if _is_int(self.max_tokens) else True,
+               f"min_tokens must be <= max_tokens ({self.max_tokens}), got {self.min_tokens!r}")
+        _check(all(_is_int(t) and t >= 0 for t in self.stop_token_ids),
+               f"stop_token_ids must be a list of token ids (integers >= 0), got {self.stop_token_ids!r}")
+        bias = self.logit_bias
+        if bias is not None:
+            _check(isinstance(bias, dict) and all(_is_int(t) and t >= 0 for t in bias),
+                   f"logit_bias must map token ids (integers >= 0) to biases, got {bias!r}")
+            _check(all(_is_number(b) and -100 <= b <= 100 for b in bias.values()),
+                   f"logit_bias values must be numbers in [-100, 100], got {bias!r}")
+            object.__setattr__(self, "logit_bias", _FrozenBias({t: float(b) for t, b in bias.items()}) or None)
+
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+    @property
+    def has_processors(self) -> bool:
+        """Whether any logits processor is on (rows without one skip that stage entirely)."""
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1
+                    or self.logit_bias or self.min_tokens)
 
 
 def _check(ok: bool, message: str) -> None:
     if not ok:
         raise ValueError(message)
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_number(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and v == v  # not NaN
 
 
 # --------------------------------------------------------------------------------------
@@ -78,11 +153,29 @@ def _check(ok: bool, message: str) -> None:
 
 
 @dataclass(frozen=True)
+class _History:
+    """What a logits processor reads for one scored position (host side).
+
+    `prompt` and `output` are the request's committed ids, `drafted` the tokens treated as
+    generated before this position (a verify row's d_1..d_{i-1}, a draft model's own
+    drafts): penalties and min_tokens see output + drafted, exactly as plain decoding would.
+    """
+
+    params: SamplingParams
+    prompt: Sequence[int]
+    output: Sequence[int]
+    stop_ids: frozenset  # what min_tokens bans: EOS (unless ignore_eos) and stop_token_ids
+    drafted: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True)
 class SamplingTensors:
     """The sampling settings of one step's rows as device tensors, built once per step.
 
-    The two flags are decided on the host from the SamplingParams, so choosing the fast
-    path in `logits_to_probs` never reads a device tensor back (no sync).
+    The flags are decided on the host from the SamplingParams, so choosing the fast path
+    in `logits_to_probs` never reads a device tensor back (no sync). `history` is None
+    when no row has a logits processor (the fast path: nothing is built or applied); else
+    one `_History` (or None) per row, turned into sparse tensors by `process`.
     """
 
     temperature: torch.Tensor  # (N,) float32, 0 = greedy
@@ -91,15 +184,27 @@ class SamplingTensors:
     min_p: torch.Tensor        # (N,) float32, 0 = disabled
     use_sort: bool             # some row needs top-k or top-p (the sort)
     use_min_p: bool            # some row needs min-p
+    history: tuple[_History | None, ...] | None = None
 
     @classmethod
-    def from_params(cls, params_list: Sequence[SamplingParams], device) -> "SamplingTensors":
-        """One row per SamplingParams, in order."""
+    def from_params(cls, params_list: Sequence[SamplingParams], device,
+                    histories: Sequence[tuple[Sequence[int], Sequence[int]]] | None = None,
+                    eos_ids: Sequence[int] = ()) -> "SamplingTensors":
+        """One row per SamplingParams, in order. `histories[i]` = (prompt ids, output ids)
+        of row i, required when a row has a logits processor; `eos_ids` are what min_tokens
+        bans besides stop_token_ids. Output ids are read at `process` time: pass a copy if
+        they may grow before."""
         import torch
 
         def tensor(values, dtype):
             return torch.tensor(values, dtype=dtype, device=device)
 
+        history = None
+        if any(p.has_processors for p in params_list):
+            if histories is None or len(histories) != len(params_list):
+                raise ValueError("logits processors need one (prompt, output) history per row")
+            history = tuple(_History(p, h[0], h[1], _banned_by_min_tokens(p, eos_ids))
+                            if p.has_processors else None for p, h in zip(params_list, histories))
         return cls(
             temperature=tensor([float(p.temperature) for p in params_list], torch.float32),
             top_k=tensor([p.top_k for p in params_list], torch.int64),
@@ -107,24 +212,28 @@ class SamplingTensors:
             min_p=tensor([float(p.min_p) for p in params_list], torch.float32),
             use_sort=any(p.top_k > 0 or p.top_p < 1 for p in params_list),
             use_min_p=any(p.min_p > 0 for p in params_list),
+            history=history,
         )
 
     @property
     def num_rows(self) -> int:
         return self.temperature.shape[0]
 
-    def expand(self, counts: int | Sequence[int] | torch.Tensor) -> "SamplingTensors":
+    def expand(self, counts: int | Sequence[int] | torch.Tensor,
+               drafts: Sequence[Sequence[int]] | None = None) -> "SamplingTensors":
         """Repeat row i counts[i] times (or `counts` times each): one row per scored position.
 
-        Verify rows score k_i + 1 positions each. An int or a host list costs no sync; a
-        device tensor of counts is read back to the host (a sync) to size the output.
+        Verify rows score k_i + 1 positions each: [pending, d_1..d_k] scores the output
+        positions n, n + 1, ..., n + k. Position j of row i is processed as if drafts[i][:j]
+        had been generated (drafts are needed when a row has a logits processor). An int or
+        a host list costs no sync; a device tensor of counts is read back to size the output.
         """
         import torch
 
         if isinstance(counts, int):
             if counts < 0:
                 raise ValueError(f"counts must be >= 0, got {counts}")
-            repeats, total = counts, self.num_rows * counts
+            repeats, total, host = counts, self.num_rows * counts, [counts] * self.num_rows
         else:
             host = counts.tolist() if isinstance(counts, torch.Tensor) else list(counts)
             if len(host) != self.num_rows or any(c < 0 for c in host):
@@ -135,13 +244,96 @@ class SamplingTensors:
         def rep(t: torch.Tensor) -> torch.Tensor:
             return t.repeat_interleave(repeats, dim=0, output_size=total)
 
+        history = None
+        if self.history is not None:
+            history = tuple(_at_position(h, drafts[i] if drafts is not None else None, j)
+                            for i, (h, c) in enumerate(zip(self.history, host)) for j in range(c))
         return SamplingTensors(rep(self.temperature), rep(self.top_k), rep(self.top_p),
-                               rep(self.min_p), self.use_sort, self.use_min_p)
+                               rep(self.min_p), self.use_sort, self.use_min_p, history)
+
+    def process(self, logits: torch.Tensor) -> torch.Tensor:
+        """The logits after every row's processors, float32 (the input itself when none)."""
+        if self.history is None:
+            return logits
+        return apply_processors(logits, self.history)
 
     def to_probs(self, logits: torch.Tensor) -> torch.Tensor:
-        """`logits_to_probs` with these rows' settings; logits (N, V) -> probs (N, V)."""
-        return logits_to_probs(logits, self.temperature, self.top_k, self.top_p, self.min_p,
-                               use_sort=self.use_sort, use_min_p=self.use_min_p)
+        """`logits_to_probs` with these rows' settings, after their logits processors;
+        logits (N, V) -> probs (N, V). Greedy rows are one-hot at the processed argmax."""
+        return logits_to_probs(self.process(logits), self.temperature, self.top_k, self.top_p,
+                               self.min_p, use_sort=self.use_sort, use_min_p=self.use_min_p)
+
+
+def _banned_by_min_tokens(params: SamplingParams, eos_ids: Sequence[int]) -> frozenset:
+    if not params.min_tokens:
+        return frozenset()
+    return frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else frozenset(eos_ids))
+
+
+def _at_position(h: _History | None, drafts: Sequence[int] | None, j: int) -> _History | None:
+    """Row history h at its j-th scored position: the first j drafts count as generated."""
+    if h is None or j == 0:
+        return h
+    if drafts is None or len(drafts) < j:
+        raise ValueError("a verify row with logits processors needs its draft tokens")
+    return _History(h.params, h.prompt, h.output, h.stop_ids, h.drafted + tuple(drafts[:j]))
+
+
+def _position_entries(h: _History) -> tuple[list[int], list[float], list[bool], list[float], list[bool]]:
+    """The tokens a processor touches at one position, and per token: output count (with
+    the drafts), seen in prompt or output (repetition penalty), bias, banned (min_tokens)."""
+    from collections import Counter
+
+    p = h.params
+    counts = Counter(h.output)
+    counts.update(h.drafted)
+    seen = set()
+    if p.repetition_penalty != 1:
+        seen = set(h.prompt) | set(counts)
+    bias = p.logit_bias or {}
+    banned = h.stop_ids if len(h.output) + len(h.drafted) < p.min_tokens else frozenset()
+    tokens = list(set(counts) | seen | set(bias) | banned)
+    return (tokens, [float(counts.get(t, 0)) for t in tokens], [t in seen for t in tokens],
+            [bias.get(t, 0.0) for t in tokens], [t in banned for t in tokens])
+
+
+def apply_processors(logits: torch.Tensor, history: Sequence[_History | None]) -> torch.Tensor:
+    """(N, V) logits -> float32 logits after each row's processors (`SamplingParams`).
+
+    Sparse: only the tokens a row's history, bias or min_tokens touches are gathered,
+    changed and scattered back; rows with history None are copied unchanged. Each row's
+    token list is padded by repeating its first entry, so padded scatters write the same
+    value twice.
+    """
+    import torch
+
+    logits = logits.float()
+    rows = [i for i, h in enumerate(history) if h is not None]
+    if not rows:
+        return logits
+    entries = [_position_entries(history[i]) for i in rows]
+    width = max(1, max(len(e[0]) for e in entries))
+
+    def pad(values, fill):
+        return values + [values[0] if values else fill] * (width - len(values))
+    dev = logits.device
+    idx = torch.tensor([pad(e[0], 0) for e in entries], dtype=torch.int64, device=dev)      # (R, U)
+    count = torch.tensor([pad(e[1], 0.0) for e in entries], dtype=torch.float32, device=dev)
+    seen = torch.tensor([pad(e[2], False) for e in entries], dtype=torch.bool, device=dev)
+    bias = torch.tensor([pad(e[3], 0.0) for e in entries], dtype=torch.float32, device=dev)
+    banned = torch.tensor([pad(e[4], False) for e in entries], dtype=torch.bool, device=dev)
+    params = [history[i].params for i in rows]
+
+    def column(name):
+        return torch.tensor([float(getattr(p, name)) for p in params], device=dev)[:, None]   # (R, 1)
+    rows_t = torch.tensor(rows, dtype=torch.int64, device=dev)
+    sub = logits.index_select(0, rows_t)                                                     # (R, V)
+    vals = sub.gather(1, idx) + bias
+    rep = column("repetition_penalty")
+    vals = torch.where(seen, torch.where(vals > 0, vals / rep, vals * rep), vals)
+    vals = vals - column("frequency_penalty") * count - column("presence_penalty") * (count > 0)
+    vals = vals.masked_fill(banned, float("-inf"))
+    return logits.index_copy(0, rows_t, sub.scatter(1, idx, vals))  # out of place: input unchanged
 
 
 def logits_to_probs(

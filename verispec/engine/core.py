@@ -193,7 +193,8 @@ class EngineCore:
             ends = o.finished or o.error is not None
             out.events.append(M.RequestEvent(
                 o.request_id, M.OUTPUT, list(o.new_token_ids), o.new_text, o.finished, o.finish_reason,
-                o.error, spec=_snapshot(o) if ends else None))
+                o.error, spec=_snapshot(o) if ends else None,
+                num_cached_tokens=getattr(o, "num_cached_tokens", 0) or 0))
             if ends:
                 del self.live[o.request_id]
             else:

@@ -143,6 +143,9 @@ class LLMEngine:
         self.requests: dict[str, Request] = {}
         self._arrivals = 0
         self.eos_ids = set(tokenizer.eos_token_ids)
+        for proposer in self.proposers.values():  # the draft model's min_tokens bans EOS too
+            if hasattr(proposer, "eos_ids"):
+                proposer.eos_ids = tuple(self.eos_ids)
 
     # ------------------------------------------------------------------ construction
     @classmethod
@@ -157,6 +160,8 @@ class LLMEngine:
             from verispec.train.registry import registered_draft
             config = replace(config, draft_model=registered_draft(config.model))
         target, tcfg, tokenizer = load_model(config.model, config)
+        if config.chat_template is not None:  # --chat-template / LLM(chat_template=...)
+            tokenizer = Tokenizer(tokenizer.backend, replace(tokenizer.meta, chat_template=config.chat_template))
         draft, vocab_limit = None, None
         if config.draft_model:
             from verispec.spec.compat import check_pair
@@ -179,6 +184,10 @@ class LLMEngine:
         vocab = self.target.vocab_limit or self.target.model.cfg.vocab_size
         if any(not isinstance(t, int) or not 0 <= t < vocab for t in prompt_token_ids):
             raise ValueError(f"prompt token ids must be integers in [0, {vocab})")
+        for name, ids in (("logit_bias", params.logit_bias or ()), ("stop_token_ids", params.stop_token_ids)):
+            bad = [t for t in ids if not 0 <= t < vocab]
+            if bad:
+                raise ValueError(f"{name} token ids must be in [0, {vocab}), got {bad[:5]}")
         n = len(prompt_token_ids)
         if n >= self.max_model_len:
             raise ValueError(f"prompt is {n} tokens; the context is {self.max_model_len} "
@@ -225,7 +234,8 @@ class LLMEngine:
     def stats(self) -> EngineStats:
         return EngineStats(len(self.scheduler.running), len(self.scheduler.waiting),
                            self.kv.num_total_blocks - self.kv.num_free_blocks - self.kv.num_evictable_blocks,
-                           self.kv.num_total_blocks, self.kv.hit_tokens, self.kv.query_tokens)
+                           self.kv.num_total_blocks, self.kv.hit_tokens, self.kv.query_tokens,
+                           self.scheduler.num_preemptions)
 
     @property
     def num_preemptions(self) -> int:
@@ -444,7 +454,7 @@ class LLMEngine:
             return first
         reqs = [chunks[i].request for i in done]
         last = torch.cat([logits[i][-1:] for i in done])
-        probs = SamplingTensors.from_params([r.params for r in reqs], last.device).to_probs(last)
+        probs = self._tensors(reqs, last.device).to_probs(last)
         keys = [noise_key(r.params, output_position(r)) for r in reqs]
         tokens = sample(probs, keys, shared_generator=self._shared_generator).tolist()
         for i, t in zip(done, tokens):
@@ -459,12 +469,15 @@ class LLMEngine:
         counts = [lg.shape[0] for lg in logits]  # k_i + 1 per row
         proposed = [drafts.get(r.request_id, ([], None))[0] for r in rows]
         flat = logits[0] if len(logits) == 1 else torch.cat(logits)  # (sum(k_i + 1), V)
+        # position j of a row is processed as if its drafts d_1..d_j had been generated
         if all(r.params.greedy for r in rows):  # the same result from argmaxes, no V-wide work
+            if any(r.params.has_processors for r in rows):  # the argmax of the processed logits
+                flat = self._tensors(rows, flat.device).expand(counts, proposed).process(flat)
             argmax = kernels.greedy_tokens(flat, self.target.model.kernels)
             starts = itertools.accumulate([0] + counts)
             accepted, emitted = greedy_accept([argmax[s: s + c] for s, c in zip(starts, counts)], proposed)
             return counts, accepted, emitted
-        st = SamplingTensors.from_params([r.params for r in rows], flat.device).expand(counts)
+        st = self._tensors(rows, flat.device).expand(counts, proposed)
         target_probs = _pad_rows(st.to_probs(flat), counts)  # (B, K+1, V)
         keys = [noise_key(r.params, output_position(r)) for r in rows]
         seeded = [i for i, key in enumerate(keys) if key is not None]
@@ -486,6 +499,12 @@ class LLMEngine:
             for i, t, a, n in zip(index, tokens, lengths, num):
                 accepted[i], emitted[i] = a, t[:n]
         return counts, accepted, emitted
+
+    def _tensors(self, rows: list[Request], device) -> SamplingTensors:
+        """The rows' SamplingTensors at their next output position (histories: prompt and
+        output so far, read only when a row has a logits processor)."""
+        return SamplingTensors.from_params([r.params for r in rows], device,
+                                           [(r.prompt_ids, r.output_ids) for r in rows], self.eos_ids)
 
     def _rejection_sample(self, rows: list[Request], target_probs: torch.Tensor,
                           proposed: list[list[int]], drafts) -> RejectionResult:
@@ -563,7 +582,9 @@ class LLMEngine:
 
     # ------------------------------------------------------------------ tokens, stops, finish
     def _append_tokens(self, req: Request, tokens: list[int]) -> list[RequestOutput]:
-        """Append accepted tokens one by one, stopping at EOS, max_tokens or a stop string.
+        """Append accepted tokens one by one, stopping at EOS, a stop token id, max_tokens or
+        a stop string. Before min_tokens output tokens only max_tokens stops (as vLLM; the
+        sampler already gives EOS and stop token ids probability 0 there).
 
         Text that could still turn out to be the start of a stop string is held back
         (req.held_text) rather than emitted: streamed text cannot be taken back.
@@ -574,12 +595,13 @@ class LLMEngine:
         for t in tokens:
             req.append_output(t)
             new_ids.append(t)
-            if t in self.eos_ids and not req.params.ignore_eos:
+            may_stop = len(req.output_ids) > req.params.min_tokens  # the token at index >= min_tokens
+            if may_stop and ((t in self.eos_ids and not req.params.ignore_eos) or t in req.params.stop_token_ids):
                 reason = "stop"
                 break
             searched = len(full)
             full += req.detokenizer.push([t])
-            hit = _find_stop(full, stops, searched) if stops else None
+            hit = _find_stop(full, stops, searched) if stops and may_stop else None
             if hit is not None:  # the stop string and anything after it are not returned
                 full, reason, stop_hit = full[:hit], "stop", True
                 break
@@ -614,7 +636,8 @@ class LLMEngine:
 
     def _output(self, req: Request, new_ids: list[int], new_text: str) -> RequestOutput:
         return RequestOutput(req.request_id, req.prompt_ids, list(req.output_ids), new_ids, req.text,
-                             new_text, req.finished, req.finish_reason, req.stats, req.error)
+                             new_text, req.finished, req.finish_reason, req.stats, req.error,
+                             num_cached_tokens=req.num_cached_tokens or 0)
 
 
 # The layout of saved runtime weights; bumped whenever a module's buffers change (v3: int4

@@ -1,62 +1,316 @@
-"""LLM: the synchronous Python API over the engine.
+"""LLM: the synchronous Python API over the engine, in vLLM's offline shape.
 
     from verispec import LLM, SamplingParams
-    llm = LLM()                                  # the embedded default model, n-gram drafting
-    outs = llm.generate(["Hello"], SamplingParams(temperature=0, max_tokens=32))
-    print(outs[0].text, outs[0].spec.acceptance_rate)
+    llm = LLM(speculative_config={"method": "ngram", "num_speculative_tokens": 4})
+    outputs = llm.generate(["Hello, my name is"], SamplingParams(temperature=0.8, top_p=0.95))
+    for o in outputs:
+        print(o.prompt, o.outputs[0].text, o.spec.acceptance_rate)
+
+Differences from vLLM (README "Coming from vLLM" has the full list): with no
+`speculative_config` verispec still speculates (adaptive n-gram, lossless) where vLLM
+does not; pass {"method": "none"} to turn it off. SamplingParams.max_tokens defaults to
+256 (vLLM: 16). One completion per prompt (n > 1) and log-probabilities are not supported
+yet. Keyword arguments vLLM has and verispec cannot honour are a ValueError; a few that
+cannot change anything here (gpu_memory_utilization, swap_space, enforce_eager,
+trust_remote_code, disable_log_stats) are accepted and ignored: `LLM_NOOP_OPTIONS`.
 """
 from __future__ import annotations
 
-from dataclasses import replace
+import sys
+from dataclasses import fields, replace
 
-from verispec.config import EngineConfig, SpecConfig
+from verispec.config import EngineConfig, SpecConfig, spec_from_speculative_config
 from verispec.engine.engine import LLMEngine, SpecOverride
-from verispec.outputs import RequestOutput
+from verispec.model.tokenizer import Tokenizer
+from verispec.outputs import CompletionOutput, LLMRequestOutput, RequestOutput
 from verispec.sampling import SamplingParams
+
+# vLLM's options that change nothing in verispec (a CPU engine: the KV pool is sized by
+# num_kv_tokens, preemption recomputes instead of swapping, there are no CUDA graphs, and
+# only built-in architectures run: no model code is ever loaded from a repository).
+LLM_NOOP_OPTIONS = ("gpu_memory_utilization", "swap_space", "enforce_eager", "trust_remote_code",
+                    "disable_log_stats")
+# vLLM's options verispec cannot honour: accepted only at the value that asks for nothing.
+LLM_UNSUPPORTED_OPTIONS = {
+    "tensor_parallel_size": 1, "pipeline_parallel_size": 1, "data_parallel_size": 1,
+    "quantization": None, "kv_cache_dtype": "auto", "enable_lora": False, "cpu_offload_gb": 0,
+    "tokenizer_mode": "auto", "skip_tokenizer_init": False, "revision": None, "tokenizer_revision": None,
+    "download_dir": None, "load_format": "auto",
+}
+_HINTS = {"quantization": " (verispec's weight_format= picks int8/int4 weights)",
+          "tensor_parallel_size": " (verispec runs one process per engine)"}
+# EngineConfig fields LLM(...) takes by name; the nested ones have vLLM's names below.
+_ENGINE_FIELDS = tuple(f.name for f in fields(EngineConfig) if f.name not in ("model", "spec", "cache", "scheduler"))
+_DTYPES = {"auto": None, "bfloat16": "bfloat16", "bf16": "bfloat16", "float32": "float32", "float": "float32"}
 
 
 class LLM:
-    def __init__(self, model: str = "smollm2-135m-instruct", draft: str | None = None,
-                 spec: str | SpecConfig = "ngram", dtype: str = "bfloat16",
-                 config: EngineConfig | None = None, **engine_options):
-        """Build an engine; `spec` is a method name or a full SpecConfig."""
-        if config is None:
-            spec_cfg = spec if isinstance(spec, SpecConfig) else SpecConfig(method=spec)
-            config = EngineConfig(model=model, draft_model=draft, dtype=dtype, spec=spec_cfg)
-        if engine_options:
-            config = replace(config, **engine_options)
+    def __init__(self, model: str | None = None, *, speculative_config: dict | None = None,
+                 dtype: str = "auto", seed: int | None = None, max_model_len: int | None = None,
+                 max_num_seqs: int | None = None, max_num_batched_tokens: int | None = None,
+                 enable_prefix_caching: bool | None = None, block_size: int | None = None,
+                 num_kv_tokens: int | None = None, tokenizer: str | None = None,
+                 chat_template: str | None = None, draft: str | None = None,
+                 spec: str | SpecConfig | None = None, config: EngineConfig | None = None,
+                 **engine_options):
+        """Build an engine from vLLM's arguments onto one frozen EngineConfig.
+
+        model: registry name, .gguf file or Hugging Face directory (None: the default model).
+        speculative_config: vLLM's dict (config.spec_from_speculative_config); None keeps
+        verispec's default speculation. dtype: "auto" (bfloat16), "bfloat16" or "float32".
+        block_size / num_kv_tokens size the KV pool. verispec's own: `spec` (a method name or
+        a SpecConfig), `draft` (a draft model), `config` (a whole EngineConfig the other
+        arguments override), and any EngineConfig field (weight_format, threads, kernels...).
+        """
+        base = config or EngineConfig()
+        top: dict = {}
+        if model is not None:
+            top["model"] = model
+        if tokenizer is not None and tokenizer != (model or base.model):
+            raise ValueError(f"tokenizer {tokenizer!r}: verispec reads the model's own tokenizer; "
+                             "a separate one is not supported")
+        key = str(dtype).removeprefix("torch.")
+        if key not in _DTYPES:
+            raise ValueError(f"dtype {dtype!r} is not supported; allowed: {sorted(_DTYPES)}")
+        if _DTYPES[key]:
+            top["dtype"] = _DTYPES[key]
+        if seed is not None:
+            top["seed"] = seed
+        if chat_template is not None:
+            top["chat_template"] = chat_template
+        for name, value in engine_options.items():
+            if name in LLM_NOOP_OPTIONS:
+                continue
+            if name in LLM_UNSUPPORTED_OPTIONS:
+                if value != LLM_UNSUPPORTED_OPTIONS[name]:
+                    raise ValueError(f"{name}={value!r} is not supported by verispec{_HINTS.get(name, '')}; "
+                                     f"only {LLM_UNSUPPORTED_OPTIONS[name]!r}")
+                continue
+            if name not in _ENGINE_FIELDS:
+                raise ValueError(f"unknown LLM option {name!r}; verispec's engine options: "
+                                 f"{list(_ENGINE_FIELDS)}, vLLM's accepted as no-ops: {list(LLM_NOOP_OPTIONS)}")
+            top[name] = value
+
+        spec_cfg, draft_model = base.spec, draft
+        if speculative_config is not None:
+            if spec is not None or draft is not None:
+                raise ValueError("pass speculative_config or verispec's spec=/draft=, not both")
+            spec_cfg, draft_model = spec_from_speculative_config(speculative_config, base.spec)
+        elif isinstance(spec, SpecConfig):
+            spec_cfg = spec
+        elif spec is not None:
+            spec_cfg = replace(base.spec, method=spec)
+        elif draft is not None:
+            spec_cfg = replace(base.spec, method="draft")  # naming a draft means using it
+        if draft_model is not None:
+            top["draft_model"] = draft_model
+
+        sched = {k: v for k, v in (("max_model_len", max_model_len), ("max_num_seqs", max_num_seqs),
+                                   ("max_num_batched_tokens", max_num_batched_tokens)) if v is not None}
+        cache = {k: v for k, v in (("prefix_cache", enable_prefix_caching), ("block_size", block_size),
+                                   ("num_kv_tokens", num_kv_tokens)) if v is not None}
+        config = replace(base, **top, spec=spec_cfg, scheduler=replace(base.scheduler, **sched),
+                         cache=replace(base.cache, **cache))
         self.engine = LLMEngine.from_config(config.resolved_for("generate"))
         self.config = self.engine.config  # resolved (e.g. the registered draft's directory)
         self.tokenizer = self.engine.tokenizer
         self._next_id = 0
 
-    def generate(self, prompts: list[str | list[int]] | str, params: SamplingParams | list[SamplingParams] | None = None,
-                 spec: SpecOverride | None = None) -> list[RequestOutput]:
+    @property
+    def llm_engine(self) -> LLMEngine:
+        """vLLM's name for the engine underneath."""
+        return self.engine
+
+    def get_tokenizer(self) -> Tokenizer:
+        return self.tokenizer
+
+    # ------------------------------------------------------------------ generate
+    def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None, *,
+                 use_tqdm=True, spec: SpecOverride | None = None,
+                 params: SamplingParams | list[SamplingParams] | None = None) -> list[LLMRequestOutput]:
         """Run every prompt concurrently through the scheduler; outputs come back in order.
 
-        A prompt is a string (encoded as is) or a list of token ids.
+        prompts: a string, a {"prompt": str} or {"prompt_token_ids": [...]} dict (vLLM's
+        TextPrompt / TokensPrompt), a list of token ids, or a list of any of these.
+        sampling_params: one SamplingParams for all, or one per prompt (None: the defaults;
+        `params=` is the earlier spelling). use_tqdm: a progress bar on stderr when it is a
+        terminal (or a tqdm-like class to use). spec: verispec's per-request speculation
+        override. A request that fails alone comes back with `.error` set.
         """
-        if isinstance(prompts, str):
-            prompts = [prompts]
-        params = params or SamplingParams()
-        params_list = params if isinstance(params, list) else [params] * len(prompts)
-        if len(params_list) != len(prompts):
-            raise ValueError(f"got {len(params_list)} SamplingParams for {len(prompts)} prompts")
+        if params is not None:
+            if sampling_params is not None:
+                raise ValueError("pass sampling_params or params, not both")
+            sampling_params = params
+        items = self._normalise_prompts(prompts)
+        params_list = self._params_for(sampling_params, len(items))
+        encoded = [(text, list(ids) if ids is not None else self.tokenizer.encode(text)) for text, ids in items]
+        return self._run(encoded, params_list, spec, use_tqdm)
+
+    def chat(self, messages, sampling_params: SamplingParams | list[SamplingParams] | None = None, *,
+             use_tqdm=True, chat_template: str | None = None, add_generation_prompt: bool = True,
+             chat_template_kwargs: dict | None = None, spec: SpecOverride | None = None,
+             params: SamplingParams | list[SamplingParams] | None = None) -> list[LLMRequestOutput]:
+        """Like generate, for one conversation (a list of message dicts) or several (a list of
+        such lists), rendered with the model's chat template or `chat_template` (Jinja text
+        or a file). A message's content may be a string or a list of {"type": "text"} parts.
+        Each output's `prompt` is the rendered conversation."""
+        if params is not None:
+            if sampling_params is not None:
+                raise ValueError("pass sampling_params or params, not both")
+            sampling_params = params
+        if not isinstance(messages, (list, tuple)):
+            raise ValueError(f"messages must be a list of message dicts or a list of such lists, got {messages!r}")
+        conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        tok = self._tokenizer_with(chat_template)
+        encoded = []
+        for i, conv in enumerate(conversations):
+            if not isinstance(conv, (list, tuple)):
+                raise ValueError(f"conversation {i} must be a list of message dicts, got {conv!r}")
+            text = tok.apply_chat_template([_text_message(m) for m in conv],
+                                           add_generation_prompt=add_generation_prompt,
+                                           **(chat_template_kwargs or {}))
+            encoded.append((text, tok.encode(text, add_special_tokens=False)))
+        params_list = self._params_for(sampling_params, len(encoded))
+        return self._run(encoded, params_list, spec, use_tqdm)
+
+    # ------------------------------------------------------------------ internals
+    def _run(self, encoded: list[tuple[str | None, list[int]]], params_list: list[SamplingParams],
+             spec: SpecOverride | None, use_tqdm) -> list[LLMRequestOutput]:
         ids = []
-        for prompt, p in zip(prompts, params_list):
+        for _, tokens in encoded:
             rid = f"llm-{self._next_id}"
             self._next_id += 1
-            tokens = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
-            self.engine.add_request(rid, tokens, p, spec)
             ids.append(rid)
+        for rid, (_, tokens), p in zip(ids, encoded, params_list):
+            self.engine.add_request(rid, tokens, p, spec)
+        bar = _progress_bar(use_tqdm, len(ids))
         final: dict[str, RequestOutput] = {}
-        while len(final) < len(ids):
-            for out in self.engine.step():
-                if out.finished:
-                    final[out.request_id] = out
-        return [final[i] for i in ids]
+        try:
+            while len(final) < len(ids):
+                for out in self.engine.step():
+                    if out.finished and out.request_id not in final:
+                        final[out.request_id] = out
+                        if bar is not None:
+                            bar.update(1)
+        finally:
+            if bar is not None:
+                bar.close()
+        return [self._result(final[rid], text, p) for rid, (text, _), p in zip(ids, encoded, params_list)]
 
-    def chat(self, conversations: list[list[dict]], params: SamplingParams | None = None,
-             spec: SpecOverride | None = None) -> list[RequestOutput]:
-        """Like generate, for chat conversations rendered with the model's chat template."""
-        return self.generate([self.tokenizer.encode_chat(c) for c in conversations], params, spec)
+    def _result(self, out: RequestOutput, prompt: str | None, params: SamplingParams) -> LLMRequestOutput:
+        completion = CompletionOutput(index=0, text=out.text, token_ids=list(out.token_ids),
+                                      finish_reason=out.finish_reason,
+                                      stop_reason=self._stop_reason(out, params))
+        return LLMRequestOutput(request_id=out.request_id, prompt=prompt,
+                                prompt_token_ids=list(out.prompt_token_ids), outputs=[completion],
+                                finished=out.finished, spec=out.spec, error=out.error,
+                                num_cached_tokens=getattr(out, "num_cached_tokens", None))
+
+    def _stop_reason(self, out: RequestOutput, params: SamplingParams) -> int | str | None:
+        """vLLM's stop_reason: the stop token id or stop string that ended it, else None."""
+        if out.finish_reason != "stop" or not out.token_ids:
+            return None
+        last = out.token_ids[-1]
+        if last in (getattr(params, "stop_token_ids", None) or ()) and last not in self.tokenizer.eos_token_ids:
+            return last
+        if params.stop:
+            rest = self.tokenizer.decode(out.token_ids)[len(out.text):]
+            hits = [s for s in params.stop if s in rest]
+            return min(hits, key=rest.index) if hits else None
+        return None
+
+    @staticmethod
+    def _normalise_prompts(prompts) -> list[tuple[str | None, list[int] | None]]:
+        """[(text or None, token ids or None)] for every prompt."""
+        if isinstance(prompts, (str, dict)):
+            prompts = [prompts]
+        if not isinstance(prompts, (list, tuple)):
+            raise ValueError(f"prompts must be a string, a prompt dict or a list of them, got {type(prompts).__name__}")
+        items = []
+        for i, prompt in enumerate(prompts):
+            if isinstance(prompt, str):
+                items.append((prompt, None))
+            elif isinstance(prompt, dict):
+                extra = sorted(set(prompt) - {"prompt", "prompt_token_ids"})
+                if extra or len(prompt) != 1:
+                    raise ValueError(f"prompt {i}: a prompt dict has exactly one of 'prompt' (text) or "
+                                     f"'prompt_token_ids'; got keys {sorted(prompt)}")
+                if "prompt" in prompt:
+                    if not isinstance(prompt["prompt"], str):
+                        raise ValueError(f"prompt {i}: 'prompt' must be a string")
+                    items.append((prompt["prompt"], None))
+                else:
+                    items.append((None, _token_ids(prompt["prompt_token_ids"], i)))
+            elif isinstance(prompt, (list, tuple)):
+                items.append((None, _token_ids(prompt, i)))
+            else:
+                raise ValueError(f"prompt {i} must be a string, a list of token ids or a prompt dict "
+                                 f"(e.g. {{'prompt_token_ids': [...]}}), got {type(prompt).__name__}")
+        return items
+
+    @staticmethod
+    def _params_for(sampling_params, n: int) -> list[SamplingParams]:
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        params_list = list(sampling_params) if isinstance(sampling_params, (list, tuple)) else [sampling_params] * n
+        if len(params_list) != n:
+            raise ValueError(f"got {len(params_list)} SamplingParams for {n} prompts")
+        for p in params_list:
+            if not isinstance(p, SamplingParams):
+                raise ValueError(f"sampling_params must be verispec.SamplingParams, got {type(p).__module__}."
+                                 f"{type(p).__name__}")
+            if getattr(p, "n", 1) not in (None, 1) or getattr(p, "best_of", None) not in (None, 1):
+                raise ValueError("n > 1 (several completions per prompt) is not supported yet; "
+                                 "repeat the prompt instead")
+            if getattr(p, "logprobs", None) is not None or getattr(p, "prompt_logprobs", None) is not None:
+                raise ValueError("logprobs are not supported yet")
+        return params_list
+
+    def _tokenizer_with(self, chat_template: str | None) -> Tokenizer:
+        """The tokenizer, with `chat_template` (Jinja text or a file) instead of its own."""
+        if chat_template is None:
+            return self.tokenizer
+        from verispec.config import load_chat_template
+        text = load_chat_template(chat_template)
+        cache = self.__dict__.setdefault("_template_tokenizers", {})
+        if text not in cache:
+            cache[text] = Tokenizer(self.tokenizer.backend, replace(self.tokenizer.meta, chat_template=text))
+        return cache[text]
+
+
+def _token_ids(ids, i: int) -> list[int]:
+    ids = list(ids)
+    if not ids or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+        raise ValueError(f"prompt {i}: token ids must be a non-empty list of integers")
+    return ids
+
+
+def _text_message(message):
+    """A message whose content is a list of {"type": "text", "text": ...} parts, as one
+    string (vLLM's "string" content format); other messages as they are."""
+    if not isinstance(message, dict) or not isinstance(message.get("content"), list):
+        return message
+    parts = message["content"]
+    texts = []
+    for part in parts:
+        if isinstance(part, str):
+            texts.append(part)
+        elif isinstance(part, dict) and part.get("type") == "text":
+            texts.append(part.get("text", ""))
+        else:
+            kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+            raise ValueError(f"message content part of type {kind!r} is not supported (text only)")
+    return {**message, "content": "\n".join(texts)}
+
+
+def _progress_bar(use_tqdm, total: int):
+    """vLLM's "Processed prompts" bar on stderr, only when it is a terminal; or use_tqdm(...)
+    when it is a tqdm-like class."""
+    if not use_tqdm or total == 0:
+        return None
+    if callable(use_tqdm):
+        return use_tqdm(total=total, desc="Processed prompts", dynamic_ncols=True)
+    if not (hasattr(sys.stderr, "isatty") and sys.stderr.isatty()):
+        return None
+    from tqdm.auto import tqdm
+    return tqdm(total=total, desc="Processed prompts", dynamic_ncols=True, file=sys.stderr)

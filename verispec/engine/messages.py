@@ -81,6 +81,7 @@ class RequestEvent(msgspec.Struct, array_like=True, omit_defaults=True):
     error: str | None = None
     bad_input: bool = False
     spec: SpecSnapshot | None = None   # with the event that ends the request
+    num_cached_tokens: int = 0         # prompt tokens the prefix cache served (OUTPUT events)
 
 
 class EngineStats(msgspec.Struct, array_like=True):
@@ -92,6 +93,7 @@ class EngineStats(msgspec.Struct, array_like=True):
     kv_blocks_total: int
     prefix_hit_tokens: int
     prefix_query_tokens: int
+    num_preemptions: int = 0     # since start (the engine's LLMEngine.num_preemptions)
 
 
 class CallResult(msgspec.Struct, array_like=True):

@@ -124,6 +124,8 @@ class Scheduler:
                 req.num_computed = req.draft_computed = 0
                 break
             self.waiting.popleft()
+            if req.num_cached_tokens is None:  # the first admission (not a preempted recompute)
+                req.num_cached_tokens = req.num_computed
             req.status = Status.RUNNING
             self.running.append(req)
             budget -= used

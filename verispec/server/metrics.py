@@ -1,4 +1,12 @@
-"""Prometheus metrics of one server, named like vLLM's where a vLLM metric exists.
+"""Prometheus metrics of one server, named like vLLM's (v1 engine) where a vLLM metric exists.
+
+`ServerMetrics(model_name, prefix="vllm")` exports vLLM's names, label sets and histogram
+buckets (`vllm:time_to_first_token_seconds`, ...), so vLLM's Grafana dashboards work
+unchanged; `prefix="verispec"` (`--metrics-prefix verispec`) exports the same metrics as
+`verispec:*`, the per-request TPOT histogram keeping its old name
+`verispec:time_per_output_token_seconds`. Metrics vLLM has no counterpart for (aborted,
+errored and rejected requests, engine step errors, KV blocks, the prefix hit rate) are always
+`verispec:*`. docs/serving.md ("Metrics") lists every name and what is approximated.
 
 Every metric lives in a per-app CollectorRegistry (never the process-global one), so two
 servers in one process (tests) do not share counters. ServerMetrics is also the
@@ -8,8 +16,15 @@ requests starting, progressing and ending.
 Speculation counters are added once per request, from its final SpecStats, when it
 finishes, fails or is aborted; so over any window the counter deltas equal the sums of
 the `spec` blocks of the responses of that window (plus the aborted requests' stats).
-Engine-state gauges (running/waiting, KV usage, prefix cache) are read at scrape time from
-the latest stats the engine core sent (with every step).
+Engine-state gauges (running/waiting, KV usage, prefix cache, preemptions) are read at
+scrape time from the latest stats the engine core sent (with every step).
+
+Request timings (front-end clock, time.monotonic()): arrival = the server handed the request
+to the engine; scheduled = the start of the engine step that produced its first token,
+taken as the arrival of the core's previous message (or arrival, if later); first token and
+every later token batch = arrival of the core message carrying them; finish = arrival of
+the message that ended it. Queue, prefill and decode times are observed for requests that
+finished normally (stop/length), as vLLM does.
 """
 from __future__ import annotations
 
@@ -20,59 +35,102 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
-PREFIX = "verispec:"
+PREFIXES = ("vllm", "verispec")
+OWN = "verispec:"   # metrics vLLM has no counterpart for keep this prefix under either setting
 SPEC_METHODS = ("ngram", "draft", "none")
-LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
-                   120.0, 300.0, 600.0)
-TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75,
-                1.0, 2.5, 5.0)
+# vLLM v1's buckets (vllm/v1/metrics/loggers.py).
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
+                7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
+               10.0, 20.0, 40.0, 80.0)
+REQUEST_LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0,
+                           50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
 REJECT_REASONS = {400: "invalid_request", 401: "unauthorized", 404: "not_found",
                   405: "method_not_allowed", 413: "body_too_large", 429: "queue_full",
                   503: "unavailable"}
 
 
+def token_buckets(max_model_len: int) -> tuple[float, ...]:
+    """vLLM's build_1_2_5_buckets: 1, 2, 5, 10, 20, 50, ... up to max_model_len."""
+    out, exponent = [], 0
+    while True:
+        for m in (1, 2, 5):
+            value = m * 10 ** exponent
+            if value > max_model_len:
+                return tuple(out) if out else (1.0,)
+            out.append(float(value))
+        exponent += 1
+
+
 class ServerMetrics:
     """All metrics of one server; `render()` is the /metrics body."""
 
-    def __init__(self, model_name: str, stats_source: Callable[[], Any] | None = None):
+    def __init__(self, model_name: str, stats_source: Callable[[], Any] | None = None,
+                 prefix: str = "vllm", max_model_len: int = 2048):
+        if prefix not in PREFIXES:
+            raise ValueError(f"metrics prefix must be one of {PREFIXES}, got {prefix!r}")
         self.model_name = model_name
+        self.prefix = p = prefix + ":"
         self.registry = CollectorRegistry()
         labels = ["model_name"]
 
         def counter(name: str, doc: str, extra: tuple[str, ...] = ()) -> Counter:
-            return Counter(PREFIX + name, doc, labels + list(extra), registry=self.registry)
+            return Counter(name, doc, labels + list(extra), registry=self.registry)
 
         def histogram(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
-            return Histogram(PREFIX + name, doc, labels, buckets=buckets, registry=self.registry)
+            return Histogram(name, doc, labels, buckets=buckets, registry=self.registry)
 
-        self.request_success = counter("request_success", "Requests that finished normally.",
+        # vLLM's names
+        self.request_success = counter(p + "request_success", "Requests that finished normally.",
                                        ("finished_reason",))
-        self.request_aborted = counter("request_aborted", "Requests aborted before finishing "
-                                       "(client disconnect, cancellation, shutdown).")
-        self.request_error = counter("request_error", "Requests the engine failed.")
-        self.request_rejected = counter("request_rejected", "Requests refused before reaching "
-                                        "the engine, by reason.", ("reason",))
-        self.engine_step_errors = counter("engine_step_errors",
-                                          "Requests an engine step failed (each failing row counts once).")
-        self.prompt_tokens = counter("prompt_tokens", "Prompt tokens of requests the engine accepted.")
-        self.generation_tokens = counter("generation_tokens", "Generated tokens.")
-        self.ttft = histogram("time_to_first_token_seconds", "Time to first token.", LATENCY_BUCKETS)
-        self.tpot = histogram("time_per_output_token_seconds",
-                              "Mean time per output token after the first, per request.", TPOT_BUCKETS)
-        self.e2e = histogram("e2e_request_latency_seconds",
-                             "Arrival to last token, finished requests.", LATENCY_BUCKETS)
+        self.prompt_tokens = counter(p + "prompt_tokens", "Prompt tokens of requests the engine accepted.")
+        self.generation_tokens = counter(p + "generation_tokens", "Generated tokens.")
+        self.ttft = histogram(p + "time_to_first_token_seconds",
+                              "Arrival to first token (every request that got one).", TTFT_BUCKETS)
+        self.itl = histogram(p + "inter_token_latency_seconds",
+                             "Time between two consecutive engine outputs of one request (one "
+                             "observation per step that gave it tokens; with speculation a step "
+                             "may give several).", ITL_BUCKETS)
+        tpot = "request_time_per_output_token_seconds" if prefix == "vllm" else "time_per_output_token_seconds"
+        self.tpot = histogram(p + tpot, "Per request: (finish - first token) / (output tokens - 1), "
+                              "finished requests with 2 or more output tokens.", ITL_BUCKETS)
+        self.e2e = histogram(p + "e2e_request_latency_seconds",
+                             "Arrival to finish, finished requests.", REQUEST_LATENCY_BUCKETS)
+        self.queue = histogram(p + "request_queue_time_seconds",
+                               "Arrival to first scheduled (approximate: see docs/serving.md).",
+                               REQUEST_LATENCY_BUCKETS)
+        self.inference = histogram(p + "request_inference_time_seconds",
+                                   "First scheduled to finish.", REQUEST_LATENCY_BUCKETS)
+        self.prefill = histogram(p + "request_prefill_time_seconds",
+                                 "First scheduled to first token.", REQUEST_LATENCY_BUCKETS)
+        self.decode = histogram(p + "request_decode_time_seconds",
+                                "First token to finish.", REQUEST_LATENCY_BUCKETS)
+        self.request_prompt_tokens = histogram(p + "request_prompt_tokens",
+                                               "Prompt tokens per finished request.",
+                                               token_buckets(max_model_len))
+        self.request_generation_tokens = histogram(p + "request_generation_tokens",
+                                                   "Generated tokens per finished request.",
+                                                   token_buckets(max_model_len))
         spec_labels = ("method",)
-        self.spec_drafts = counter("spec_decode_num_drafts", "Verify rounds with k >= 1.", spec_labels)
-        self.spec_draft_tokens = counter("spec_decode_num_draft_tokens", "Draft tokens proposed.",
+        self.spec_drafts = counter(p + "spec_decode_num_drafts", "Verify rounds with k >= 1.", spec_labels)
+        self.spec_draft_tokens = counter(p + "spec_decode_num_draft_tokens", "Draft tokens proposed.",
                                          spec_labels)
-        self.spec_accepted = counter("spec_decode_num_accepted_tokens", "Draft tokens accepted.",
+        self.spec_accepted = counter(p + "spec_decode_num_accepted_tokens", "Draft tokens accepted.",
                                      spec_labels)
-        self.spec_accepted_per_pos = counter("spec_decode_num_accepted_tokens_per_pos",
+        self.spec_accepted_per_pos = counter(p + "spec_decode_num_accepted_tokens_per_pos",
                                              "Draft tokens accepted at each draft position.",
                                              ("method", "position"))
+        # verispec's own
+        self.request_aborted = counter(OWN + "request_aborted", "Requests aborted before finishing "
+                                       "(client disconnect, cancellation, shutdown).")
+        self.request_error = counter(OWN + "request_error", "Requests the engine failed.")
+        self.request_rejected = counter(OWN + "request_rejected", "Requests refused before reaching "
+                                        "the engine, by reason.", ("reason",))
+        self.engine_step_errors = counter(OWN + "engine_step_errors",
+                                          "Requests an engine step failed (each failing row counts once).")
         self._touch_defaults()
         if stats_source is not None:
-            self.registry.register(_EngineStateCollector(model_name, stats_source))
+            self.registry.register(_EngineStateCollector(model_name, stats_source, p))
 
     def _touch_defaults(self) -> None:
         """Create the common label sets at 0 so they are scraped before the first request."""
@@ -80,7 +138,9 @@ class ServerMetrics:
         for reason in ("stop", "length"):
             self.request_success.labels(m, reason)
         for c in (self.request_aborted, self.request_error, self.engine_step_errors,
-                  self.prompt_tokens, self.generation_tokens, self.ttft, self.tpot, self.e2e):
+                  self.prompt_tokens, self.generation_tokens, self.ttft, self.itl, self.tpot, self.e2e,
+                  self.queue, self.inference, self.prefill, self.decode, self.request_prompt_tokens,
+                  self.request_generation_tokens):
             c.labels(m)
         for method in SPEC_METHODS:
             for c in (self.spec_drafts, self.spec_draft_tokens, self.spec_accepted):
@@ -96,6 +156,9 @@ class ServerMetrics:
     def on_request_output(self, record, output) -> None:
         if output.new_token_ids:
             self.generation_tokens.labels(self.model_name).inc(len(output.new_token_ids))
+            prev, last = getattr(record, "prev_token_time", None), getattr(record, "last_token_time", None)
+            if prev is not None and last is not None:
+                self.itl.labels(self.model_name).observe(last - prev)
 
     def on_request_finished(self, record, outcome: str) -> None:
         """outcome: a finish reason ("stop" | "length"), "abort" or "error"."""
@@ -114,11 +177,23 @@ class ServerMetrics:
         self.engine_step_errors.labels(self.model_name).inc(count)
 
     def _observe_latency(self, record) -> None:
+        m = self.model_name
         end = time.monotonic()
-        self.e2e.labels(self.model_name).observe(end - record.arrival_time)
+        self.e2e.labels(m).observe(end - record.arrival_time)
         n = record.last_output.completion_tokens if record.last_output else 0
-        if record.first_token_time is not None and n > 1:
-            self.tpot.labels(self.model_name).observe((end - record.first_token_time) / (n - 1))
+        self.request_prompt_tokens.labels(m).observe(record.prompt_len)
+        self.request_generation_tokens.labels(m).observe(n)
+        first = record.first_token_time
+        scheduled = getattr(record, "scheduled_time", None)
+        if scheduled is None:  # no token at all (cannot happen for stop/length): all queue
+            scheduled = first if first is not None else end
+        self.queue.labels(m).observe(max(0.0, scheduled - record.arrival_time))
+        self.inference.labels(m).observe(max(0.0, end - scheduled))
+        if first is not None:
+            self.prefill.labels(m).observe(max(0.0, first - scheduled))
+            self.decode.labels(m).observe(max(0.0, end - first))
+            if n > 1:
+                self.tpot.labels(m).observe((end - first) / (n - 1))
 
     def _count_spec(self, method: str, stats) -> None:
         m = self.model_name
@@ -142,9 +217,10 @@ class ServerMetrics:
 class _EngineStateCollector:
     """Gauges and cumulative counters read from the latest EngineStats at scrape time."""
 
-    def __init__(self, model_name: str, stats_source: Callable[[], Any]):
+    def __init__(self, model_name: str, stats_source: Callable[[], Any], prefix: str):
         self.model_name = model_name
         self.stats_source = stats_source
+        self.prefix = prefix
 
     def describe(self):
         return list(self._families(None))
@@ -156,26 +232,29 @@ class _EngineStateCollector:
         def value(name: str) -> float:
             return float(getattr(stats, name, 0) or 0) if stats is not None else 0.0
 
+        p = self.prefix
         total = value("kv_blocks_total")
         queries = value("prefix_query_tokens")
         hits = value("prefix_hit_tokens")
         gauges = [
-            ("num_requests_running", "Requests the engine is running.", value("num_running")),
-            ("num_requests_waiting", "Requests waiting in the engine's queue.", value("num_waiting")),
-            ("kv_cache_usage_perc", "Fraction of KV blocks in use (0..1).",
+            (p + "num_requests_running", "Requests the engine is running.", value("num_running")),
+            (p + "num_requests_waiting", "Requests waiting in the engine's queue.", value("num_waiting")),
+            (p + "kv_cache_usage_perc", "Fraction of KV blocks in use (0..1).",
              value("kv_blocks_used") / total if total else 0.0),
-            ("kv_blocks_used", "KV blocks held by requests.", value("kv_blocks_used")),
-            ("kv_blocks_total", "KV blocks in the pool.", total),
-            ("prefix_cache_hit_rate", "Prefix-cache hit tokens / query tokens since start.",
+            (OWN + "kv_blocks_used", "KV blocks held by requests.", value("kv_blocks_used")),
+            (OWN + "kv_blocks_total", "KV blocks in the pool.", total),
+            (OWN + "prefix_cache_hit_rate", "Prefix-cache hit tokens / query tokens since start.",
              hits / queries if queries else 0.0),
         ]
         for name, doc, v in gauges:
-            g = GaugeMetricFamily(PREFIX + name, doc, labels=["model_name"])
+            g = GaugeMetricFamily(name, doc, labels=["model_name"])
             g.add_metric([self.model_name], v)
             yield g
-        for name, doc, v in (("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
+        for name, doc, v in ((p + "prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
                               queries),
-                             ("prefix_cache_hits", "Prompt tokens found in the prefix cache.", hits)):
-            c = CounterMetricFamily(PREFIX + name, doc, labels=["model_name"])
+                             (p + "prefix_cache_hits", "Prompt tokens found in the prefix cache.", hits),
+                             (p + "num_preemptions", "Requests the engine preempted (to recompute "
+                              "later) since start.", value("num_preemptions"))):
+            c = CounterMetricFamily(name, doc, labels=["model_name"])
             c.add_metric([self.model_name], v)
             yield c

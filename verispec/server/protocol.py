@@ -3,9 +3,10 @@
 Requests are parsed strictly (no "1" for 1, no true for 1): a wrong type is a 400 that
 names the field, never a silent coercion. Unknown fields are ignored, as OpenAI-compatible
 servers do, but known features this server does not implement (n > 1, logprobs, echo,
-penalties, tools, ...) are rejected rather than silently dropped.
+tools, ...) are rejected rather than silently dropped.
 
-Extensions over the OpenAI API: `top_k`, `min_p`, `ignore_eos`, and
+Extensions over the OpenAI API (vLLM's names and semantics): `top_k` (-1 or 0 disables),
+`min_p`, `ignore_eos`, `repetition_penalty`, `min_tokens`, `stop_token_ids`, and
 `speculative: {"method": "ngram"|"draft"|"none", "num_tokens": k, "adaptive": bool}` on
 requests; `spec` (the request's speculation statistics) on responses.
 """
@@ -22,6 +23,7 @@ from verispec.request import SpecOverride
 from verispec.sampling import SamplingParams
 
 MAX_STOP_STRINGS = 16
+MAX_STOP_TOKEN_IDS = 256
 MAX_SEED = 2**63 - 1
 MAX_INT32 = 2**31 - 1
 # Deepest JSON nesting accepted: chat messages with content parts need 5 levels and a
@@ -85,7 +87,7 @@ class _GenerationRequest(_Strict):
     max_tokens: int | None = Field(None, gt=0)
     temperature: float = Field(1.0, ge=0)
     top_p: float = Field(1.0, gt=0, le=1)
-    top_k: int = Field(0, ge=0, le=MAX_INT32)  # extension; 0 disables
+    top_k: int = Field(0, ge=-1, le=MAX_INT32)  # extension; 0 or -1 disables
     min_p: float = Field(0.0, ge=0, le=1)  # extension
     seed: int | None = Field(None, ge=-MAX_SEED, le=MAX_SEED)
     stop: Any = ()
@@ -94,9 +96,12 @@ class _GenerationRequest(_Strict):
     stream_options: StreamOptions | None = None
     speculative: SpeculativeOptions | None = None  # extension
     ignore_eos: bool = False                       # extension
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    logit_bias: dict | None = None
+    presence_penalty: float = Field(0.0, ge=-2, le=2)
+    frequency_penalty: float = Field(0.0, ge=-2, le=2)
+    repetition_penalty: float = Field(1.0, gt=0)      # extension
+    logit_bias: dict | None = None                    # {"token id": bias in [-100, 100]}
+    min_tokens: int = Field(0, ge=0, le=MAX_INT32)   # extension
+    stop_token_ids: list[int] = Field(default_factory=list, max_length=MAX_STOP_TOKEN_IDS)  # extension
     user: str | None = None
 
     @field_validator("stop")
@@ -118,18 +123,26 @@ class _GenerationRequest(_Strict):
             raise ValueError(f"only n=1 is supported, got {v}")
         return v
 
-    @field_validator("presence_penalty", "frequency_penalty")
-    @classmethod
-    def _check_penalty(cls, v: float) -> float:
-        if v != 0:
-            raise ValueError("penalties are not supported; only 0 is accepted")
-        return v
-
     @field_validator("logit_bias")
     @classmethod
-    def _check_logit_bias(cls, v: dict | None) -> dict | None:
-        if v:
-            raise ValueError("logit_bias is not supported")
+    def _check_logit_bias(cls, v: dict | None) -> dict[int, float] | None:
+        """OpenAI's string keys ("123") to token ids; ids past the vocabulary are the engine's 400."""
+        if not v:
+            return None
+        out = {}
+        for key, bias in v.items():
+            if not (isinstance(key, str) and key.isascii() and key.isdigit()):
+                raise ValueError(f"keys must be token ids (non-negative integers as strings), got {key!r}")
+            if isinstance(bias, bool) or not isinstance(bias, (int, float)) or not -100 <= bias <= 100:
+                raise ValueError(f"values must be numbers in [-100, 100], got {bias!r} for {key!r}")
+            out[int(key)] = float(bias)
+        return out
+
+    @field_validator("stop_token_ids")
+    @classmethod
+    def _check_stop_token_ids(cls, v: list[int]) -> list[int]:
+        if any(t < 0 for t in v):
+            raise ValueError(f"must be token ids (integers >= 0), got {v}")
         return v
 
     def check_stream_options(self) -> None:
@@ -336,7 +349,12 @@ def sampling_params(request: _GenerationRequest, max_tokens: int) -> SamplingPar
     try:
         return SamplingParams(temperature=request.temperature, top_p=request.top_p,
                               top_k=request.top_k, min_p=request.min_p, max_tokens=max_tokens,
-                              seed=request.seed, stop=request.stop, ignore_eos=request.ignore_eos)
+                              seed=request.seed, stop=request.stop, ignore_eos=request.ignore_eos,
+                              presence_penalty=request.presence_penalty,
+                              frequency_penalty=request.frequency_penalty,
+                              repetition_penalty=request.repetition_penalty,
+                              logit_bias=request.logit_bias, min_tokens=request.min_tokens,
+                              stop_token_ids=request.stop_token_ids)
     except ValueError as exc:  # the protocol checks first, so this is a belt-and-braces path
         raise APIError(400, str(exc), param=engine_error_param(str(exc))) from None
 
@@ -350,7 +368,9 @@ def spec_override(request: _GenerationRequest) -> SpecOverride | None:
 
 
 _KNOWN_PARAMS = ("speculative.method", "speculative.num_tokens", "speculative.adaptive",
-                 "max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "prompt")
+                 "max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop_token_ids", "stop",
+                 "prompt", "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias",
+                 "min_tokens")
 
 
 def engine_error_param(message: str) -> str | None:
@@ -362,9 +382,14 @@ def engine_error_param(message: str) -> str | None:
 
 
 # ---------------------------------------------------------------------------- responses
-def usage(prompt_tokens: int, completion_tokens: int) -> dict:
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int | None = None) -> dict:
+    """OpenAI's usage; `prompt_tokens_details.cached_tokens` (prompt tokens served from the
+    prefix cache) when cached_tokens is given."""
+    out = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+           "total_tokens": prompt_tokens + completion_tokens}
+    if cached_tokens is not None:
+        out["prompt_tokens_details"] = {"cached_tokens": cached_tokens}
+    return out
 
 
 def spec_summary(stats: SpecStats, method: str) -> dict:

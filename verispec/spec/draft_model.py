@@ -32,6 +32,7 @@ class DraftModelProposer:
     name = "draft"
     timed = True       # a draft pass costs a fraction of a target step: priced by the policy
     has_probs = True
+    eos_ids: tuple[int, ...] = ()  # what min_tokens bans besides stop_token_ids (set by the engine)
 
     def __init__(self, runner: ModelRunner, block_table, shared_generator: torch.Generator | None = None,
                  chunk_tokens: int = 512):
@@ -109,10 +110,13 @@ class DraftModelProposer:
                 else:            # the last drafted token sits after the pending token's position
                     rows.append(RowInput(drafted[-1:], req.num_tokens - 1 + len(drafted), table, 0))
             logits = torch.cat(self.runner.forward(rows))  # (B, V): one scored position per row
-            if probs_out is None:
+            if probs_out is None and not any(reqs[i].params.has_processors for i in active):
                 drawn = kernels.greedy_tokens(logits, self.runner.model.kernels)
+            elif probs_out is None:  # greedy: the argmax of the processed logits
+                drawn = kernels.greedy_tokens(self.tensors(reqs, active, tokens_out, logits.device)
+                                              .process(logits), self.runner.model.kernels)
             else:
-                st = SamplingTensors.from_params([reqs[i].params for i in active], logits.device)
+                st = self.tensors(reqs, active, tokens_out, logits.device)
                 probs = self.to_probs(st, logits)           # (B, V)
                 keys = [noise_key(reqs[i].params, len(reqs[i].output_ids) + len(tokens_out[i])) for i in active]
                 drawn = sample(probs, keys, shared_generator=self.shared_generator).tolist()
@@ -123,6 +127,15 @@ class DraftModelProposer:
                 reqs[i].draft_computed = rows[j].end
             active = [i for i in active if len(tokens_out[i]) < ks[i]]
         return tokens_out
+
+    def tensors(self, reqs: list[Request], active: list[int], tokens_out: list[list[int]],
+                device) -> SamplingTensors:
+        """The active rows' SamplingTensors at their next draft position: the tokens drafted
+        so far this round count as generated (as they will have been, if accepted)."""
+        params = [reqs[i].params for i in active]
+        histories = [(reqs[i].prompt_ids, reqs[i].output_ids + tokens_out[i]) if reqs[i].params.has_processors
+                     else None for i in active]
+        return SamplingTensors.from_params(params, device, histories, self.eos_ids)
 
     def to_probs(self, st: SamplingTensors, logits: torch.Tensor) -> torch.Tensor:
         """q: exactly the target's logits -> probs transform (tests patch this to inject bugs)."""
