@@ -45,11 +45,19 @@ BOS = 257
 LETTERS = b"abcdefghijklmnopqrstuvwxyz     "  # spaces weighted so text looks like words
 
 
+# A prompt containing TOOL_CALL gets this output (then EOS), whatever the sampling: two
+# Hermes/Qwen-style tool calls after some text (the tool-calling tests).
+TOOL_CALL_OUTPUT = ('Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}'
+                    '\n</tool_call>\n<tool_call>\n{"name": "get_time", "arguments": {"tz": "CET"}}\n</tool_call>')
+
+
 class ByteTokenizer:
-    """One token per UTF-8 byte; 256 = EOS, 257 = BOS (chat prompts start with it)."""
+    """One token per UTF-8 byte; 256 = EOS, 257 = BOS (chat prompts start with it). Its
+    chat template renders tools (as a `<|tools|>` JSON line) unless supports_tools is False."""
 
     eos_token_ids = (EOS,)
     vocab_size = 258
+    supports_tools = True
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return list(text.encode("utf-8"))
@@ -57,12 +65,18 @@ class ByteTokenizer:
     def decode(self, ids: list[int]) -> str:
         return bytes(i for i in ids if i < 256).decode("utf-8", errors="replace")
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
-        text = "".join(f"<|{m['role']}|>{m['content']}\n" for m in messages)
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
+                            tools: list[dict] | None = None) -> str:
+        import json
+        text = f"<|tools|>{json.dumps(tools)}\n" if tools else ""
+        for m in messages:
+            calls = "".join(f"<tool_call>{json.dumps(c['function'])}</tool_call>" for c in m.get("tool_calls", ()))
+            text += f"<|{m['role']}|>{m['content']}{calls}\n"
         return text + ("<|assistant|>" if add_generation_prompt else "")
 
-    def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
-        return [BOS] + self.encode(self.apply_chat_template(messages, add_generation_prompt))
+    def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True,
+                    tools: list[dict] | None = None) -> list[int]:
+        return [BOS] + self.encode(self.apply_chat_template(messages, add_generation_prompt, tools))
 
 
 class CostlyByteTokenizer(ByteTokenizer):
@@ -101,6 +115,7 @@ class _Request:
     fail_step: bool = False
     fail_request: bool = False
     hang: bool = False
+    canned: bytes = b""      # TOOL_CALL in the prompt: the output is TOOL_CALL_OUTPUT
     cached: int = 0          # prompt tokens found in the prefix cache when admitted
 
 
@@ -110,9 +125,11 @@ class FakeEngine:
     def __init__(self, *, model_name: str = "fake-model", max_model_len: int = 512,
                  max_num_seqs: int = 8, block_size: int = 16, spec_method: str = "ngram",
                  num_spec_tokens: int = 3, has_draft: bool = False, step_delay_s: float = 0.0,
-                 leak_blocks_on_abort: bool = False, hang_s: float = 20.0, costly_tokenizer: bool = False):
+                 leak_blocks_on_abort: bool = False, hang_s: float = 20.0, costly_tokenizer: bool = False,
+                 tools_template: bool = True):
         self.model_name = model_name
         self.tokenizer = CostlyByteTokenizer() if costly_tokenizer else ByteTokenizer()
+        self.tokenizer.supports_tools = tools_template  # False: like SmolLM2's template
         self.hang_s = hang_s
         self.max_model_len = max_model_len
         self.spec_method = spec_method
@@ -158,7 +175,8 @@ class FakeEngine:
         text = bytes(t for t in prompt_token_ids if t < 256)
         req = _Request(request_id, list(prompt_token_ids), params, "none" if k == 0 else method, k,
                        random.Random(params.seed), fail_step=b"FAIL_STEP" in text,
-                       fail_request=b"FAIL_REQUEST" in text, hang=b"HANG_STEP" in text)
+                       fail_request=b"FAIL_REQUEST" in text, hang=b"HANG_STEP" in text,
+                       canned=TOOL_CALL_OUTPUT.encode() if b"TOOL_CALL" in text else b"")
         self.requests[request_id] = req
         self.waiting.append(req)
 
@@ -231,6 +249,9 @@ class FakeEngine:
 
     def _next(self, req: _Request, extra: list[int] = ()) -> int:
         history = req.prompt + req.output + list(extra)
+        if req.canned:
+            at = len(history) - len(req.prompt)
+            return req.canned[at] if at < len(req.canned) else EOS
         allow_eos = not req.params.ignore_eos
         if req.params.temperature == 0:
             return greedy_next(history, allow_eos)

@@ -226,13 +226,17 @@ def test_n_and_logprobs_are_refused_if_sampling_params_has_them(llm):
         n: int = 2
 
     @dataclass(frozen=True)
-    class WithLogprobs(SamplingParams):
-        logprobs: int | None = 1
+    class WithPromptLogprobs(SamplingParams):
+        prompt_logprobs: int | None = 1
 
     with pytest.raises(ValueError, match="n > 1"):
         llm.generate("Hi", WithN(max_tokens=2))
-    with pytest.raises(ValueError, match="logprobs"):
-        llm.generate("Hi", WithLogprobs(max_tokens=2))
+    with pytest.raises(ValueError, match="prompt_logprobs"):
+        llm.generate("Hi", WithPromptLogprobs(max_tokens=2))
+    c = llm.generate("Hi", SamplingParams(max_tokens=3, temperature=0, logprobs=2))[0].outputs[0]
+    assert len(c.logprobs) == len(c.token_ids) and all(t in d for t, d in zip(c.token_ids, c.logprobs))
+    assert all(len(d) in (2, 3) for d in c.logprobs)
+    assert abs(c.cumulative_logprob - sum(d[t].logprob for t, d in zip(c.token_ids, c.logprobs))) < 1e-9
     assert llm.generate("Hi", WithN(n=1, max_tokens=2))[0].outputs[0].token_ids
 
 

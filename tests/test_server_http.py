@@ -611,3 +611,61 @@ def test_a_seeded_request_returns_the_same_text_whatever_else_is_in_flight(serve
     assert alone and alone == busy == plain
     if BACKEND.name == "real":  # the fake engine's seeded draws are its own
         assert other_seed != alone
+
+
+# ---------------------------------------------------------------------------- logprobs
+needs_engine = pytest.mark.skipif(BACKEND.name == "fake", reason="the fake engine computes no logprobs")
+
+
+@needs_engine
+def test_completion_logprobs_streamed_and_not_parse_and_agree(server):
+    c = client(server)
+    req = dict(model=BACKEND.model, prompt="The capital of France is", max_tokens=8, temperature=0,
+               logprobs=2, extra_body={"ignore_eos": True})
+    r = c.completions.create(**req)
+    lp = r.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(lp.text_offset) == 8
+    assert "".join(lp.tokens) == r.choices[0].text
+    assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(8)]
+    for tok, value, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs):
+        assert 2 <= len(top) <= 3 and top[tok] == value <= 0
+        assert value == max(top.values())  # greedy: the sampled token is the most likely
+    chunks = list(c.completions.create(**req, stream=True))
+    streamed = [x for ch in chunks for x in (ch.choices[0].logprobs.token_logprobs
+                                              if ch.choices and ch.choices[0].logprobs else [])]
+    assert len(streamed) == 8 and all(abs(a - b) < 1e-4 for a, b in zip(streamed, lp.token_logprobs))
+    offsets = [x for ch in chunks if ch.choices and ch.choices[0].logprobs for x in ch.choices[0].logprobs.text_offset]
+    assert offsets == lp.text_offset
+
+
+@needs_engine
+def test_chat_logprobs_and_top_logprobs_streamed_and_not(server):
+    c = client(server)
+    req = dict(model=BACKEND.model, messages=[{"role": "user", "content": "Name a colour."}], max_tokens=6,
+               temperature=0.7, seed=3, logprobs=True, top_logprobs=3, extra_body={"ignore_eos": True})
+    r = c.chat.completions.create(**req)
+    content = r.choices[0].logprobs.content
+    assert len(content) == 6 and len(content[0].top_logprobs) == 3
+    assert "".join(e.token for e in content) == r.choices[0].message.content
+    for e in content:
+        assert e.bytes == list(e.token.encode()) and -9999.0 <= e.logprob <= 0
+        assert [t.logprob for t in e.top_logprobs] == sorted((t.logprob for t in e.top_logprobs), reverse=True)
+    chunks = list(c.chat.completions.create(**req, stream=True))
+    streamed = [e for ch in chunks if ch.choices and ch.choices[0].logprobs for e in ch.choices[0].logprobs.content]
+    assert [e.token for e in streamed] == [e.token for e in content]
+    assert all(abs(a.logprob - b.logprob) < 1e-4 for a, b in zip(streamed, content))
+    plain = c.chat.completions.create(**{k: v for k, v in req.items() if k not in ("logprobs", "top_logprobs")})
+    assert plain.choices[0].logprobs is None and plain.choices[0].message.content == r.choices[0].message.content
+
+
+def test_bad_logprobs_values_are_400s_naming_the_field(server):
+    c = client(server)
+    msgs = [{"role": "user", "content": "x"}]
+    for call, param in ((lambda: c.completions.create(model=BACKEND.model, prompt="x", logprobs=21), "logprobs"),
+                        (lambda: c.chat.completions.create(model=BACKEND.model, messages=msgs, top_logprobs=2),
+                         "top_logprobs"),
+                        (lambda: c.chat.completions.create(model=BACKEND.model, messages=msgs, logprobs=True,
+                                                           top_logprobs=21), "top_logprobs")):
+        with pytest.raises(openai.BadRequestError) as err:
+            call()
+        assert err.value.body["param"] == param

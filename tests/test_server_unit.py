@@ -99,7 +99,13 @@ BAD_REQUESTS = [
     (COMP, {"prompt": "x", "stream": "yes"}, 400, "stream"),
     (COMP, {"prompt": "x", "stop": [""]}, 400, "stop"),
     (COMP, {"prompt": "x", "seed": 1.5}, 400, "seed"),
-    (COMP, {"prompt": "x", "logprobs": 2}, 400, "logprobs"),
+    (COMP, {"prompt": "x", "logprobs": 21}, 400, "logprobs"),
+    (COMP, {"prompt": "x", "logprobs": -1}, 400, "logprobs"),
+    (COMP, {"prompt": "x", "logprobs": True}, 400, "logprobs"),
+    (CHAT, {"messages": MSG, "top_logprobs": 3}, 400, "top_logprobs"),
+    (CHAT, {"messages": MSG, "logprobs": False, "top_logprobs": 3}, 400, "top_logprobs"),
+    (CHAT, {"messages": MSG, "logprobs": True, "top_logprobs": 21}, 400, "top_logprobs"),
+    (CHAT, {"messages": MSG, "logprobs": 2}, 400, "logprobs"),
     (COMP, {"prompt": "x", "echo": True}, 400, "echo"),
     (COMP, {"prompt": "x", "stream_options": {"include_usage": True}}, 400, "stream_options"),
     (COMP, {"prompt": "x", "speculative": {"method": "medusa"}}, 400, "speculative.method"),
@@ -114,7 +120,17 @@ BAD_REQUESTS = [
     (CHAT, {"messages": [{"role": "user", "content": "x" * 600}]}, 400, "messages"),
     (CHAT, {"messages": MSG, "n": 3}, 400, "n"),
     (CHAT, {"messages": MSG, "presence_penalty": -3}, 400, "presence_penalty"),
-    (CHAT, {"messages": MSG, "tools": [{"type": "function"}]}, 400, "tools"),
+    (CHAT, {"messages": MSG, "tools": [{"type": "function"}]}, 400, "tools[0].function"),
+    # unknown fields: 400 naming them, at every level, even when null (--allow-unknown-fields)
+    (COMP, {"prompt": "x", "repetiton_penalty": 1.2}, 400, "repetiton_penalty"),
+    (COMP, {"prompt": "x", "foo": None}, 400, "foo"),
+    (CHAT, {"messages": MSG, "reasoning_effort": "high"}, 400, "reasoning_effort"),
+    (CHAT, {"messages": MSG, "functions": [{"name": "f"}]}, 400, "functions"),
+    (CHAT, {"messages": [{"role": "user", "content": "x", "foo": 1}]}, 400, "messages[0].foo"),
+    (CHAT, {"messages": MSG, "stream": True, "stream_options": {"include_usage": True, "bar": 1}},
+     400, "stream_options.bar"),
+    (COMP, {"prompt": "x", "speculative": {"method": "ngram", "k": 3}}, 400, "speculative.k"),
+    (CHAT, {"messages": MSG, "store": True}, 400, "store"),
     # nesting past any recursion limit, and just past MAX_JSON_DEPTH
     (COMP, b'{"prompt": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", 400, None),
     (CHAT, b'{"messages": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", 400, None),
@@ -143,6 +159,110 @@ def test_every_bad_input_is_a_4xx_naming_the_field_and_the_server_keeps_serving(
             health = await wait_idle(client)
             assert health["kv_blocks_used"] == 0 and health["integrity"] == "ok"
     run(scenario())
+
+
+UNKNOWN_FIELDS = [
+    (COMP, {"prompt": "x", "max_tokens": 2, "repetiton_penalty": 1.2, "foo": None}),
+    (CHAT, {"messages": [{"role": "user", "content": "x", "foo": 1}], "max_tokens": 2,
+            "stream": True, "stream_options": {"include_usage": True, "bar": 1},
+            "speculative": {"k": 3}, "reasoning_effort": "high"}),
+    ("/tokenize", {"prompt": "x", "foo": 1}),
+    ("/detokenize", {"tokens": [104], "foo": 1}),
+]
+
+
+def test_allow_unknown_fields_ignores_them_and_logs_them_at_debug(caplog):
+    async def scenario():
+        async with serving(allow_unknown_fields=True) as (_, client, _engine):
+            for path, body in UNKNOWN_FIELDS:
+                with caplog.at_level("DEBUG", logger="verispec.server"):
+                    caplog.clear()
+                    r = await client.post(path, json=body)
+                assert r.status_code == 200, (body, r.text)
+                assert any("unknown request field" in m for m in caplog.messages), caplog.messages
+        async with serving() as (_, client, _engine):
+            for path, body in UNKNOWN_FIELDS:
+                r = await client.post(path, json=body)
+                assert r.status_code == 400, (body, r.text)
+                assert r.json()["error"]["message"].startswith("Unrecognized request argument supplied")
+    run(scenario())
+
+
+def test_harmless_fields_openai_clients_send_are_accepted():
+    """Hints that change nothing about the output are accepted explicitly, not as unknown."""
+    async def scenario():
+        async with serving() as (_, client, _engine):
+            extras = {"user": "u1", "safety_identifier": "s", "prompt_cache_key": "k",
+                      "service_tier": "auto", "metadata": {"a": "b"}, "store": False}
+            for path, body in [(COMP, {"prompt": "x", "max_tokens": 2, **extras}),
+                               (CHAT, {"messages": MSG, "max_tokens": 2, "stream": True,
+                                       "stream_options": {"include_usage": True,
+                                                          "include_obfuscation": False}, **extras})]:
+                r = await client.post(path, json=body)
+                assert r.status_code == 200, (body, r.text)
+    run(scenario())
+
+
+def test_allow_unknown_fields_flag_reaches_the_config():
+    import argparse
+
+    from verispec.server.app import add_arguments
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    assert ServerConfig.from_args(parser.parse_args([])).allow_unknown_fields is False
+    assert ServerConfig.from_args(parser.parse_args(["--allow-unknown-fields"])).allow_unknown_fields
+
+
+def _recording(engine: FakeEngine) -> list:
+    """Record the SamplingParams each request reaches the engine with."""
+    seen, add = [], engine.add_request
+
+    def add_request(request_id, prompt, params, spec=None):
+        seen.append(params)
+        return add(request_id, prompt, params, spec)
+    engine.add_request = add_request
+    return seen
+
+
+@pytest.mark.parametrize("mode", ["auto", "vllm"])
+def test_omitted_sampling_fields_take_the_models_generation_config(mode):
+    """--generation-config auto: the model's values (carried in EngineInfo) fill what a
+    request omits; vllm: the neutral ones. Sent values always win; /v1/models shows them."""
+    import types
+    engine = FakeEngine()
+    engine.tokenizer.meta = types.SimpleNamespace(sampling_defaults={
+        "temperature": 0.0, "top_k": 20, "top_p": 0.8, "repetition_penalty": 1.1})
+    seen = _recording(engine)
+    expected = ({"temperature": 0.0, "top_p": 0.8, "top_k": 20, "min_p": 0.0, "repetition_penalty": 1.1}
+                if mode == "auto" else
+                {"temperature": 1.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0, "repetition_penalty": 1.0})
+
+    async def scenario():
+        async with serving(engine, generation_config=mode) as (_, client, _engine):
+            card = (await client.get("/v1/models")).json()["data"][0]
+            assert card["sampling_defaults"] == expected
+            r = await client.post(COMP, json={"prompt": "x", "max_tokens": 2})
+            assert r.status_code == 200, r.text
+            r = await client.post(CHAT, json={"messages": MSG, "max_tokens": 2, "temperature": 0.5,
+                                              "top_k": None, "repetition_penalty": 1.0})
+            assert r.status_code == 200, r.text
+    run(scenario())
+    names = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+    assert {n: getattr(seen[0], n) for n in names} == expected
+    assert {n: getattr(seen[1], n) for n in names} == {**expected, "temperature": 0.5,
+                                                       "repetition_penalty": 1.0}
+
+
+def test_generation_config_flag():
+    import argparse
+
+    from verispec.server.app import add_arguments
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    assert ServerConfig.from_args(parser.parse_args([])).generation_config == "auto"
+    assert ServerConfig.from_args(parser.parse_args(["--generation-config", "vllm"])).generation_config == "vllm"
+    with pytest.raises(ValueError, match="generation_config"):
+        ServerConfig(generation_config="hf")
 
 
 def test_oversized_body_is_refused_with_413_declared_or_streamed():

@@ -117,6 +117,34 @@ def test_hf_directory_metadata(tmp_path):
     assert t.apply_chat_template([{"role": "user", "content": "a"}]) == "<s>a"
 
 
+def test_hf_directory_sampling_defaults(tmp_path):
+    """generation_config.json's sampling values become the meta's sampling_defaults (the
+    server's defaults with --generation-config auto); invalid ones are left out."""
+    backend = Backend(models.WordLevel({"<s>": 0, "</s>": 1, "[UNK]": 2}, unk_token="[UNK]"))
+    backend.save(str(tmp_path / "tokenizer.json"))
+    (tmp_path / "generation_config.json").write_text(json.dumps({
+        "eos_token_id": 1, "do_sample": True, "temperature": 0.7, "top_p": 0.8, "top_k": 20,
+        "repetition_penalty": 1.05, "min_p": 2.0, "max_new_tokens": 99}))
+    t = Tokenizer.from_file(tmp_path)
+    assert t.meta.sampling_defaults == {"temperature": 0.7, "top_p": 0.8, "top_k": 20,
+                                        "repetition_penalty": 1.05}
+    assert isinstance(t.meta.sampling_defaults["top_k"], int)
+
+
+def test_sampling_defaults_skip_what_a_request_could_not_send():
+    from verispec.model.tokenizer import sampling_defaults_from
+    assert sampling_defaults_from({}) == {}
+    assert sampling_defaults_from({"temperature": "0.5", "top_p": 0, "top_k": 1.5, "min_p": True,
+                                   "repetition_penalty": 0, "eos_token_id": 2}) == {}
+    assert sampling_defaults_from({"temperature": 0, "top_k": 40.0, "min_p": 0.05}) == {
+        "temperature": 0.0, "top_k": 40, "min_p": 0.05}
+
+
+def test_default_model_has_no_sampling_defaults(tok):
+    """The default GGUF carries no sampling values: the server's defaults stay neutral for it."""
+    assert tok.meta.sampling_defaults == {}
+
+
 # --- chat template -------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("add_generation_prompt", [True, False])

@@ -70,6 +70,12 @@ class RequestOutput:
     spec: SpecStats
     error: str | None = None       # set when this request failed; other requests go on
     num_cached_tokens: int = 0     # prompt tokens served from the prefix cache when first scheduled
+    # Only when the request asked (SamplingParams.logprobs), else None: per completion token
+    # (its logprob, [(token id, logprob), ...] its top alternatives, most likely first);
+    # `logprobs` covers token_ids, `new_logprobs` new_token_ids. Convention and -inf:
+    # verispec.sampling.token_logprobs.
+    logprobs: list[tuple[float, list[tuple[int, float]]]] | None = None
+    new_logprobs: list[tuple[float, list[tuple[int, float]]]] | None = None
 
     @property
     def prompt_tokens(self) -> int:
@@ -84,11 +90,22 @@ class RequestOutput:
 
 
 @dataclass
+class Logprob:
+    """One token's log-probability, as vLLM's `vllm.sequence.Logprob` (rank: 1 = most likely;
+    None for a sampled token outside the requested top N)."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+@dataclass
 class CompletionOutput:
     """One completion of a prompt, as vLLM's `vllm.outputs.CompletionOutput`.
 
-    `cumulative_logprob` and `logprobs` stay None: verispec does not return log-probabilities
-    yet. `stop_reason` is the stop string or stop token id that ended the completion, None
+    With SamplingParams(logprobs=N): `logprobs` holds per token a dict {token id: Logprob}
+    of the sampled token and the N most likely ones, `cumulative_logprob` their sum over the
+    sampled tokens (convention: verispec.sampling.token_logprobs); else both None. `stop_reason` is the stop string or stop token id that ended the completion, None
     when it ended at EOS or max_tokens (vLLM's meaning).
     """
 
@@ -96,7 +113,7 @@ class CompletionOutput:
     text: str
     token_ids: list[int]
     cumulative_logprob: float | None = None
-    logprobs: None = None
+    logprobs: list[dict[int, Logprob]] | None = None
     finish_reason: str | None = None     # "stop" | "length" | "abort"
     stop_reason: int | str | None = None
 

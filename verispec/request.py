@@ -51,6 +51,8 @@ class Request:
     text: str = ""
     held_text: str = ""              # decoded but not yet emitted: may start a stop string
     detokenizer: object = None
+    # (logprob, [(token id, logprob), ...]) per output token, when params.logprobs is set
+    logprobs: list | None = None
 
     def __post_init__(self) -> None:
         self._all_ids = self.prompt_ids + self.output_ids

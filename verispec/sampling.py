@@ -21,6 +21,8 @@ if TYPE_CHECKING:
 # 1e-5 a logit gap of 1e-3 already leaves the runner-up e^-100 of the mass. vLLM draws
 # the same line.
 MIN_TEMPERATURE = 1e-5
+# The most alternatives a request may ask for per token (OpenAI's and vLLM's bound).
+MAX_LOGPROBS = 20
 
 
 class _FrozenBias(dict):
@@ -68,6 +70,10 @@ class SamplingParams:
     logit_bias: dict[int, float] | None = None
     min_tokens: int = 0
     stop_token_ids: tuple[int, ...] = field(default_factory=tuple)
+    # Log-probabilities to return: None = none (the fast path, nothing computed); N in
+    # [0, MAX_LOGPROBS] = each emitted token's logprob and the N most likely alternatives
+    # (`token_logprobs` states the convention).
+    logprobs: int | None = None
 
     def __post_init__(self):
         if isinstance(self.stop, str):
@@ -95,6 +101,8 @@ class SamplingParams:
                f"seed must be an integer, got {self.seed!r}")
         _check(all(isinstance(s, str) and s for s in self.stop),
                f"stop must be non-empty strings, got {self.stop!r}")
+        _check(self.logprobs is None or (_is_int(self.logprobs) and 0 <= self.logprobs <= MAX_LOGPROBS),
+               f"logprobs must be an integer in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
 
         if 0 < self.temperature < MIN_TEMPERATURE:  # the limit, without float32 overflow
             object.__setattr__(self, "temperature", 0.0)
@@ -251,6 +259,17 @@ class SamplingTensors:
         return SamplingTensors(rep(self.temperature), rep(self.top_k), rep(self.top_p),
                                rep(self.min_p), self.use_sort, self.use_min_p, history)
 
+    def select(self, index: Sequence[int]) -> "SamplingTensors":
+        """The rows `index`, in that order (host list: no sync)."""
+        import torch
+
+        idx = torch.tensor(list(index), dtype=torch.int64, device=self.temperature.device)
+        history = None if self.history is None else tuple(self.history[i] for i in index)
+        if history is not None and all(h is None for h in history):
+            history = None
+        return SamplingTensors(self.temperature[idx], self.top_k[idx], self.top_p[idx], self.min_p[idx],
+                               self.use_sort, self.use_min_p, history)
+
     def process(self, logits: torch.Tensor) -> torch.Tensor:
         """The logits after every row's processors, float32 (the input itself when none)."""
         if self.history is None:
@@ -374,6 +393,47 @@ def logits_to_probs(
         probs = probs / probs.sum(dim=-1, keepdim=True)
     one_hot = torch.zeros_like(probs).scatter_(-1, logits.argmax(dim=-1, keepdim=True), 1.0)
     return torch.where(greedy[:, None], one_hot, probs)
+
+
+def token_logprobs(st: SamplingTensors, logits: torch.Tensor, tokens: Sequence[int],
+                   num_top: Sequence[int]) -> list[tuple[float, list[tuple[int, float]]]]:
+    """Per row: (log-probability of tokens[i], the num_top[i] most likely (token id, logprob)),
+    under the distribution the row samples / verifies from.
+
+    The convention (docs/serving.md, "logprobs and n"): a sampled row reports the log of
+    its processed distribution: logits processors, temperature, top-k, top-p and min-p,
+    renormalised (vLLM's "processed_logprobs"); a token those filters removed has -inf
+    (the server writes -9999.0). A greedy row (temperature 0), whose distribution is
+    one-hot, reports log_softmax of its logits after the processors (penalties, bias,
+    min_tokens), at temperature 1 and unfiltered, so the values stay finite. The masks are
+    the sampler's own (same stages, same inputs), so the support is exactly what it draws
+    from. Alternatives are ordered by logprob, ties to the lower id. (N, V) logits -> N rows;
+    one device->host copy.
+    """
+    import torch
+
+    processed = st.process(logits).float()
+    greedy = st.temperature == 0
+    scaled = processed / torch.where(greedy, 1.0, st.temperature.float())[:, None]
+    if st.use_sort:
+        removed = _top_k_top_p_removed(scaled, st.top_k, st.top_p) & ~greedy[:, None]
+        scaled = scaled.masked_fill(removed, float("-inf"))
+    if st.use_min_p:
+        probs = scaled.softmax(dim=-1)
+        keep = probs >= st.min_p.float()[:, None] * probs.amax(dim=-1, keepdim=True)
+        scaled = scaled.masked_fill(~keep & ~greedy[:, None], float("-inf"))
+    logp = scaled.log_softmax(dim=-1)                                         # (N, V)
+    index = torch.tensor(list(tokens), dtype=torch.int64, device=logp.device)
+    chosen = logp.gather(1, index[:, None]).squeeze(1).tolist()
+    width = max(num_top, default=0)
+    if width == 0:
+        return [(lp, []) for lp in chosen]
+    values, ids = logp.topk(min(width, logp.shape[-1]), dim=-1)  # not a V-wide sort
+    out = []
+    for lp, v, t, n in zip(chosen, values.tolist(), ids.tolist(), num_top):
+        top = sorted(zip(t, v), key=lambda e: (-e[1], e[0]))  # ties: lower id first
+        out.append((lp, top[:n]))
+    return out
 
 
 def _top_k_top_p_removed(scaled: torch.Tensor, top_k: torch.Tensor,

@@ -60,7 +60,9 @@ class EngineCore:
             model_name=self.engine.model_name, max_model_len=self.engine.max_model_len,
             spec_method=self.engine.spec_method, pid=os.getpid(),
             threads=getattr(config, "threads", None),
-            config=config.to_dict() if hasattr(config, "to_dict") else {})
+            config=config.to_dict() if hasattr(config, "to_dict") else {},
+            sampling_defaults=dict(getattr(getattr(getattr(self.engine, "tokenizer", None), "meta", None),
+                                           "sampling_defaults", None) or {}))
 
     # ------------------------------------------------------------------ the loop
     def serve(self, addresses: CoreAddresses, parent_pid: int | None = None,
@@ -194,7 +196,8 @@ class EngineCore:
             out.events.append(M.RequestEvent(
                 o.request_id, M.OUTPUT, list(o.new_token_ids), o.new_text, o.finished, o.finish_reason,
                 o.error, spec=_snapshot(o) if ends else None,
-                num_cached_tokens=getattr(o, "num_cached_tokens", 0) or 0))
+                num_cached_tokens=getattr(o, "num_cached_tokens", 0) or 0,
+                logprobs=getattr(o, "new_logprobs", None)))
             if ends:
                 del self.live[o.request_id]
             else:

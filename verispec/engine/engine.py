@@ -45,7 +45,7 @@ from verispec.model.llama import LlamaModel
 from verispec.model.tokenizer import IncrementalDetokenizer, Tokenizer
 from verispec.outputs import RequestOutput
 from verispec.request import Request, SpecOverride, Status  # noqa: F401 (SpecOverride: the engine's API)
-from verispec.sampling import SamplingParams, SamplingTensors, noise_key, sample
+from verispec.sampling import SamplingParams, SamplingTensors, noise_key, sample, token_logprobs
 from verispec.spec.policy import RoundReport, RoundTimer, RowOffer, RowResult, SpeculationPolicy
 from verispec.spec.proposer import ProposerContext, build_proposers
 from verispec.spec.rejection import RejectionResult, greedy_accept, rejection_sample, seeded_verify
@@ -95,6 +95,8 @@ class _Verdicts(NamedTuple):
     drafts: dict                 # request id -> (draft tokens, q or None)
     passes: dict                 # timed proposer -> (rows, depth, seconds)
     caught_up: int               # tokens computed by catch-ups
+    logprobs: dict               # request id -> per new token (logprob, top alternatives), only
+                                 # for rows that asked (SamplingParams.logprobs)
 
 
 class LLMEngine:
@@ -391,7 +393,33 @@ class LLMEngine:
         n = len(batch.prefill)
         first = self._after_prefill(batch.prefill, logits[:n])
         counts, accepted, emitted = self._accept(rows, logits[n:], drafts)
-        return _Verdicts(first, counts, accepted, emitted, drafts, passes, caught_up)
+        logprobs = {}
+        if any(r.params.logprobs is not None for r in rows) or any(
+                c.request.params.logprobs is not None for c in batch.prefill):  # else: nothing
+            logprobs = self._logprobs([c.request for c in batch.prefill] + rows,
+                                      [lg[-1:] for lg in logits[:n]] + logits[n:],
+                                      [[t] if t is not None else [] for t in first] + emitted)
+        return _Verdicts(first, counts, accepted, emitted, drafts, passes, caught_up, logprobs)
+
+    def _logprobs(self, reqs: list[Request], logits: list[torch.Tensor], tokens: list[list[int]]) -> dict:
+        """Request id -> (logprob, top alternatives) of each of tokens[i], for the rows that
+        asked. Row j of logits[i] scored tokens[i][j] (a verify row's position j, processed
+        as if tokens[i][:j] had been generated: those are the accepted drafts, so it is the
+        distribution plain decoding would have had there); a prefill's logits are its last
+        row (`logits[i]` is then that one row). `token_logprobs` states the convention."""
+        want = [i for i, r in enumerate(reqs) if r.params.logprobs is not None and tokens[i]]
+        if not want:
+            return {}
+        sel = [reqs[i] for i in want]
+        counts = [len(tokens[i]) for i in want]
+        flat = torch.cat([logits[i][:c] for i, c in zip(want, counts)])
+        st = self._tensors(sel, flat.device).expand(counts, [tokens[i] for i in want])
+        values = token_logprobs(st, flat, [t for i in want for t in tokens[i]],
+                                [r.params.logprobs for r, c in zip(sel, counts) for _ in range(c)])
+        out, pos = {}, 0
+        for r, c in zip(sel, counts):
+            out[r.request_id], pos = values[pos: pos + c], pos + c
+        return out
 
     def _draft(self, rows: list[Request], ks: list[int], timer: RoundTimer) -> tuple[dict, dict, int]:
         """(draft tokens and q or None by request id, each timed proposer's pass as (rows,
@@ -532,17 +560,18 @@ class LLMEngine:
         outputs: list[RequestOutput] = []
         for chunk, token in zip(batch.prefill, v.first):
             try:
-                outputs.extend(self._commit_prefill(chunk, token))
+                outputs.extend(self._commit_prefill(chunk, token, v.logprobs.get(chunk.request.request_id)))
             except Exception as exc:
                 outputs.append(self._fail_row(chunk.request, exc))
         for req, count, accepted, new in zip(batch.decode, v.counts, v.accepted, v.emitted):
             try:
-                outputs.extend(self._commit_decode(req, count - 1, accepted, new))
+                outputs.extend(self._commit_decode(req, count - 1, accepted, new,
+                                                   v.logprobs.get(req.request_id)))
             except Exception as exc:
                 outputs.append(self._fail_row(req, exc))
         return outputs
 
-    def _commit_prefill(self, chunk, token: int | None) -> list[RequestOutput]:
+    def _commit_prefill(self, chunk, token: int | None, logprobs=None) -> list[RequestOutput]:
         """The chunk's KV is verified; a completed fresh prompt is published in the prefix
         tree and gets its first token."""
         req = chunk.request
@@ -554,9 +583,10 @@ class LLMEngine:
         if self.config.cache.prefix_cache:
             req.draft_computed = self.kv.cache_sequence(req.request_id, req.all_ids[: req.num_computed],
                                                         req.draft_computed)
-        return self._append_tokens(req, [token])
+        return self._append_tokens(req, [token], logprobs)
 
-    def _commit_decode(self, req: Request, k: int, accepted: int, new: list[int]) -> list[RequestOutput]:
+    def _commit_decode(self, req: Request, k: int, accepted: int, new: list[int],
+                       logprobs=None) -> list[RequestOutput]:
         """Commit the pending token and the accepted drafts, end the round, emit."""
         base = req.num_computed
         if k:  # commits the pending token (its KV was just written) and the accepted drafts
@@ -567,7 +597,7 @@ class LLMEngine:
         self._rollback(req, base, accepted, k)
         req.stats.record_round(k, accepted)
         req.stats.target_forwards += 1
-        return self._append_tokens(req, new)
+        return self._append_tokens(req, new, logprobs)
 
     def _rollback(self, req: Request, base: int, accepted: int, k: int) -> None:
         """O(1) per row: only the pending token and the accepted drafts stay as context.
@@ -581,7 +611,7 @@ class LLMEngine:
             proposer.rollback(req)
 
     # ------------------------------------------------------------------ tokens, stops, finish
-    def _append_tokens(self, req: Request, tokens: list[int]) -> list[RequestOutput]:
+    def _append_tokens(self, req: Request, tokens: list[int], logprobs=None) -> list[RequestOutput]:
         """Append accepted tokens one by one, stopping at EOS, a stop token id, max_tokens or
         a stop string. Before min_tokens output tokens only max_tokens stops (as vLLM; the
         sampler already gives EOS and stop token ids probability 0 there).
@@ -614,11 +644,19 @@ class LLMEngine:
         emit_upto = max(len(req.text), len(full) - hold)
         new_text = full[len(req.text): emit_upto]
         req.text, req.held_text = full[:emit_upto], full[emit_upto:]
+        new_logprobs = None
+        if logprobs is not None:  # one per appended token (those after a stop are dropped)
+            new_logprobs = list(logprobs[: len(new_ids)])
+            if req.logprobs is None:
+                req.logprobs = []
+            req.logprobs.extend(new_logprobs)
         if reason:
-            return [self._finish(req, reason, cache=True, new_ids=new_ids, new_text=new_text)]
-        return [self._output(req, new_ids, new_text)]
+            return [self._finish(req, reason, cache=True, new_ids=new_ids, new_text=new_text,
+                                 new_logprobs=new_logprobs)]
+        return [self._output(req, new_ids, new_text, new_logprobs)]
 
-    def _finish(self, req: Request, reason: str, cache: bool, new_ids=(), new_text="") -> RequestOutput:
+    def _finish(self, req: Request, reason: str, cache: bool, new_ids=(), new_text="",
+                new_logprobs=None) -> RequestOutput:
         req.status = Status.FINISHED
         req.finish_reason = reason
         self.scheduler.remove(req)
@@ -632,12 +670,16 @@ class LLMEngine:
                 log.exception("proposer %r failed to forget request %s", name, req.request_id)
         self.policy.forget(req.request_id)
         del self.requests[req.request_id]
-        return self._output(req, list(new_ids), new_text)
+        return self._output(req, list(new_ids), new_text, new_logprobs)
 
-    def _output(self, req: Request, new_ids: list[int], new_text: str) -> RequestOutput:
+    def _output(self, req: Request, new_ids: list[int], new_text: str, new_logprobs=None) -> RequestOutput:
+        if new_logprobs is None and req.params.logprobs is not None:
+            new_logprobs = []
         return RequestOutput(req.request_id, req.prompt_ids, list(req.output_ids), new_ids, req.text,
                              new_text, req.finished, req.finish_reason, req.stats, req.error,
-                             num_cached_tokens=req.num_cached_tokens or 0)
+                             num_cached_tokens=req.num_cached_tokens or 0,
+                             logprobs=None if req.params.logprobs is None else list(req.logprobs or ()),
+                             new_logprobs=new_logprobs)
 
 
 # The layout of saved runtime weights; bumped whenever a module's buffers change (v3: int4

@@ -22,7 +22,7 @@ from dataclasses import fields, replace
 from verispec.config import EngineConfig, SpecConfig, spec_from_speculative_config
 from verispec.engine.engine import LLMEngine, SpecOverride
 from verispec.model.tokenizer import Tokenizer
-from verispec.outputs import CompletionOutput, LLMRequestOutput, RequestOutput
+from verispec.outputs import CompletionOutput, LLMRequestOutput, Logprob, RequestOutput
 from verispec.sampling import SamplingParams
 
 # vLLM's options that change nothing in verispec (a CPU engine: the KV pool is sized by
@@ -198,7 +198,12 @@ class LLM:
         return [self._result(final[rid], text, p) for rid, (text, _), p in zip(ids, encoded, params_list)]
 
     def _result(self, out: RequestOutput, prompt: str | None, params: SamplingParams) -> LLMRequestOutput:
+        logprobs = cumulative = None
+        if out.logprobs is not None:  # vLLM's shape: per token {id: Logprob}, the token first
+            logprobs = [self._logprob_dict(t, entry) for t, entry in zip(out.token_ids, out.logprobs)]
+            cumulative = sum(lp for lp, _ in out.logprobs)
         completion = CompletionOutput(index=0, text=out.text, token_ids=list(out.token_ids),
+                                      cumulative_logprob=cumulative, logprobs=logprobs,
                                       finish_reason=out.finish_reason,
                                       stop_reason=self._stop_reason(out, params))
         return LLMRequestOutput(request_id=out.request_id, prompt=prompt,
@@ -262,9 +267,17 @@ class LLM:
             if getattr(p, "n", 1) not in (None, 1) or getattr(p, "best_of", None) not in (None, 1):
                 raise ValueError("n > 1 (several completions per prompt) is not supported yet; "
                                  "repeat the prompt instead")
-            if getattr(p, "logprobs", None) is not None or getattr(p, "prompt_logprobs", None) is not None:
-                raise ValueError("logprobs are not supported yet")
+            if getattr(p, "prompt_logprobs", None) is not None:
+                raise ValueError("prompt_logprobs are not supported yet")
         return params_list
+
+    def _logprob_dict(self, token: int, entry) -> dict:
+        lp, top = entry
+        ranks = {t: i + 1 for i, (t, _) in enumerate(top)}
+        out = {token: Logprob(lp, ranks.get(token), self.tokenizer.decode([token]))}
+        for t, v in top:
+            out.setdefault(t, Logprob(v, ranks[t], self.tokenizer.decode([t])))
+        return out
 
     def _tokenizer_with(self, chat_template: str | None) -> Tokenizer:
         """The tokenizer, with `chat_template` (Jinja text or a file) instead of its own."""

@@ -82,6 +82,9 @@ class RequestEvent(msgspec.Struct, array_like=True, omit_defaults=True):
     bad_input: bool = False
     spec: SpecSnapshot | None = None   # with the event that ends the request
     num_cached_tokens: int = 0         # prompt tokens the prefix cache served (OUTPUT events)
+    # per new token (logprob, [(token id, logprob), ...]); only for requests that asked
+    # (SamplingParams.logprobs), omitted otherwise
+    logprobs: list[tuple[float, list[tuple[int, float]]]] | None = None
 
 
 class EngineStats(msgspec.Struct, array_like=True):
@@ -125,6 +128,7 @@ class EngineInfo(msgspec.Struct):
     pid: int
     threads: int | None
     config: dict = {}
+    sampling_defaults: dict = {}   # the model's generation_config.json sampling values (TokenizerMeta)
 
 
 def encoder() -> msgspec.msgpack.Encoder:

@@ -160,8 +160,20 @@ def _gguf_light_files(gguf_path: Path, meta=None) -> dict:
         "config": g.hf_config_from_gguf(meta, eos),
         "tokenizer": g.build_tokenizer(meta),
         "tokenizer_config": g.tokenizer_config_from_gguf(meta, eos),
-        "generation_config": {"bos_token_id": meta.get("tokenizer.ggml.bos_token_id"), "eos_token_id": eos},
+        "generation_config": {"bos_token_id": meta.get("tokenizer.ggml.bos_token_id"), "eos_token_id": eos,
+                              **_gguf_sampling(meta)},
     }
+
+
+# llama.cpp's `general.sampling.*` keys -> generation_config.json names. Few GGUFs carry
+# them (the default models do not): then the server's defaults stay neutral.
+_GGUF_SAMPLING = {"general.sampling.temp": "temperature", "general.sampling.top_p": "top_p",
+                  "general.sampling.top_k": "top_k", "general.sampling.min_p": "min_p",
+                  "general.sampling.penalty_repeat": "repetition_penalty"}
+
+
+def _gguf_sampling(meta) -> dict:
+    return {name: meta.get(key) for key, name in _GGUF_SAMPLING.items() if meta.get(key) is not None}
 
 
 def _convert_gguf(gguf_path: Path, out: Path) -> None:

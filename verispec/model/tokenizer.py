@@ -24,6 +24,15 @@ class TokenizerMeta:
     add_bos_token: bool
     chat_template: str | None
     special_tokens: dict = field(default_factory=dict)  # bos_token/eos_token/... -> string
+    # The model's recommended sampling values from generation_config.json (temperature,
+    # top_p, top_k, min_p, repetition_penalty; only those it sets, and only valid ones): the
+    # server's defaults for requests that omit them (`--generation-config auto`).
+    sampling_defaults: dict = field(default_factory=dict)
+
+    @property
+    def supports_tools(self) -> bool:
+        """Whether the chat template renders a `tools` list (it mentions the variable)."""
+        return template_supports_tools(self.chat_template)
 
 
 class Tokenizer:
@@ -75,9 +84,16 @@ class Tokenizer:
         return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
     # --- chat -----------------------------------------------------------------------------
+    @property
+    def supports_tools(self) -> bool:
+        """Whether the chat template renders tools (see template_supports_tools)."""
+        return self.meta.supports_tools
+
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
-                            **template_vars) -> str:
-        """Render a conversation with the model's Jinja chat template, as transformers does."""
+                            tools: list[dict] | None = None, **template_vars) -> str:
+        """Render a conversation with the model's Jinja chat template, as transformers does.
+        `tools`: OpenAI tool definitions ({"type": "function", "function": {...}}), rendered
+        by templates that support them (the `tools` variable; None: no tools)."""
         if not self.meta.chat_template:
             raise ValueError("this model has no chat template; pass a plain prompt instead")
         for i, message in enumerate(messages):
@@ -85,13 +101,14 @@ class Tokenizer:
                 raise ValueError(f"messages[{i}] must be a dict with a 'role' key, got {message!r}")
         if self._template is None:
             self._template = _compile_template(self.meta.chat_template)
-        variables = {**self.meta.special_tokens, "tools": None, "documents": None, **template_vars}
+        variables = {**self.meta.special_tokens, "tools": tools or None, "documents": None, **template_vars}
         return self._template.render(messages=messages, add_generation_prompt=add_generation_prompt,
                                      **variables)
 
-    def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
+    def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True,
+                    tools: list[dict] | None = None) -> list[int]:
         """Ids of the rendered conversation; the template itself writes any BOS it wants."""
-        text = self.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
+        text = self.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tools=tools)
         return self.encode(text, add_special_tokens=False)
 
     # --- for the target/draft compatibility check -------------------------------------------
@@ -186,7 +203,39 @@ def meta_from_configs(backend: _BackendTokenizer, tok_cfg: dict, gen_cfg: dict,
         add_bos = bos_id is not None and backend.encode("", add_special_tokens=True).ids[:1] == [bos_id]
     return TokenizerMeta(bos_token_id=bos_id, eos_token_ids=tuple(eos_ids), add_bos_token=add_bos,
                          chat_template=_chat_template(tok_cfg),
-                         special_tokens={k: v for k, v in special.items() if v is not None})
+                         special_tokens={k: v for k, v in special.items() if v is not None},
+                         sampling_defaults=sampling_defaults_from(gen_cfg))
+
+
+# generation_config.json key -> (check of a valid value, type): what vLLM's
+# `--generation-config auto` takes from it. `do_sample` is ignored, as vLLM does.
+_SAMPLING_KEYS = {
+    "temperature": (lambda v: v >= 0, float),
+    "top_p": (lambda v: 0 < v <= 1, float),
+    "top_k": (lambda v: v >= -1 and float(v).is_integer(), int),
+    "min_p": (lambda v: 0 <= v <= 1, float),
+    "repetition_penalty": (lambda v: v > 0, float),
+}
+
+
+def sampling_defaults_from(gen_cfg: dict) -> dict:
+    """The sampling values a generation config recommends; a value that is not a number
+    in the request field's range is left out (neutral), never an error on every request."""
+    out = {}
+    for key, (valid, kind) in _SAMPLING_KEYS.items():
+        value = gen_cfg.get(key)
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or value != value:
+            continue
+        if valid(value):
+            out[key] = kind(value)
+    return out
+
+
+def template_supports_tools(template: str | None) -> bool:
+    """Whether a chat template references the `tools` variable (transformers' convention
+    for templates that render tool definitions)."""
+    import re
+    return bool(template) and re.search(r"\btools\b", template) is not None
 
 
 def _chat_template(tok_cfg: dict) -> str | None:

@@ -46,6 +46,7 @@ import verispec
 from verispec.outputs import RequestOutput
 from verispec.server import guard
 from verispec.server import protocol as P
+from verispec.server import tools
 from verispec.server.async_engine import (AsyncEngine, EngineClosed, EngineStartError, QueueFull,
                                           RequestFailed, RequestStream)
 from verispec.server.metrics import ServerMetrics
@@ -81,6 +82,8 @@ class ServerConfig:
     fd_reserve: int = 128              # descriptors left to the process itself and accept bursts
     allowed_hosts: tuple[str, ...] | None = None  # Host names beyond loopback; None: not given
     metrics_prefix: str = "vllm"       # /metrics names: vLLM's ("vllm:*") or "verispec:*"
+    allow_unknown_fields: bool = False  # unknown request fields: 400 naming them, or ignored (logged)
+    generation_config: str = "auto"    # omitted sampling fields: the model's values, or "vllm": neutral
 
     def __post_init__(self):
         if not 0 <= self.port <= 65535:
@@ -104,6 +107,8 @@ class ServerConfig:
             raise ValueError(f"max_connections must be >= 1, got {self.max_connections}")
         if self.fd_reserve < 0:
             raise ValueError(f"fd_reserve must be >= 0, got {self.fd_reserve}")
+        if self.generation_config not in ("auto", "vllm"):
+            raise ValueError(f"generation_config must be 'auto' or 'vllm', got {self.generation_config!r}")
         if self.metrics_prefix not in ("vllm", "verispec"):
             raise ValueError(f"metrics_prefix must be 'vllm' or 'verispec', got {self.metrics_prefix!r}")
         # "a,b" or names with ports -> bare lowercase names, so the policy compares like with like
@@ -128,7 +133,9 @@ class ServerConfig:
                    max_connections=getattr(args, "max_connections", d.max_connections),
                    fd_reserve=getattr(args, "fd_reserve", d.fd_reserve),
                    allowed_hosts=getattr(args, "allowed_hosts", None),
-                   metrics_prefix=getattr(args, "metrics_prefix", d.metrics_prefix))
+                   metrics_prefix=getattr(args, "metrics_prefix", d.metrics_prefix),
+                   allow_unknown_fields=getattr(args, "allow_unknown_fields", d.allow_unknown_fields),
+                   generation_config=getattr(args, "generation_config", d.generation_config))
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -176,6 +183,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--metrics-prefix", choices=["vllm", "verispec"], default=d.metrics_prefix,
                    help="name /metrics like vLLM ('vllm:*', for vLLM's dashboards) or 'verispec:*'; "
                         "verispec-only metrics are 'verispec:*' either way (docs/serving.md)")
+    g.add_argument("--allow-unknown-fields", action="store_true", default=d.allow_unknown_fields,
+                   help="ignore request fields this server does not know (logged at debug level) "
+                        "instead of answering 400 'Unrecognized request argument supplied'")
+    g.add_argument("--generation-config", choices=["auto", "vllm"], default=d.generation_config,
+                   help="sampling defaults for fields a request omits (temperature, top_p, top_k, "
+                        "min_p, repetition_penalty): 'auto' takes the model's generation_config.json "
+                        "values (vLLM's default), 'vllm' OpenAI's neutral ones (1, 1, off, 0, 1)")
 
 
 def serve(engine_factory: Callable[[], Any], args: argparse.Namespace) -> int:
@@ -260,8 +274,9 @@ def create_app(engine, config: ServerConfig = ServerConfig()) -> Starlette:
     @asynccontextmanager
     async def lifespan(app):
         engine.start()
-        log.info("serving %s (max_model_len=%d, speculation=%s)", server.model_name,
-                 engine.max_model_len, engine.spec_method)
+        log.info("serving %s (max_model_len=%d, speculation=%s, sampling defaults (--generation-config "
+                 "%s): %s)", server.model_name, engine.max_model_len, engine.spec_method,
+                 config.generation_config, server.sampling_defaults)
         try:
             yield
         finally:
@@ -325,6 +340,9 @@ class OpenAIServer:
         self.metrics = ServerMetrics(self.model_name, stats_source=lambda: async_engine.latest_stats,
                                      prefix=config.metrics_prefix, max_model_len=async_engine.max_model_len)
         self.fingerprint = system_fingerprint(async_engine.info)
+        model_defaults = getattr(async_engine.info, "sampling_defaults", None) or {}
+        self.sampling_defaults = P.resolve_sampling_defaults(
+            model_defaults if config.generation_config == "auto" else None)
         async_engine.observer = self.metrics
 
     # ------------------------------------------------------------------ plain routes
@@ -364,7 +382,8 @@ class OpenAIServer:
     async def models(self, request: Request) -> Response:
         self._authorize(request)
         card = {"id": self.model_name, "object": "model", "created": self.created,
-                "owned_by": "verispec", "max_model_len": self.async_engine.max_model_len}
+                "owned_by": "verispec", "max_model_len": self.async_engine.max_model_len,
+                "sampling_defaults": self.sampling_defaults}
         return JSONResponse({"object": "list", "data": [card]})
 
     async def version(self, request: Request) -> Response:
@@ -389,7 +408,7 @@ class OpenAIServer:
     def _parse_tokenize(self, body: bytes) -> list[int]:
         data = _json_object(body)
         model = TokenizeChatRequest if "messages" in data and "prompt" not in data else TokenizeRequest
-        req = P.parse_request(model, body)
+        req = P.parse_request(model, body, self.config.allow_unknown_fields)
         self._check_model(req.model)
         limit = self.async_engine.max_model_len
         if model is TokenizeRequest:
@@ -416,7 +435,7 @@ class OpenAIServer:
         return ids
 
     def _parse_detokenize(self, body: bytes) -> str:
-        req = P.parse_request(DetokenizeRequest, body)
+        req = P.parse_request(DetokenizeRequest, body, self.config.allow_unknown_fields)
         self._check_model(req.model)
         vocab = getattr(self.tokenizer, "vocab_size", None)
         if vocab is not None and any(not 0 <= t < vocab for t in req.tokens):
@@ -432,7 +451,8 @@ class OpenAIServer:
         max_tokens = self._resolve_max_tokens(req.max_tokens, "max_tokens", len(prompt_ids), "prompt",
                                               DEFAULT_COMPLETION_MAX_TOKENS)
         rid = f"cmpl-{uuid.uuid4().hex}"
-        stream = await self._start(rid, prompt_ids, P.sampling_params(req, max_tokens), req)
+        params = P.sampling_params(req, max_tokens, self.sampling_defaults)
+        stream = await self._start(rid, prompt_ids, params, req)
         return await self._respond(request, stream, "completion", req)
 
     @_api
@@ -443,12 +463,15 @@ class OpenAIServer:
         max_tokens = self._resolve_max_tokens(req.requested_max_tokens(), param, len(prompt_ids),
                                               "messages", None)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
-        stream = await self._start(rid, prompt_ids, P.sampling_params(req, max_tokens), req)
+        params = P.sampling_params(req, max_tokens, self.sampling_defaults)
+        stream = await self._start(rid, prompt_ids, params, req)
         return await self._respond(request, stream, "chat", req)
 
     async def _respond(self, request: Request, stream: RequestStream, kind: str, req) -> Response:
         if req.stream:
             events = self._events(stream, kind, req.stream_usage_mode())
+            if kind == "chat" and req.template_tools():  # <tool_call> blocks -> delta.tool_calls
+                events = tools.stream_events(events, req.parallel_tool_calls is not False)
             return SSEResponse(events, stream)
         try:
             out = await _collect(stream, request)
@@ -460,7 +483,29 @@ class OpenAIServer:
         body = build(stream.request_id, P.now(), self.model_name, out.text, out.finish_reason,
                      _usage(out), P.spec_summary(out.spec, stream.method))
         body["system_fingerprint"] = self.fingerprint
+        if out.logprobs is not None:
+            body["choices"][0]["logprobs"] = self._logprobs(kind, list(zip(out.token_ids, out.logprobs)))
+        if kind == "chat" and req.template_tools():  # <tool_call> blocks -> message.tool_calls
+            tools.apply_to_response(body, req.parallel_tool_calls is not False)
         return JSONResponse(body)
+
+    def _token_text(self, token_id: int) -> str:
+        """A token's own text (special tokens included); a token that is part of a UTF-8
+        character decodes to U+FFFD, and its `bytes` are those of that text."""
+        cache = self.__dict__.setdefault("_token_texts", {})
+        text = cache.get(token_id)
+        if text is None:
+            try:
+                text = self.tokenizer.decode([token_id], skip_special_tokens=False)
+            except TypeError:  # a tokenizer without the keyword (test doubles)
+                text = self.tokenizer.decode([token_id])
+            cache[token_id] = text
+        return text
+
+    def _logprobs(self, kind: str, tokens: list, offset: int = 0) -> dict:
+        if kind == "completion":
+            return P.completion_logprobs(tokens, self._token_text, offset)
+        return P.chat_logprobs(tokens, self._token_text)
 
     async def _events(self, stream: RequestStream, kind: str, usage_mode: str) -> AsyncIterator[bytes]:
         """SSE events of one request, one per engine step that added text; `spec` rides on the
@@ -483,6 +528,20 @@ class OpenAIServer:
                               if usage_mode == "continuous" else None)
             return c
 
+        # logprobs ride with the chunk that carries their tokens' text: tokens whose text is
+        # held back (a possible stop string) wait for the chunk that releases it, and any
+        # left ride on the last chunk (docs/serving.md, "logprobs and n")
+        pending: list = []
+        offset = 0
+
+        def with_logprobs(c: dict) -> dict:
+            nonlocal pending, offset
+            if pending:
+                c["choices"][0]["logprobs"] = self._logprobs(kind, pending, offset)
+                offset += sum(len(self._token_text(t)) for t, _ in pending)
+                pending = []
+            return c
+
         try:
             if kind == "chat":
                 yield P.sse({**chunk("", None, 0), "choices": [
@@ -490,11 +549,14 @@ class OpenAIServer:
                      "finish_reason": None}]})
             async for out in stream:
                 _raise_if_engine_aborted(out)
+                if out.new_logprobs:
+                    pending.extend(zip(out.new_token_ids, out.new_logprobs))
                 if out.new_text and (kind == "chat" or not out.finished):
-                    yield P.sse(chunk(out.new_text, None, len(out.token_ids), out.num_cached_tokens))
+                    yield P.sse(with_logprobs(chunk(out.new_text, None, len(out.token_ids),
+                                                    out.num_cached_tokens)))
                 if out.finished:
-                    last = chunk(out.new_text if kind == "completion" else None, out.finish_reason,
-                                 len(out.token_ids), out.num_cached_tokens)
+                    last = with_logprobs(chunk(out.new_text if kind == "completion" else None,
+                                               out.finish_reason, len(out.token_ids), out.num_cached_tokens))
                     spec = P.spec_summary(out.spec, stream.method)
                     if usage_mode == "none":
                         last["spec"] = spec
@@ -534,22 +596,35 @@ class OpenAIServer:
             raise _failure(exc, rejected=True) from None
 
     def _parse_completion(self, body: bytes) -> tuple[P.CompletionRequest, list[int]]:
-        req = P.parse_request(P.CompletionRequest, body)
+        req = P.parse_request(P.CompletionRequest, body, self.config.allow_unknown_fields)
         self._check_model(req.model)
         return req, self._encode_prompt(req.prompt)
 
     def _parse_chat(self, body: bytes) -> tuple[P.ChatCompletionRequest, list[int]]:
-        req = P.parse_request(P.ChatCompletionRequest, body)
+        req = P.parse_request(P.ChatCompletionRequest, body, self.config.allow_unknown_fields)
         self._check_model(req.model)
         messages = req.message_dicts()
+        kw = self._tools_kwargs(req)
         try:
-            self._check_length(self.tokenizer.apply_chat_template(messages), "messages")
-            return req, list(self.tokenizer.encode_chat(messages))
+            self._check_length(self.tokenizer.apply_chat_template(messages, **kw), "messages")
+            return req, list(self.tokenizer.encode_chat(messages, **kw))
         except P.APIError:
             raise
         except Exception as exc:  # the template rejecting a conversation is bad input
             raise P.APIError(400, f"messages: the chat template rejected them: {exc}",
                              param="messages", code="invalid_value") from None
+
+    def _tools_kwargs(self, req: P.ChatCompletionRequest) -> dict:
+        """{"tools": [...]} for the chat template, or {} without tools; 400 when the model's
+        template cannot render tools (it never mentions `tools`: see --chat-template)."""
+        tool_defs = req.template_tools()
+        if not tool_defs:
+            return {}
+        if not getattr(self.tokenizer, "supports_tools", False):
+            raise P.APIError(400, "tools: the model's chat template does not support tools (it "
+                             "does not render a `tools` variable); start the server with a "
+                             "--chat-template that does", param="tools", code="invalid_value")
+        return {"tools": tool_defs}
 
     def _check_length(self, text: str, param: str) -> None:
         """400 for a text that cannot fit the context, decided before tokenizing it whole."""
@@ -780,7 +855,7 @@ class TokenizeChatRequest(_TokenizerRouteRequest):
     add_generation_prompt: bool = True
 
     def message_dicts(self) -> list[dict]:
-        return [{"role": m.role, "content": m.content} for m in self.messages]
+        return [m.template_dict() for m in self.messages]
 
 
 class DetokenizeRequest(_TokenizerRouteRequest):

@@ -121,7 +121,7 @@ _ACCEPTED = object()  # first item of a queue: the engine took the request
 class _Channel:
     """One request as the front end sees it: its outputs so far and its consumer's queue."""
 
-    __slots__ = ("record", "prompt", "queue", "token_ids", "text", "spec", "aborting", "cached")
+    __slots__ = ("record", "prompt", "queue", "token_ids", "text", "spec", "aborting", "cached", "logprobs")
 
     def __init__(self, record: RequestRecord, prompt: list[int]):
         self.record = record
@@ -132,6 +132,7 @@ class _Channel:
         self.spec = SpecStats()
         self.aborting = False      # an Abort was sent; the core's ABORTED ends the channel
         self.cached = 0            # prompt tokens the prefix cache served (known from the first output)
+        self.logprobs: list | None = None  # per token so far, when the request asked for them
 
     def output(self, ev: M.RequestEvent) -> RequestOutput:
         self.token_ids.extend(ev.new_token_ids)
@@ -140,9 +141,14 @@ class _Channel:
             self.spec = _spec_stats(ev.spec)
         if ev.num_cached_tokens:
             self.cached = ev.num_cached_tokens
+        if ev.logprobs is not None:
+            if self.logprobs is None:
+                self.logprobs = []
+            self.logprobs.extend(ev.logprobs)
         return RequestOutput(self.record.request_id, self.prompt, list(self.token_ids),
                              list(ev.new_token_ids), self.text, ev.new_text, ev.finished,
-                             ev.finish_reason, self.spec, ev.error, num_cached_tokens=self.cached)
+                             ev.finish_reason, self.spec, ev.error, num_cached_tokens=self.cached,
+                             logprobs=self.logprobs, new_logprobs=ev.logprobs)
 
 
 class RequestStream:

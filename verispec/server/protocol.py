@@ -1,9 +1,19 @@
 """OpenAI-compatible request schemas, their validation, and the response/error bodies.
 
 Requests are parsed strictly (no "1" for 1, no true for 1): a wrong type is a 400 that
-names the field, never a silent coercion. Unknown fields are ignored, as OpenAI-compatible
-servers do, but known features this server does not implement (n > 1, logprobs, echo,
-tools, ...) are rejected rather than silently dropped.
+names the field, never a silent coercion. An unknown field is a 400 naming it, at every
+level (OpenAI's "Unrecognized request argument supplied: foo"), unless the server runs with
+--allow-unknown-fields (then it is dropped and logged at debug level); a known feature this
+server does not implement is rejected too, never silently dropped. Fields that change
+nothing about the output are accepted and ignored, each listed with its reason: `user`,
+`safety_identifier`, `prompt_cache_key`, `service_tier`, `metadata`, `store` (false only),
+`stream_options.include_obfuscation`.
+
+Tools: `tools`, `tool_choice` ("none" | "auto" | "required" | a named function; the last
+two best effort, nothing forces a call), `parallel_tool_calls`, assistant `tool_calls` and
+`tool` messages are accepted and rendered by the chat template (the server answers 400 when
+the template has no tool support); the output's <tool_call> blocks are parsed by
+verispec/server/tools.py.
 
 Extensions over the OpenAI API (vLLM's names and semantics): `top_k` (-1 or 0 disables),
 `min_p`, `ignore_eos`, `repetition_penalty`, `min_tokens`, `stop_token_ids`, and
@@ -13,19 +23,24 @@ requests; `spec` (the request's speculation statistics) on responses.
 from __future__ import annotations
 
 import json
+import logging
 import time
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator,
+                      model_validator)
 
 from verispec.outputs import SpecStats
 from verispec.request import SpecOverride
 from verispec.sampling import SamplingParams
 
+log = logging.getLogger("verispec.server")
+
 MAX_STOP_STRINGS = 16
 MAX_STOP_TOKEN_IDS = 256
 MAX_SEED = 2**63 - 1
 MAX_INT32 = 2**31 - 1
+MAX_LOGPROBS = 20   # alternatives per token (OpenAI's top_logprobs bound; vLLM's default)
 # Deepest JSON nesting accepted: chat messages with content parts need 5 levels and a
 # tool's JSON Schema rarely 20; Python's decoder would raise RecursionError near 1,000.
 MAX_JSON_DEPTH = 64
@@ -58,15 +73,27 @@ def error_body(message: str, *, type: str = "invalid_request_error", param: str 
 
 # ---------------------------------------------------------------------------- requests
 class _Strict(BaseModel):
-    model_config = ConfigDict(strict=True, extra="ignore", allow_inf_nan=False)
+    # extra="forbid": an unknown field is a 400 naming it (OpenAI's "Unrecognized request
+    # argument supplied"), at every level; parse_request(allow_unknown=True) (the server's
+    # --allow-unknown-fields) drops them here instead and counts them.
+    model_config = ConfigDict(strict=True, extra="forbid", allow_inf_nan=False)
 
     @model_validator(mode="before")
     @classmethod
-    def _null_means_default(cls, data: Any) -> Any:
-        # OpenAI clients send `"field": null` for "not set"; treat it as absent.
-        if isinstance(data, dict):
-            return {k: v for k, v in data.items() if v is not None}
-        return data
+    def _null_means_default(cls, data: Any, info: ValidationInfo) -> Any:
+        # OpenAI clients send `"field": null` for "not set"; treat it as absent. An unknown
+        # field is refused even when null: a typo is a typo whatever its value.
+        if not isinstance(data, dict):
+            return data
+        known = cls.model_fields
+        ignored = info.context.get("ignored") if isinstance(info.context, dict) else None
+        out = {}
+        for k, v in data.items():
+            if k not in known and ignored is not None:
+                ignored.append(k)
+            elif v is not None or k not in known:
+                out[k] = v
+        return out
 
 
 class SpeculativeOptions(_Strict):
@@ -78,6 +105,8 @@ class SpeculativeOptions(_Strict):
 class StreamOptions(_Strict):
     include_usage: bool = False
     continuous_usage_stats: bool = False  # vLLM's: usage so far on every chunk (with include_usage)
+    include_obfuscation: bool | None = None  # accepted, ignored: OpenAI's padding against
+                                             # side channels; chunks here carry none
 
 
 class _GenerationRequest(_Strict):
@@ -85,10 +114,12 @@ class _GenerationRequest(_Strict):
 
     model: str | None = None
     max_tokens: int | None = Field(None, gt=0)
-    temperature: float = Field(1.0, ge=0)
-    top_p: float = Field(1.0, gt=0, le=1)
-    top_k: int = Field(0, ge=-1, le=MAX_INT32)  # extension; 0 or -1 disables
-    min_p: float = Field(0.0, ge=0, le=1)  # extension
+    # None: not sent; the server's default applies (the model's generation config with
+    # --generation-config auto, else NEUTRAL_SAMPLING): see sampling_params.
+    temperature: float | None = Field(None, ge=0)
+    top_p: float | None = Field(None, gt=0, le=1)
+    top_k: int | None = Field(None, ge=-1, le=MAX_INT32)  # extension; 0 or -1 disables
+    min_p: float | None = Field(None, ge=0, le=1)  # extension
     seed: int | None = Field(None, ge=-MAX_SEED, le=MAX_SEED)
     stop: Any = ()
     n: int = 1
@@ -98,11 +129,24 @@ class _GenerationRequest(_Strict):
     ignore_eos: bool = False                       # extension
     presence_penalty: float = Field(0.0, ge=-2, le=2)
     frequency_penalty: float = Field(0.0, ge=-2, le=2)
-    repetition_penalty: float = Field(1.0, gt=0)      # extension
+    repetition_penalty: float | None = Field(None, gt=0)  # extension
     logit_bias: dict | None = None                    # {"token id": bias in [-100, 100]}
     min_tokens: int = Field(0, ge=0, le=MAX_INT32)   # extension
     stop_token_ids: list[int] = Field(default_factory=list, max_length=MAX_STOP_TOKEN_IDS)  # extension
-    user: str | None = None
+    # Accepted and ignored: hints that change nothing about the output (each one's reason).
+    user: str | None = None               # an end-user id for abuse tracking; nothing is tracked
+    safety_identifier: str | None = None  # OpenAI's successor of `user`; same
+    prompt_cache_key: str | None = None   # a cache-routing hint; the prefix cache is automatic
+    service_tier: str | None = None       # a price/latency tier; there is one tier here
+    metadata: dict | None = None          # tags for stored completions (see `store`)
+    store: bool | None = None             # store the completion at OpenAI: only false is honest
+
+    @field_validator("store")
+    @classmethod
+    def _check_store(cls, v: bool | None) -> bool | None:
+        if v:
+            raise ValueError("store=true is not supported (this server stores no completions)")
+        return v
 
     @field_validator("stop")
     @classmethod
@@ -189,9 +233,13 @@ class CompletionRequest(_GenerationRequest):
     @field_validator("logprobs")
     @classmethod
     def _check_logprobs(cls, v: int | None) -> int | None:
-        if v is not None:
-            raise ValueError("logprobs are not supported")
+        if v is not None and not 0 <= v <= MAX_LOGPROBS:
+            raise ValueError(f"must be an integer in [0, {MAX_LOGPROBS}], got {v}")
         return v
+
+    def requested_logprobs(self) -> int | None:
+        """SamplingParams.logprobs: alternatives per token, None = no logprobs."""
+        return self.logprobs
 
     @field_validator("best_of")
     @classmethod
@@ -208,10 +256,55 @@ class CompletionRequest(_GenerationRequest):
         return v
 
 
+class FunctionCall(_Strict):
+    name: str = Field(min_length=1)
+    arguments: str  # JSON text, as OpenAI sends it
+
+
+class ToolCall(_Strict):
+    """An assistant message's earlier call (rendered back through the chat template)."""
+
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+    def template_dict(self) -> dict:
+        # Templates (Qwen's, Hermes') write `arguments | tojson`: they expect an object.
+        try:
+            args = json.loads(self.function.arguments)
+        except ValueError:
+            args = self.function.arguments
+        return {"id": self.id, "type": "function",
+                "function": {"name": self.function.name, "arguments": args}}
+
+
+class FunctionDefinition(_Strict):
+    name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.-]+$")
+    description: str | None = None
+    parameters: dict | None = None  # a JSON Schema, passed to the template as given
+    strict: bool | None = None      # accepted; nothing constrains decoding (docs/serving.md)
+
+
+class ToolDefinition(_Strict):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(_Strict):
+    name: str
+
+
+class NamedToolChoice(_Strict):
+    type: Literal["function"]
+    function: NamedFunction
+
+
 class ChatMessage(_Strict):
-    role: Literal["system", "developer", "user", "assistant"]
-    content: Any
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: Any = None  # required, except in an assistant message with tool_calls
     name: str | None = None
+    tool_calls: list[ToolCall] | None = None  # assistant messages
+    tool_call_id: str | None = None           # tool messages: the call this answers
 
     @field_validator("content")
     @classmethod
@@ -223,6 +316,27 @@ class ChatMessage(_Strict):
             return "".join(p["text"] for p in v)
         raise ValueError('must be a string or a list of {"type": "text", "text": ...} parts')
 
+    @model_validator(mode="after")
+    def _check_role_fields(self) -> "ChatMessage":
+        if self.content is None and not (self.role == "assistant" and self.tool_calls):
+            raise ValueError("content: is required (it may be omitted only in an assistant "
+                             "message with tool_calls)")
+        if self.tool_calls is not None and self.role != "assistant":
+            raise ValueError("tool_calls: only assistant messages have tool_calls")
+        if self.role == "tool" and not self.tool_call_id:
+            raise ValueError("tool_call_id: is required in a tool message")
+        return self
+
+    def template_dict(self) -> dict:
+        d: dict = {"role": self.role, "content": self.content if self.content is not None else ""}
+        if self.name is not None:
+            d["name"] = self.name
+        if self.tool_calls:
+            d["tool_calls"] = [c.template_dict() for c in self.tool_calls]
+        if self.tool_call_id is not None:
+            d["tool_call_id"] = self.tool_call_id
+        return d
+
 
 class ChatCompletionRequest(_GenerationRequest):
     """POST /v1/chat/completions."""
@@ -231,29 +345,62 @@ class ChatCompletionRequest(_GenerationRequest):
     max_completion_tokens: int | None = Field(None, gt=0)
     logprobs: bool = False
     top_logprobs: int | None = None
-    tools: list | None = None
+    tools: list[ToolDefinition] | None = None
+    # "none" | "auto" | "required" | {"type": "function", "function": {"name": ...}};
+    # "required" and a named function are best effort (docs/serving.md, "Tools").
+    tool_choice: Any = None
+    parallel_tool_calls: bool | None = None  # false: only the first call is returned
     response_format: dict | None = None
-
-    @field_validator("logprobs")
-    @classmethod
-    def _check_logprobs(cls, v: bool) -> bool:
-        if v:
-            raise ValueError("logprobs are not supported")
-        return v
 
     @field_validator("top_logprobs")
     @classmethod
     def _check_top_logprobs(cls, v: int | None) -> int | None:
-        if v is not None:
-            raise ValueError("top_logprobs is not supported")
+        if v is not None and not 0 <= v <= MAX_LOGPROBS:
+            raise ValueError(f"must be an integer in [0, {MAX_LOGPROBS}], got {v}")
         return v
 
-    @field_validator("tools")
+    @model_validator(mode="after")
+    def _top_logprobs_needs_logprobs(self) -> "ChatCompletionRequest":
+        if self.top_logprobs is not None and not self.logprobs:
+            raise APIError(400, "top_logprobs: requires logprobs to be true", param="top_logprobs",
+                           code="invalid_value")
+        return self
+
+    def requested_logprobs(self) -> int | None:
+        """SamplingParams.logprobs: alternatives per token, None = no logprobs."""
+        return (self.top_logprobs or 0) if self.logprobs else None
+
+    @field_validator("tool_choice")
     @classmethod
-    def _check_tools(cls, v: list | None) -> list | None:
-        if v:
-            raise ValueError("tools are not supported")
-        return v
+    def _parse_tool_choice(cls, v: Any) -> str | NamedToolChoice:
+        if v in ("none", "auto", "required"):
+            return v
+        if isinstance(v, dict):
+            return NamedToolChoice.model_validate(v)
+        raise ValueError('must be "none", "auto", "required" or {"type": "function", "function": '
+                         '{"name": ...}}')
+
+    @model_validator(mode="after")
+    def _check_tool_choice(self) -> "ChatCompletionRequest":
+        choice = self.tool_choice
+        if choice is not None and choice != "none" and not self.tools:
+            raise APIError(400, "tool_choice: is only allowed when tools are given",
+                           param="tool_choice", code="invalid_value")
+        if isinstance(choice, NamedToolChoice) and choice.function.name not in {
+                t.function.name for t in self.tools}:
+            raise APIError(400, f"tool_choice: function {choice.function.name!r} is not in tools",
+                           param="tool_choice.function.name", code="invalid_value")
+        return self
+
+    def template_tools(self) -> list[dict] | None:
+        """The tools the chat template renders: none for tool_choice "none", only the named
+        function for a named choice."""
+        if not self.tools or self.tool_choice == "none":
+            return None
+        tools = self.tools
+        if isinstance(self.tool_choice, NamedToolChoice):
+            tools = [t for t in tools if t.function.name == self.tool_choice.function.name]
+        return [t.model_dump(exclude_none=True) for t in tools]
 
     @field_validator("response_format")
     @classmethod
@@ -266,11 +413,13 @@ class ChatCompletionRequest(_GenerationRequest):
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
     def message_dicts(self) -> list[dict]:
-        return [{"role": m.role, "content": m.content} for m in self.messages]
+        return [m.template_dict() for m in self.messages]
 
 
-def parse_request(model: type[_Strict], body: bytes) -> Any:
-    """Decode and validate a JSON body; raises APIError(400) naming the offending field."""
+def parse_request(model: type[_Strict], body: bytes, allow_unknown: bool = False) -> Any:
+    """Decode and validate a JSON body; raises APIError(400) naming the offending field.
+    An unknown field is such a 400 unless allow_unknown (then it is dropped, and logged at
+    debug level)."""
     try:
         data = json.loads(body, parse_constant=_reject_constant)
     except RecursionError:
@@ -281,10 +430,14 @@ def parse_request(model: type[_Strict], body: bytes) -> Any:
     if not isinstance(data, dict):
         raise APIError(400, "request body must be a JSON object", code="invalid_json")
     check_json_tree(data)
+    ignored: list[str] | None = [] if allow_unknown else None
     try:
-        request = model.model_validate(data)
+        request = model.model_validate(data, context={"ignored": ignored})
     except ValidationError as exc:
         raise _validation_error(exc) from None
+    if ignored:
+        log.debug("ignored %d unknown request field(s) (--allow-unknown-fields): %s",
+                  len(ignored), ", ".join(sorted(set(ignored))))
     request.check_stream_options()
     return request
 
@@ -329,6 +482,10 @@ def _validation_error(exc: ValidationError) -> APIError:
     err = exc.errors(include_url=False)[0]
     param = format_param(err["loc"])
     message = err["msg"].removeprefix("Value error, ")
+    if err["type"] == "extra_forbidden":  # OpenAI's wording; the server flag to accept extras
+        return APIError(400, f"Unrecognized request argument supplied: {param} (the server "
+                        "refuses unknown fields unless started with --allow-unknown-fields)",
+                        param=param, code="unknown_parameter")
     if err["type"] == "missing":
         message = "is required"
     code = "missing_required_parameter" if err["type"] == "missing" else "invalid_value"
@@ -344,17 +501,34 @@ def format_param(loc: tuple) -> str:
 
 
 # ---------------------------------------------------------------------------- to the engine
-def sampling_params(request: _GenerationRequest, max_tokens: int) -> SamplingParams:
-    """SamplingParams for a validated request; `max_tokens` is already resolved."""
+# OpenAI's (and vLLM's --generation-config vllm) defaults: sampling left untouched.
+NEUTRAL_SAMPLING = {"temperature": 1.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0, "repetition_penalty": 1.0}
+
+
+def resolve_sampling_defaults(model_defaults: dict | None) -> dict:
+    """NEUTRAL_SAMPLING overlaid with the model's own values (`--generation-config auto`)."""
+    return {**NEUTRAL_SAMPLING, **{k: v for k, v in (model_defaults or {}).items() if k in NEUTRAL_SAMPLING}}
+
+
+def sampling_params(request: _GenerationRequest, max_tokens: int,
+                    defaults: dict | None = None) -> SamplingParams:
+    """SamplingParams for a validated request; `max_tokens` is already resolved. A sampling
+    field the request omits takes `defaults` (resolve_sampling_defaults; neutral if None)."""
+    d = defaults or NEUTRAL_SAMPLING
+
+    def pick(name: str):
+        value = getattr(request, name)
+        return d.get(name, NEUTRAL_SAMPLING[name]) if value is None else value
     try:
-        return SamplingParams(temperature=request.temperature, top_p=request.top_p,
-                              top_k=request.top_k, min_p=request.min_p, max_tokens=max_tokens,
+        return SamplingParams(temperature=pick("temperature"), top_p=pick("top_p"),
+                              top_k=pick("top_k"), min_p=pick("min_p"), max_tokens=max_tokens,
                               seed=request.seed, stop=request.stop, ignore_eos=request.ignore_eos,
                               presence_penalty=request.presence_penalty,
                               frequency_penalty=request.frequency_penalty,
-                              repetition_penalty=request.repetition_penalty,
+                              repetition_penalty=pick("repetition_penalty"),
                               logit_bias=request.logit_bias, min_tokens=request.min_tokens,
-                              stop_token_ids=request.stop_token_ids)
+                              stop_token_ids=request.stop_token_ids,
+                              logprobs=request.requested_logprobs())
     except ValueError as exc:  # the protocol checks first, so this is a belt-and-braces path
         raise APIError(400, str(exc), param=engine_error_param(str(exc))) from None
 
@@ -435,6 +609,40 @@ def completion_chunk(rid: str, created: int, model: str, text: str,
 def chat_chunk(rid: str, created: int, model: str, delta: dict, finish_reason: str | None) -> dict:
     return {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
             "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}]}
+
+
+MIN_LOGPROB = -9999.0  # what a -inf logprob (a token the filters removed) is written as (OpenAI's)
+
+
+def _lp(value: float) -> float:
+    return value if value >= MIN_LOGPROB else MIN_LOGPROB  # -inf and anything below; JSON has no -inf
+
+
+def completion_logprobs(tokens: list[tuple[int, tuple]], token_text, offset: int = 0) -> dict:
+    """The completions API's `logprobs` for (token id, (logprob, top)) pairs: token strings,
+    their logprobs, per token {token string: logprob} of the top N plus the sampled token
+    (OpenAI: up to N + 1 entries), and each token's character offset in the completion text
+    starting at `offset` (offsets are of the tokens' own strings, see docs/serving.md)."""
+    out: dict = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+    for tid, (lp, top) in tokens:
+        text = token_text(tid)
+        alternatives = {token_text(t): _lp(v) for t, v in top}
+        alternatives.setdefault(text, _lp(lp))
+        out["tokens"].append(text)
+        out["token_logprobs"].append(_lp(lp))
+        out["top_logprobs"].append(alternatives)
+        out["text_offset"].append(offset)
+        offset += len(text)
+    return out
+
+
+def chat_logprobs(tokens: list[tuple[int, tuple]], token_text) -> dict:
+    """The chat API's `logprobs`: {"content": [{token, logprob, bytes, top_logprobs}]}."""
+    def entry(tid: int, lp: float) -> dict:
+        text = token_text(tid)
+        return {"token": text, "logprob": _lp(lp), "bytes": list(text.encode("utf-8"))}
+    return {"content": [{**entry(tid, lp), "top_logprobs": [entry(t, v) for t, v in top]}
+                        for tid, (lp, top) in tokens], "refusal": None}
 
 
 def usage_chunk(rid: str, created: int, model: str, obj: str, usage_: dict) -> dict:
