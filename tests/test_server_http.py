@@ -389,7 +389,7 @@ CONCURRENCY = 16
 PROMPTS = ["Once upon a time", "def fibonacci(n):", "The three primary colours are",
            "Translate to French: good morning", "List: apples, pears,", "In 1969, the first",
            "Q: What is 2 + 2?\nA:", "import numpy as np\n"]
-INVALID = [dict(temperature=-1.0), dict(top_p=0.0), dict(n=2), dict(max_tokens=0),
+INVALID = [dict(temperature=-1.0), dict(top_p=0.0), dict(n=17), dict(max_tokens=0),
            dict(model="no-such-model"), dict(extra_body={"speculative": {"method": "medusa"}})]
 
 
@@ -669,3 +669,98 @@ def test_bad_logprobs_values_are_400s_naming_the_field(server):
         with pytest.raises(openai.BadRequestError) as err:
             call()
         assert err.value.body["param"] == param
+
+
+# ---------------------------------------------------------------------------- n > 1
+def _choice_texts(kind: str, r, n: int) -> list[str]:
+    assert [c.index for c in r.choices] == list(range(n))
+    return [c.message.content if kind == "chat" else c.text for c in r.choices]
+
+
+def _streamed_choices(kind: str, chunks: list, n: int) -> tuple[list[str], list, object]:
+    """(text per index, finish_reason per index, the usage) of an n-choice stream."""
+    texts, finishes, roles, usage = [""] * n, [None] * n, [0] * n, None
+    for ch in chunks:
+        usage = ch.usage or usage
+        for c in ch.choices:
+            if kind == "chat":
+                roles[c.index] += c.delta.role == "assistant"
+                texts[c.index] += c.delta.content or ""
+            else:
+                texts[c.index] += c.text
+            if c.finish_reason is not None:
+                assert finishes[c.index] is None  # one finishing chunk per choice
+                finishes[c.index] = c.finish_reason
+    if kind == "chat":
+        assert roles == [1] * n  # the role chunk once per index
+    return texts, finishes, usage
+
+
+@pytest.mark.parametrize("kind", ["completion", "chat"])
+def test_n_seeded_choices_equal_independent_requests_seeded_s_plus_i(server, kind):
+    """n=3 with seed 5 at T=0.8 gives the texts of three requests seeded 5, 6 and 7 (sibling i
+    is seeded s + i), streamed or not; usage counts the prompt once and sums the completions."""
+    c = client(server)
+    if kind == "chat":
+        create = c.chat.completions.create
+        req = dict(model=BACKEND.model, messages=[{"role": "user", "content": "Tell me about cats."}])
+    else:
+        create = c.completions.create
+        req = dict(model=BACKEND.model, prompt="Rewrite politely: send me the report now.")
+    req.update(max_tokens=16, temperature=0.8, top_p=0.95)
+    singles = [create(**req, seed=5 + i) for i in range(3)]
+    expected = [_choice_texts(kind, r, 1)[0] for r in singles]
+    r = create(**req, seed=5, n=3)
+    assert _choice_texts(kind, r, 3) == expected
+    assert r.usage.prompt_tokens == singles[0].usage.prompt_tokens
+    assert r.usage.completion_tokens == sum(x.usage.completion_tokens for x in singles)
+    assert r.usage.total_tokens == r.usage.prompt_tokens + r.usage.completion_tokens
+    assert [ch.finish_reason for ch in r.choices] == [x.choices[0].finish_reason for x in singles]
+    chunks = list(create(**req, seed=5, n=3, stream=True, stream_options={"include_usage": True}))
+    texts, finishes, usage = _streamed_choices(kind, chunks, 3)
+    assert texts == expected and finishes == [ch.finish_reason for ch in r.choices]
+    assert chunks[-1].choices == [] and usage == chunks[-1].usage
+    assert _counts(usage) == _counts(r.usage)
+    assert len({ch.id for ch in chunks}) == 1
+    if BACKEND.name == "real":
+        assert len(set(expected)) > 1  # different seeds, different samples
+    server.wait_idle()
+
+
+def test_n_greedy_gives_identical_choices_with_their_own_logprobs(server):
+    c = client(server)
+    r = c.completions.create(model=BACKEND.model, prompt="The capital of France is", max_tokens=8,
+                             temperature=0, n=2, best_of=2,
+                             logprobs=1 if BACKEND.name == "real" else None)
+    a, b = _choice_texts("completion", r, 2)
+    assert a and a == b
+    if BACKEND.name == "real":
+        assert r.choices[0].logprobs.tokens == r.choices[1].logprobs.tokens
+        assert "".join(r.choices[1].logprobs.tokens) == b
+    req = dict(model=BACKEND.model, messages=[{"role": "user", "content": "Hi!"}], max_tokens=8,
+               temperature=0)
+    one = c.chat.completions.create(**req)
+    chat = c.chat.completions.create(**req, n=2)
+    x, y = _choice_texts("chat", chat, 2)
+    assert x == y == one.choices[0].message.content
+    assert chat.usage.prompt_tokens == one.usage.prompt_tokens
+    assert chat.usage.completion_tokens == 2 * one.usage.completion_tokens  # both choices counted
+
+
+def test_n_stream_closed_early_aborts_every_sibling(server):
+    async def scenario():
+        c = aclient(server)
+        s = await c.completions.create(model=BACKEND.model, prompt="Once upon a time", max_tokens=400,
+                                       temperature=0.8, n=3, stream=True, extra_body={"ignore_eos": True})
+        seen = 0
+        async for _ in s:
+            seen += 1
+            if seen >= 6:
+                await s.close()  # the client goes away mid-stream
+                break
+        await c.close()
+    asyncio.run(scenario())
+    health = server.wait_idle()
+    assert health["in_flight"] == 0 and health["kv_blocks_used"] == 0, health
+    assert health["integrity"] == "ok", health
+

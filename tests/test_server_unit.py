@@ -95,7 +95,11 @@ BAD_REQUESTS = [
     (COMP, {"prompt": 5}, 400, "prompt"),
     (COMP, {}, 400, "prompt"),
     (COMP, {"prompt": "x", "model": "gpt-4"}, 400, "model"),
-    (COMP, {"prompt": "x", "n": 2}, 400, "n"),
+    (COMP, {"prompt": "x", "n": 0}, 400, "n"),
+    (COMP, {"prompt": "x", "n": 17}, 400, "n"),
+    (COMP, {"prompt": "x", "n": "2"}, 400, "n"),
+    (COMP, {"prompt": "x", "n": 2, "best_of": 3}, 400, "best_of"),
+    (COMP, {"prompt": "x", "best_of": 2}, 400, "best_of"),
     (COMP, {"prompt": "x", "stream": "yes"}, 400, "stream"),
     (COMP, {"prompt": "x", "stop": [""]}, 400, "stop"),
     (COMP, {"prompt": "x", "seed": 1.5}, 400, "seed"),
@@ -118,7 +122,7 @@ BAD_REQUESTS = [
     (CHAT, {"messages": MSG, "max_completion_tokens": 0}, 400, "max_completion_tokens"),
     (CHAT, {"messages": MSG, "max_tokens": 10_000}, 400, "max_tokens"),
     (CHAT, {"messages": [{"role": "user", "content": "x" * 600}]}, 400, "messages"),
-    (CHAT, {"messages": MSG, "n": 3}, 400, "n"),
+    (CHAT, {"messages": MSG, "n": -1}, 400, "n"),
     (CHAT, {"messages": MSG, "presence_penalty": -3}, 400, "presence_penalty"),
     (CHAT, {"messages": MSG, "tools": [{"type": "function"}]}, 400, "tools[0].function"),
     # unknown fields: 400 naming them, at every level, even when null (--allow-unknown-fields)
@@ -382,6 +386,60 @@ def test_stream_matches_non_stream_and_puts_usage_and_spec_on_the_last_chunk():
     run(scenario())
 
 
+@pytest.mark.parametrize("path", [COMP, CHAT])
+def test_n_choices_equal_requests_seeded_s_plus_i_streamed_or_not(path):
+    async def scenario():
+        async with serving() as (_, client, _engine):
+            base = {"max_tokens": 6, "temperature": 1.0, "ignore_eos": True}
+            base.update({"prompt": "fan out"} if path == COMP else {"messages": MSG})
+
+            def text(choice: dict) -> str:
+                return choice["text"] if path == COMP else choice["message"]["content"]
+            singles = [(await client.post(path, json={**base, "seed": 5 + i})).json() for i in range(3)]
+            r = (await client.post(path, json={**base, "seed": 5, "n": 3})).json()
+            assert [c["index"] for c in r["choices"]] == [0, 1, 2]
+            assert [text(c) for c in r["choices"]] == [text(s["choices"][0]) for s in singles]
+            assert r["usage"]["prompt_tokens"] == singles[0]["usage"]["prompt_tokens"]
+            assert r["usage"]["completion_tokens"] == 18
+            assert r["spec"]["num_drafts"] == sum(s["spec"]["num_drafts"] for s in singles)
+            sr = await client.post(path, json={**base, "seed": 5, "n": 3, "stream": True,
+                                               "stream_options": {"include_usage": True}})
+            events = _sse_events(sr.text)
+            assert sr.text.count("[DONE]") == 1
+            assert all(e["id"] == events[0]["id"] for e in events)
+            texts, roles, finishes = ["", "", ""], [0, 0, 0], [0, 0, 0]
+            for e in events[:-1]:
+                (c,) = e["choices"]
+                if path == COMP:
+                    texts[c["index"]] += c["text"]
+                else:
+                    roles[c["index"]] += c["delta"].get("role") == "assistant"
+                    texts[c["index"]] += c["delta"].get("content") or ""
+                finishes[c["index"]] += c["finish_reason"] is not None
+            assert texts == [text(s["choices"][0]) for s in singles]
+            assert finishes == [1, 1, 1] and roles == ([1, 1, 1] if path == CHAT else [0, 0, 0])
+            assert events[-1]["choices"] == [] and events[-1]["usage"]["completion_tokens"] == 18
+            assert events[-1]["usage"]["prompt_tokens"] == r["usage"]["prompt_tokens"]
+            health = await wait_idle(client)
+            assert health["kv_blocks_used"] == 0
+    run(scenario())
+
+
+def test_a_failing_sibling_fails_the_request():
+    async def scenario():
+        engine = FakeEngine(step_delay_s=0.002)
+        async with serving(engine) as (_, client, _engine):
+            body = {"prompt": "FAIL_REQUEST", "max_tokens": 20, "n": 2}
+            r = await client.post(COMP, json=body)
+            assert r.status_code == 500 and r.json()["error"]["type"] == "server_error", r.text
+            sr = await client.post(COMP, json={**body, "stream": True})
+            events = _sse_events(sr.text)
+            assert "error" in events[-1] and sr.text.count("[DONE]") == 1
+            health = await wait_idle(client)
+            assert health["kv_blocks_used"] == 0 and health["integrity"] == "ok"
+    run(scenario())
+
+
 def test_speculative_override_reaches_the_engine():
     async def scenario():
         async with serving() as (_, client, _engine):
@@ -464,7 +522,7 @@ def test_metric_names_and_spec_counters_equal_the_sum_of_response_stats():
 def test_rejections_are_counted_by_reason():
     async def scenario():
         async with serving() as (_, client, _engine):
-            await client.post(COMP, json={"prompt": "x", "n": 2})
+            await client.post(COMP, json={"prompt": "x", "n": 0})
             await client.get("/v1/missing")
             m = scrape((await client.get("/metrics")).text)
             assert total(m, "verispec:request_rejected_total", reason="invalid_request") == 1
@@ -567,6 +625,21 @@ def test_full_waiting_queue_raises_queue_full_and_http_429():
     run(scenario())
 
 
+def test_n_counts_n_against_the_waiting_queue():
+    """An n > 1 request needs room for n waiting requests: with max_waiting below n it is a
+    429 before any sibling reaches the engine; with room it answers n choices."""
+    async def scenario():
+        async with serving(max_waiting=2) as (_, client, engine):
+            r = await client.post(COMP, json={"prompt": "x", "max_tokens": 3, "n": 3})
+            assert r.status_code == 429 and r.json()["error"]["code"] == "queue_full", r.text
+            assert engine.requests == {}
+            r = await client.post(COMP, json={"prompt": "x", "max_tokens": 3, "n": 2, "best_of": 2})
+            assert r.status_code == 200, r.text
+            assert [c["index"] for c in r.json()["choices"]] == [0, 1]
+            await wait_idle(client)
+    run(scenario())
+
+
 def test_retry_after_follows_the_measured_drain_rate_with_jitter(monkeypatch):
     """Retry-After = the queue ahead at the measured rate of finishes, clamped to
     [1, 60] s, times 1..1.5 at random, so refused clients do not come back together."""
@@ -661,9 +734,9 @@ async def _disconnecting_call(app, body: dict, after_messages: int):
     return sent
 
 
-async def _assert_aborted_and_freed(app, engine: FakeEngine, ran_on: str) -> None:
-    """The one request in flight ends aborted within a second, its KV blocks free, the
-    engine well short of the steps its max_tokens would take."""
+async def _assert_aborted_and_freed(app, engine: FakeEngine, ran_on: str, aborts: int = 1) -> None:
+    """The requests in flight (`aborts` of them) end aborted within a second, their KV
+    blocks free, the engine well short of the steps their max_tokens would take."""
     ae = app.state.server.async_engine
     for _ in range(100):
         if ae.num_in_flight == 0:
@@ -673,7 +746,7 @@ async def _assert_aborted_and_freed(app, engine: FakeEngine, ran_on: str) -> Non
     assert live == [] and stats.kv_blocks_used == 0
     assert engine.steps < 100, ran_on
     m = scrape(app.state.server.metrics.render()[0].decode())
-    assert total(m, "verispec:request_aborted_total") == 1
+    assert total(m, "verispec:request_aborted_total") == aborts
 
 
 def _post_scope(path: str) -> dict:
@@ -693,6 +766,19 @@ def test_client_disconnect_aborts_the_request_at_once(stream):
             body = {"prompt": "walk away", "max_tokens": 400, "ignore_eos": True, "stream": stream}
             await _disconnecting_call(app, body, after_messages=3 if stream else 0)
             await _assert_aborted_and_freed(app, engine, "the request ran on after the client left")
+    run(scenario())
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_client_disconnect_aborts_every_sibling(stream):
+    async def scenario():
+        engine = FakeEngine(step_delay_s=0.01)
+        app = create_app(engine, ServerConfig())
+        async with app.router.lifespan_context(app):
+            body = {"prompt": "walk away", "max_tokens": 400, "ignore_eos": True, "stream": stream,
+                    "n": 3}
+            await _disconnecting_call(app, body, after_messages=4 if stream else 0)
+            await _assert_aborted_and_freed(app, engine, "siblings ran on after the client left", aborts=3)
     run(scenario())
 
 

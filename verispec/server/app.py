@@ -31,6 +31,7 @@ import os
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
+import dataclasses
 from dataclasses import dataclass
 from typing import Any, AsyncIterator, Callable
 
@@ -467,27 +468,110 @@ class OpenAIServer:
         stream = await self._start(rid, prompt_ids, params, req)
         return await self._respond(request, stream, "chat", req)
 
-    async def _respond(self, request: Request, stream: RequestStream, kind: str, req) -> Response:
+    async def _respond(self, request: Request, stream: RequestStream | SiblingStreams, kind: str,
+                       req) -> Response:
+        """The response of one started request: n = 1 is one RequestStream, n > 1 the
+        SiblingStreams of its n choices (docs/serving.md, "logprobs and n")."""
+        siblings = stream.streams if isinstance(stream, SiblingStreams) else [stream]
         if req.stream:
-            events = self._events(stream, kind, req.stream_usage_mode())
-            if kind == "chat" and req.template_tools():  # <tool_call> blocks -> delta.tool_calls
-                events = tools.stream_events(events, req.parallel_tool_calls is not False)
+            if len(siblings) == 1:
+                events = self._choice_events(stream, kind, req, req.stream_usage_mode())
+            else:
+                events = self._merged_events(stream, kind, req)
             return SSEResponse(events, stream)
         try:
-            out = await _collect(stream, request)
+            outs = await _collect(siblings, request)
         except (RequestFailed, EngineClosed) as exc:
             raise _failure(exc, rejected=False) from None
-        if out is None:  # the client went away; its request is already aborted
+        if outs is None:  # the client went away; its request is already aborted
             return Response(status_code=499)
+        bodies = [self._body(kind, req, stream.request_id, out, stream.method) for out in outs]
+        body = bodies[0]
+        if len(bodies) > 1:
+            body["choices"] = [{**b["choices"][0], "index": i} for i, b in enumerate(bodies)]
+            body["usage"] = P.merge_usage([b["usage"] for b in bodies])
+            body["spec"] = P.merge_spec([b["spec"] for b in bodies])
+        return JSONResponse(body)
+
+    def _body(self, kind: str, req, rid: str, out: RequestOutput, method: str) -> dict:
+        """The response body of one finished output (its choice is choices[0])."""
         build = P.completion_response if kind == "completion" else P.chat_response
-        body = build(stream.request_id, P.now(), self.model_name, out.text, out.finish_reason,
-                     _usage(out), P.spec_summary(out.spec, stream.method))
+        body = build(rid, P.now(), self.model_name, out.text, out.finish_reason,
+                     _usage(out), P.spec_summary(out.spec, method))
         body["system_fingerprint"] = self.fingerprint
         if out.logprobs is not None:
             body["choices"][0]["logprobs"] = self._logprobs(kind, list(zip(out.token_ids, out.logprobs)))
         if kind == "chat" and req.template_tools():  # <tool_call> blocks -> message.tool_calls
             tools.apply_to_response(body, req.parallel_tool_calls is not False)
-        return JSONResponse(body)
+        return body
+
+    def _choice_events(self, stream: RequestStream, kind: str, req, usage_mode: str) -> AsyncIterator[bytes]:
+        events = self._events(stream, kind, usage_mode)
+        if kind == "chat" and req.template_tools():  # <tool_call> blocks -> delta.tool_calls
+            events = tools.stream_events(events, req.parallel_tool_calls is not False)
+        return events
+
+    async def _merged_events(self, siblings: SiblingStreams, kind: str, req) -> AsyncIterator[bytes]:
+        """The SSE events of n > 1 choices: each sibling's own events (role chunk, content,
+        finish) as they come, relabelled with the request's id and the choice's `index`;
+        the siblings' usage chunks summed into one at the end; one [DONE]. A sibling's error
+        event ends the stream at once and aborts the others."""
+        rid, created, model = siblings.request_id, P.now(), self.model_name
+        usage_mode = req.stream_usage_mode()
+        n = len(siblings.streams)
+        # bounded: a stalled client stalls the pumps, so each sibling's own output buffer
+        # limit (--max-buffered-outputs) still applies
+        queue: asyncio.Queue = asyncio.Queue(maxsize=n)
+
+        async def pump(i: int, events: AsyncIterator[bytes]) -> None:
+            try:
+                async for event in events:
+                    await queue.put((i, event))
+            except Exception as exc:  # a bug: raised again by the merger
+                await queue.put((i, exc))
+            else:
+                await queue.put((i, None))
+            finally:
+                await events.aclose()
+
+        tasks = [asyncio.ensure_future(pump(i, self._choice_events(s, kind, req, usage_mode)))
+                 for i, s in enumerate(siblings.streams)]
+        usages: list = [None] * n
+        specs: list = [None] * n
+        live = n
+        try:
+            while live:
+                i, event = await queue.get()
+                if event is None:
+                    live -= 1
+                    continue
+                if isinstance(event, BaseException):
+                    raise event
+                payload = event[len(b"data: "):].strip()
+                if payload == b"[DONE]":
+                    continue
+                obj = json.loads(payload)
+                if "error" in obj:
+                    siblings.abort()
+                    yield event
+                    break
+                if not obj.get("choices"):  # a sibling's usage chunk: summed below
+                    usages[i], specs[i] = obj["usage"], obj["spec"]
+                    continue
+                obj["id"], obj["created"] = rid, created
+                obj["choices"][0]["index"] = i
+                yield P.sse(obj)
+            else:
+                if usage_mode != "none":
+                    obj_kind = "text_completion" if kind == "completion" else "chat.completion.chunk"
+                    yield P.sse({**P.usage_chunk(rid, created, model, obj_kind, P.merge_usage(usages)),
+                                 "system_fingerprint": self.fingerprint, "spec": P.merge_spec(specs)})
+            yield P.sse("[DONE]")
+        finally:
+            siblings.abort()  # no-op for those that finished
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
 
     def _token_text(self, token_id: int) -> str:
         """A token's own text (special tokens included); a token that is part of a UTF-8
@@ -587,9 +671,9 @@ class OpenAIServer:
         finally:
             self._preparing -= 1
 
-    def _admit(self) -> None:
+    def _admit(self, count: int = 1) -> None:
         try:
-            self.async_engine.admit(self._preparing)
+            self.async_engine.admit(self._preparing, count)
         except QueueFull as exc:
             raise _queue_full(exc) from None
         except EngineClosed as exc:
@@ -686,8 +770,26 @@ class OpenAIServer:
                              code="context_length_exceeded")
         return requested
 
-    async def _start(self, rid: str, prompt_ids: list[int], params, req) -> RequestStream:
-        """Hand the request to the engine, mapping refusals to HTTP errors."""
+    async def _start(self, rid: str, prompt_ids: list[int], params, req) -> RequestStream | SiblingStreams:
+        """Hand the request to the engine, mapping refusals to HTTP errors. n > 1: n sibling
+        requests `<rid>-<i>` of the same prompt (the prefix cache shares its KV), admitted
+        together; with a seed s, sibling i is seeded s + i (so it equals an independent request
+        with seed s + i); without one each samples independently."""
+        if req.n == 1:
+            return await self._start_one(rid, prompt_ids, params, req)
+        self._admit(req.n)
+        streams: list[RequestStream] = []
+        try:
+            for i in range(req.n):
+                p = params if params.seed is None else dataclasses.replace(params, seed=params.seed + i)
+                streams.append(await self._start_one(f"{rid}-{i}", prompt_ids, p, req))
+        except BaseException:
+            for stream in streams:
+                stream.abort()
+            raise
+        return SiblingStreams(rid, streams)
+
+    async def _start_one(self, rid: str, prompt_ids: list[int], params, req) -> RequestStream:
         try:
             return await self.async_engine.add_request(rid, prompt_ids, params, P.spec_override(req))
         except QueueFull as exc:
@@ -699,6 +801,22 @@ class OpenAIServer:
             raise _failure(exc, rejected=True) from None
 
 
+class SiblingStreams:
+    """The n engine requests (`<rid>-0` .. `<rid>-{n-1}`) of one n > 1 request, aborted together."""
+
+    def __init__(self, request_id: str, streams: list[RequestStream]):
+        self.request_id = request_id
+        self.streams = streams
+
+    @property
+    def method(self) -> str:
+        return self.streams[0].method
+
+    def abort(self) -> None:
+        for stream in self.streams:
+            stream.abort()
+
+
 class SSEResponse:
     """A text/event-stream response that aborts its request as soon as the client leaves.
 
@@ -706,7 +824,7 @@ class SSEResponse:
     next token; this one also listens for http.disconnect while waiting for tokens.
     """
 
-    def __init__(self, events: AsyncIterator[bytes], stream: RequestStream):
+    def __init__(self, events: AsyncIterator[bytes], stream: RequestStream | SiblingStreams):
         self.events = events
         self.stream = stream
 
@@ -759,25 +877,38 @@ async def read_body(request: Request, limit: int) -> bytes:
     return b"".join(chunks)
 
 
-async def _collect(stream: RequestStream, request: Request) -> RequestOutput | None:
-    """The final output of a non-streaming request, or None if the client disconnected."""
-    async def consume() -> RequestOutput:
+async def _collect(streams: list[RequestStream], request: Request) -> list[RequestOutput] | None:
+    """The final outputs of a non-streaming request's streams (n of them for n > 1), or None
+    if the client disconnected. The first failing stream's error is raised at once, the
+    others aborted."""
+    async def consume(stream: RequestStream) -> RequestOutput:
         last = None
         async for out in stream:
             _raise_if_engine_aborted(out)
             last = out
         return last
 
-    consumer = asyncio.ensure_future(consume())
+    def failed(task: asyncio.Future) -> bool:
+        return task.done() and not task.cancelled() and task.exception() is not None
+
+    consumers = [asyncio.ensure_future(consume(s)) for s in streams]
     watcher = asyncio.ensure_future(_wait_for_disconnect(request.receive))
     try:
-        await asyncio.wait({consumer, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        pending = {*consumers, watcher}
+        while True:
+            _, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+            if watcher.done() or any(map(failed, consumers)) or all(c.done() for c in consumers):
+                break
     finally:
-        stream.abort()  # no-op when it finished; frees the KV at once when the client left
-        for task in (consumer, watcher):
+        for stream in streams:
+            stream.abort()  # no-op when it finished; frees the KV at once when the client left
+        for task in (*consumers, watcher):
             task.cancel()
-    if consumer.done() and not consumer.cancelled():
-        return consumer.result()
+    for task in consumers:
+        if failed(task):
+            raise task.exception()
+    if all(c.done() and not c.cancelled() for c in consumers):
+        return [c.result() for c in consumers]
     return None
 
 

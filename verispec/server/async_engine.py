@@ -436,13 +436,14 @@ class AsyncEngine:
             raise first
         return stream
 
-    def admit(self, preparing: int = 0) -> None:
-        """Raise EngineClosed or QueueFull unless one more request may queue. Cheap: the
-        server calls it before reading or tokenizing a body, counting the `preparing` ones."""
+    def admit(self, preparing: int = 0, count: int = 1) -> None:
+        """Raise EngineClosed or QueueFull unless `count` more requests may queue (n sibling
+        requests of one n > 1 request). Cheap: the server calls it before reading or
+        tokenizing a body, counting the `preparing` ones."""
         if not self.accepting:
             raise EngineClosed(self.death or "the engine is not accepting requests (shutting down)")
         waiting = self._engine_waiting + self._pending_adds + preparing
-        if waiting >= self.max_waiting:
+        if waiting + count > self.max_waiting:
             raise QueueFull(waiting, self.max_waiting, self.retry_after_s(waiting))
 
     def retry_after_s(self, waiting: int) -> int:

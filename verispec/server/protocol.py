@@ -41,6 +41,7 @@ MAX_STOP_TOKEN_IDS = 256
 MAX_SEED = 2**63 - 1
 MAX_INT32 = 2**31 - 1
 MAX_LOGPROBS = 20   # alternatives per token (OpenAI's top_logprobs bound; vLLM's default)
+MAX_N = 16          # choices per request (n); each is one engine request
 # Deepest JSON nesting accepted: chat messages with content parts need 5 levels and a
 # tool's JSON Schema rarely 20; Python's decoder would raise RecursionError near 1,000.
 MAX_JSON_DEPTH = 64
@@ -163,8 +164,8 @@ class _GenerationRequest(_Strict):
     @field_validator("n")
     @classmethod
     def _check_n(cls, v: int) -> int:
-        if v != 1:
-            raise ValueError(f"only n=1 is supported, got {v}")
+        if not 1 <= v <= MAX_N:
+            raise ValueError(f"must be an integer in [1, {MAX_N}], got {v}")
         return v
 
     @field_validator("logit_bias")
@@ -243,9 +244,10 @@ class CompletionRequest(_GenerationRequest):
 
     @field_validator("best_of")
     @classmethod
-    def _check_best_of(cls, v: int | None) -> int | None:
-        if v not in (None, 1):
-            raise ValueError(f"only best_of=1 is supported, got {v}")
+    def _check_best_of(cls, v: int | None, info: ValidationInfo) -> int | None:
+        n = info.data.get("n", 1)  # n is validated first (a field of the base class)
+        if v is not None and v != n:
+            raise ValueError(f"only best_of equal to n ({n}) is supported, got {v}")
         return v
 
     @field_validator("suffix")
@@ -578,6 +580,36 @@ def spec_summary(stats: SpecStats, method: str) -> dict:
         "accepted_per_position": list(stats.accepted_per_position),
         "drafted_per_position": list(stats.drafted_per_position),
     }
+
+
+def merge_spec(summaries: list[dict]) -> dict:
+    """One `spec` for n sibling choices (spec_summary dicts): counts summed, rates recomputed."""
+    if len(summaries) == 1:
+        return summaries[0]
+
+    def add(lists: list[list[int]]) -> list[int]:
+        out = [0] * max(map(len, lists), default=0)
+        for values in lists:
+            for i, v in enumerate(values):
+                out[i] += v
+        return out
+    drafts = sum(s["num_drafts"] for s in summaries)
+    accepted = sum(s["accepted"] for s in summaries)
+    acc = add([s["accepted_per_position"] for s in summaries])
+    dra = add([s["drafted_per_position"] for s in summaries])
+    return {"method": summaries[0]["method"], "num_drafts": drafts,
+            "drafted": sum(s["drafted"] for s in summaries), "accepted": accepted,
+            "acceptance_per_position": [a / d if d else 0.0 for a, d in zip(acc, dra)],
+            "mean_accepted_len": accepted / drafts if drafts else None,
+            "accepted_per_position": acc, "drafted_per_position": dra}
+
+
+def merge_usage(usages: list[dict]) -> dict:
+    """The usage of n sibling choices: the prompt (and its cached tokens) counted once, from
+    the first sibling; completion tokens summed."""
+    first = usages[0]
+    cached = first.get("prompt_tokens_details", {}).get("cached_tokens")
+    return usage(first["prompt_tokens"], sum(u["completion_tokens"] for u in usages), cached)
 
 
 def now() -> int:
