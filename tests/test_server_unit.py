@@ -217,6 +217,23 @@ def test_allow_unknown_fields_flag_reaches_the_config():
     assert ServerConfig.from_args(parser.parse_args(["--allow-unknown-fields"])).allow_unknown_fields
 
 
+def test_every_server_config_field_has_its_flag():
+    """from_args reads field `name_s` from flag `--name`: a field without a flag of that
+    name would silently keep its default."""
+    import argparse
+    import dataclasses
+
+    from verispec.server.app import add_arguments
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    flags = set(vars(parser.parse_args([])))
+    missing = {f.name for f in dataclasses.fields(ServerConfig)} - {f + "_s" for f in flags} - flags
+    assert not missing, missing
+    args = parser.parse_args(["--stall-timeout", "7", "--max-connections", "9", "--allowed-hosts", "a,b"])
+    config = ServerConfig.from_args(args)
+    assert (config.stall_timeout_s, config.max_connections, config.allowed_hosts) == (7.0, 9, ("a", "b"))
+
+
 def _recording(engine: FakeEngine) -> list:
     """Record the SamplingParams each request reaches the engine with."""
     seen, add = [], engine.add_request

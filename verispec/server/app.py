@@ -32,7 +32,7 @@ import uuid
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 import dataclasses
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any, AsyncIterator, Callable
 
 import uvicorn
@@ -117,26 +117,11 @@ class ServerConfig:
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> "ServerConfig":
-        d = cls()
-        return cls(host=getattr(args, "host", d.host), port=getattr(args, "port", d.port),
-                   api_key=getattr(args, "api_key", None) or os.environ.get(API_KEY_ENV) or None,
-                   max_waiting=getattr(args, "max_waiting", d.max_waiting),
-                   max_body_bytes=getattr(args, "max_body_bytes", d.max_body_bytes),
-                   max_buffered_outputs=getattr(args, "max_buffered_outputs", d.max_buffered_outputs),
-                   served_model_name=getattr(args, "served_model_name", None),
-                   shutdown_timeout_s=getattr(args, "shutdown_timeout", d.shutdown_timeout_s),
-                   log_level=getattr(args, "log_level", d.log_level),
-                   access_log=getattr(args, "access_log", d.access_log),
-                   stall_timeout_s=getattr(args, "stall_timeout", d.stall_timeout_s),
-                   header_timeout_s=getattr(args, "header_timeout", d.header_timeout_s),
-                   body_timeout_s=getattr(args, "body_timeout", d.body_timeout_s),
-                   keep_alive_timeout_s=getattr(args, "keep_alive_timeout", d.keep_alive_timeout_s),
-                   max_connections=getattr(args, "max_connections", d.max_connections),
-                   fd_reserve=getattr(args, "fd_reserve", d.fd_reserve),
-                   allowed_hosts=getattr(args, "allowed_hosts", None),
-                   metrics_prefix=getattr(args, "metrics_prefix", d.metrics_prefix),
-                   allow_unknown_fields=getattr(args, "allow_unknown_fields", d.allow_unknown_fields),
-                   generation_config=getattr(args, "generation_config", d.generation_config))
+        """Every field from its flag (`--name`; seconds drop the `_s`: `--stall-timeout`), or
+        its default when the flag is absent; the API key may come from VERISPEC_API_KEY."""
+        values = {f.name: getattr(args, f.name.removesuffix("_s"), f.default) for f in fields(cls)}
+        values["api_key"] = values["api_key"] or os.environ.get(API_KEY_ENV) or None
+        return cls(**values)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
