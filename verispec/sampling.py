@@ -375,13 +375,9 @@ def logits_to_probs(
     """
     import torch
 
-    logits = logits.float()
-    greedy = temperature == 0                                                 # (N,)
-    scaled = logits / torch.where(greedy, 1.0, temperature.float())[:, None]  # (N, V)
     if use_sort is None:
         use_sort = bool(((top_k > 0) | (top_p < 1)).any())
-    if use_sort:
-        scaled = scaled.masked_fill(_top_k_top_p_removed(scaled, top_k, top_p), float("-inf"))
+    scaled, greedy = _scaled_and_cut(logits, temperature, top_k, top_p, use_sort)
     probs = scaled.softmax(dim=-1)                                            # (N, V)
     if use_min_p is None:
         use_min_p = bool((min_p > 0).any())
@@ -391,8 +387,24 @@ def logits_to_probs(
         p_max = probs.amax(dim=-1, keepdim=True)                              # (N, 1)
         probs = probs * (probs >= min_p.float()[:, None] * p_max)
         probs = probs / probs.sum(dim=-1, keepdim=True)
-    one_hot = torch.zeros_like(probs).scatter_(-1, logits.argmax(dim=-1, keepdim=True), 1.0)
+    # a greedy row's `scaled` is its logits (divided by 1, uncut): the argmax is theirs
+    one_hot = torch.zeros_like(probs).scatter_(-1, scaled.argmax(dim=-1, keepdim=True), 1.0)
     return torch.where(greedy[:, None], one_hot, probs)
+
+
+def _scaled_and_cut(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
+                    top_p: torch.Tensor, use_sort: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """(float32 logits / T with the top-k / top-p removals at -inf, the greedy rows). Greedy
+    rows are divided by 1 and not cut: `logits_to_probs` replaces them with a one-hot and
+    `token_logprobs` reports them unfiltered; both share these stages exactly."""
+    import torch
+
+    greedy = temperature == 0                                                 # (N,)
+    scaled = logits.float() / torch.where(greedy, 1.0, temperature.float())[:, None]  # (N, V)
+    if use_sort:
+        removed = _top_k_top_p_removed(scaled, top_k, top_p) & ~greedy[:, None]
+        scaled = scaled.masked_fill(removed, float("-inf"))
+    return scaled, greedy
 
 
 def token_logprobs(st: SamplingTensors, logits: torch.Tensor, tokens: Sequence[int],
@@ -412,12 +424,7 @@ def token_logprobs(st: SamplingTensors, logits: torch.Tensor, tokens: Sequence[i
     """
     import torch
 
-    processed = st.process(logits).float()
-    greedy = st.temperature == 0
-    scaled = processed / torch.where(greedy, 1.0, st.temperature.float())[:, None]
-    if st.use_sort:
-        removed = _top_k_top_p_removed(scaled, st.top_k, st.top_p) & ~greedy[:, None]
-        scaled = scaled.masked_fill(removed, float("-inf"))
+    scaled, greedy = _scaled_and_cut(st.process(logits), st.temperature, st.top_k, st.top_p, st.use_sort)
     if st.use_min_p:
         probs = scaled.softmax(dim=-1)
         keep = probs >= st.min_p.float()[:, None] * probs.amax(dim=-1, keepdim=True)
