@@ -35,6 +35,7 @@ from bugs import inject
 from tiny import run_all, tiny_engine, tiny_pair
 from verispec.model.attention import AttentionMetadata
 from verispec.sampling import SamplingParams, SamplingTensors
+from verispec.structured.spec import StructuredOutput
 
 VOCAB = 16
 NUM_SAMPLES = 20_000
@@ -73,14 +74,22 @@ def last_logits(model, seqs: torch.Tensor) -> torch.Tensor:
 PROMPT = _greedy_continuation(PAIR[0], SEED_PROMPT, 20)
 
 
-def exact_joint(model, params: SamplingParams, depth: int) -> torch.Tensor:
-    """P(x_1..x_depth) under the target with `params`: a tensor of shape (V,) * depth."""
+def exact_joint(model, params: SamplingParams, depth: int, allowed=None) -> torch.Tensor:
+    """P(x_1..x_depth) under the target with `params`: a tensor of shape (V,) * depth.
+    `allowed(output so far) -> token ids` masks each position first (a reference for
+    structured output written without the grammar engine)."""
     joint = torch.ones(())
     prefixes = torch.tensor([PROMPT])
     for _ in range(depth):  # histories: logits processors count each prefix's own tokens
         histories = [(PROMPT, row[len(PROMPT):]) for row in prefixes.tolist()]
         st = SamplingTensors.from_params([params] * prefixes.shape[0], "cpu", histories)
-        probs = st.to_probs(last_logits(model, prefixes))  # (V^j, V)
+        logits = last_logits(model, prefixes)
+        if allowed is not None:
+            mask = torch.ones_like(logits, dtype=torch.bool)
+            for row, (_, output) in enumerate(histories):
+                mask[row, allowed(output)] = False
+            logits = logits.masked_fill(mask, float("-inf"))
+        probs = st.to_probs(logits)  # (V^j, V)
         joint = joint.unsqueeze(-1) * probs.reshape(*joint.shape, VOCAB)
         prefixes = torch.cat([prefixes.repeat_interleave(VOCAB, 0),
                               torch.arange(VOCAB).repeat(prefixes.shape[0])[:, None]], dim=1)
@@ -88,7 +97,7 @@ def exact_joint(model, params: SamplingParams, depth: int) -> torch.Tensor:
 
 
 def sample_engine(pair, method: str, k: int, params: SamplingParams, max_tokens: int, seed: int,
-                  num_samples: int = NUM_SAMPLES) -> tuple[torch.Tensor, float]:
+                  num_samples: int = NUM_SAMPLES, eos: int | None = None) -> tuple[torch.Tensor, float]:
     """The first generated tokens of `num_samples` requests, and the run's acceptance rate.
 
     An engine error or a failed integrity check fails the test here: the gate's verdict is
@@ -96,7 +105,7 @@ def sample_engine(pair, method: str, k: int, params: SamplingParams, max_tokens:
     target, draft = pair
     engine = tiny_engine(target, draft if method == "draft" else None, method=method, k=k,
                          max_num_seqs=2048, max_batched_tokens=32768,
-                         num_kv_tokens=(len(PROMPT) + 16) * 2048 * 2, block_size=4, seed=seed)
+                         num_kv_tokens=(len(PROMPT) + 16) * 2048 * 2, block_size=4, seed=seed, eos=eos)
     sp = replace(params, max_tokens=max_tokens, ignore_eos=True)
     # One request first puts the prompt's KV in the prefix cache; every sample then
     # shares it (and the gate covers prefix-cache reuse too).
@@ -158,13 +167,13 @@ class Verdict:
 
 
 def run_gate(pair, joint, method, k, params, num_samples: int = NUM_SAMPLES,
-             acceptance: tuple[float, float] = ACCEPTANCE) -> Verdict:
+             acceptance: tuple[float, float] = ACCEPTANCE, eos: int | None = None) -> Verdict:
     """The gate on one setting. The second seed runs only when the first fails a
     statistical check; a statistical check fails only if it fails on both seeds."""
     max_tokens = max(k + 2, max(CHECKED) + 1)
     runs, measured = [], []
     for seed in SEEDS:
-        samples, rate = sample_engine(pair, method, k, params, max_tokens, seed, num_samples)
+        samples, rate = sample_engine(pair, method, k, params, max_tokens, seed, num_samples, eos)
         passed, values = statistical_checks(samples, joint)
         runs.append((rate, passed))
         measured += [f"seed {seed}: acceptance {rate:.3f}"] + values
@@ -246,6 +255,87 @@ def test_a_target_penalty_with_stale_counts_is_caught(pair, exact_penalised, mon
     assert verdict.passed["acceptance"], verdict.measured
     missed = [name for name in ("x3 TV", "x3 chi2") if verdict.passed[name]]
     assert not missed, ("stale penalty counts went unnoticed by", missed, verdict.measured)
+
+
+# Structured output: the constraint masks p (and q) at every position after the output so
+# far, drafts before a position included. The regex's next allowed set depends on the
+# previous token, so a verify position that ignored the drafts before it would be masked
+# wrongly. The reference masks with `allowed_by_regex`, written without the grammar engine.
+REGEX = "([a-d][e-p]|[e-p][a-h])*"
+STRUCTURED_EOS = VOCAB  # a special token past the models' vocabulary: the grammar's EOS
+
+
+def allowed_by_regex(output: list[int]) -> list[int]:
+    """Tokens REGEX admits after `output`: anything at a pair's start; after a-d (0-3) one
+    of e-p (4-15); after e-p one of a-h (0-7)."""
+    if len(output) % 2 == 0:
+        return list(range(VOCAB))
+    return list(range(4, VOCAB)) if output[-1] < 4 else list(range(8))
+
+
+STRUCTURED_SETTINGS = [("draft", 3, 1.0), ("ngram", 2, 0.9)]  # (method, k, temperature)
+
+
+@pytest.fixture(scope="module")
+def exact_structured(pair):
+    cache = {}
+
+    def get(temperature):
+        if temperature not in cache:
+            cache[temperature] = exact_joint(pair[0], SamplingParams(temperature=temperature),
+                                             max(CHECKED) + 1, allowed_by_regex)
+        return cache[temperature]
+    return get
+
+
+@pytest.mark.parametrize("method,k,temperature", STRUCTURED_SETTINGS)
+def test_speculative_samples_with_a_grammar_match_the_exact_masked_distribution(
+        pair, exact_structured, method, k, temperature):
+    params = SamplingParams(temperature=temperature, structured=StructuredOutput("regex", REGEX))
+    verdict = run_gate(pair, exact_structured(temperature), method, k, params, eos=STRUCTURED_EOS)
+    assert verdict.failed == [], verdict.measured
+
+
+def test_a_grammar_mask_narrowed_to_the_committed_state_is_caught(pair, exact_structured, monkeypatch):
+    """Bug: every verify position's mask is also limited to what the committed state admits
+    (a stale cached mask). Tokens stay inside the constraint, so only the statistics can
+    see it: x2 is the first draft's position (exact); x3 after an accepted x2 is narrowed."""
+    import verispec.structured.grammar as grammar_mod
+    right = grammar_mod.allowed_tokens
+
+    def narrowed(positions, vocab):
+        allowed = right(positions, vocab)
+        for i in range(1, len(positions)):
+            if positions[i][0] is positions[i - 1][0]:
+                allowed[i] &= allowed[i - 1]
+        return allowed
+    monkeypatch.setattr(grammar_mod, "allowed_tokens", narrowed)
+    params = SamplingParams(temperature=1.0, structured=StructuredOutput("regex", REGEX))
+    verdict = run_gate(pair, exact_structured(1.0), "draft", 3, params, num_samples=BUG_SAMPLES,
+                       eos=STRUCTURED_EOS)
+    assert verdict.passed["acceptance"], verdict.measured
+    missed = [name for name in ("x3 TV", "x3 chi2") if verdict.passed[name]]
+    assert not missed, ("a narrowed grammar mask went unnoticed by", missed, verdict.measured)
+
+
+def test_a_grammar_mask_that_ignores_the_drafts_fails_its_rows_at_commit(pair, monkeypatch):
+    """Bug: each verify position is masked as if no draft preceded it, so tokens outside the
+    constraint get drawn. The commit refuses them: the rows fail, naming the constraint,
+    before any such token reaches a response (the statistics never see this bug)."""
+    import verispec.sampling as sampling_mod
+    monkeypatch.setattr(sampling_mod, "_at_position", lambda h, drafts, j: h)
+    params = SamplingParams(temperature=1.0, max_tokens=8, ignore_eos=True,
+                            structured=StructuredOutput("regex", REGEX))
+    engine = tiny_engine(*pair, method="draft", k=3, eos=STRUCTURED_EOS, seed=5)
+    outs = run_all(engine, [PROMPT] * 64, params, check=False)
+    failed = [o for o in outs if o.error is not None]
+    assert failed, "tokens outside the constraint were committed"
+    assert "structured-output constraint" in engine.last_step_error
+    assert all(o.token_ids == [] or _inside_regex(o.token_ids) for o in outs if o.error is None)
+
+
+def _inside_regex(tokens: list[int]) -> bool:
+    return all(t in allowed_by_regex(tokens[:i]) for i, t in enumerate(tokens))
 
 
 # Each bug runs where it can act, and names the cells where it must show first: the

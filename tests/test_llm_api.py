@@ -9,7 +9,8 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-from dataclasses import dataclass, fields
+import types
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -22,6 +23,9 @@ from verispec.outputs import CompletionOutput, LLMRequestOutput
 from verispec.sampling import SamplingParams
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "tests"))
+from fake_engine import FakeEngine  # noqa: E402
+
 GREEDY = SamplingParams(temperature=0, max_tokens=8)
 
 
@@ -198,8 +202,6 @@ def test_stop_reason_names_the_stop_string(llm):
 
 
 def test_stop_reason_names_the_stop_token_id(llm):
-    if "stop_token_ids" not in {f.name for f in fields(SamplingParams)}:
-        pytest.skip("SamplingParams has no stop_token_ids")
     first = llm.generate("1, 2, 3, 4, 5,", GREEDY)[0].outputs[0].token_ids[1]
     out = llm.generate("1, 2, 3, 4, 5,", SamplingParams(temperature=0, max_tokens=8,
                                                         stop_token_ids=[first]))[0].outputs[0]
@@ -220,24 +222,70 @@ def test_bad_prompts_and_params_are_a_clear_error(llm, prompts, params, words):
         assert word in str(err.value)
 
 
-def test_n_and_logprobs_are_refused_if_sampling_params_has_them(llm):
-    @dataclass(frozen=True)
-    class WithN(SamplingParams):
-        n: int = 2
-
+def test_prompt_logprobs_are_refused_and_logprobs_returned(llm):
     @dataclass(frozen=True)
     class WithPromptLogprobs(SamplingParams):
         prompt_logprobs: int | None = 1
 
-    with pytest.raises(ValueError, match="n > 1"):
-        llm.generate("Hi", WithN(max_tokens=2))
     with pytest.raises(ValueError, match="prompt_logprobs"):
         llm.generate("Hi", WithPromptLogprobs(max_tokens=2))
     c = llm.generate("Hi", SamplingParams(max_tokens=3, temperature=0, logprobs=2))[0].outputs[0]
     assert len(c.logprobs) == len(c.token_ids) and all(t in d for t, d in zip(c.token_ids, c.logprobs))
     assert all(len(d) in (2, 3) for d in c.logprobs)
     assert abs(c.cumulative_logprob - sum(d[t].logprob for t, d in zip(c.token_ids, c.logprobs))) < 1e-9
-    assert llm.generate("Hi", WithN(n=1, max_tokens=2))[0].outputs[0].token_ids
+    assert llm.generate("Hi", SamplingParams(n=1, max_tokens=2))[0].outputs[0].token_ids
+
+
+def test_n_seeded_completions_equal_independent_runs_seeded_s_plus_i(llm):
+    """SamplingParams.n = 3 with seed 5 gives, per prompt, the completions of three runs seeded
+    5, 6 and 7 (verispec.request.choice_params, the server's rule), as outputs[0..2]."""
+    prompts = ["Once upon a time", "My favourite food is"]
+    sampled = dict(temperature=0.9, top_p=0.95, max_tokens=6, ignore_eos=True)
+    bars = []
+
+    def bar(total, **kw):
+        bars.append(types.SimpleNamespace(total=total, n=0, close=lambda: None))
+        bars[-1].update = lambda k: setattr(bars[-1], "n", bars[-1].n + k)
+        return bars[-1]
+    outs = llm.generate(prompts, SamplingParams(n=3, seed=5, **sampled), use_tqdm=bar)
+    singles = [[llm.generate(p, SamplingParams(seed=5 + i, **sampled))[0].outputs[0].token_ids
+                for i in range(3)] for p in prompts]
+    assert [o.prompt for o in outs] == prompts and (bars[0].total, bars[0].n) == (2, 2)  # prompts
+    for out, expected in zip(outs, singles):
+        assert [c.index for c in out.outputs] == [0, 1, 2]
+        assert [c.token_ids for c in out.outputs] == expected
+        assert len({tuple(t) for t in expected}) > 1  # different seeds, different samples
+        assert out.text == out.outputs[0].text and out.error is None and out.finished
+        assert sum(out.spec.drafted_per_position) == out.spec.num_draft_tokens
+    greedy = llm.generate("Hi", SamplingParams(n=2, best_of=2, temperature=0, max_tokens=4))[0].outputs
+    assert greedy[0].token_ids == greedy[1].token_ids
+    with pytest.raises(ValueError, match="n must be an integer >= 1"):
+        llm.generate("Hi", SamplingParams(n=0, max_tokens=2))
+    with pytest.raises(ValueError, match="best_of must equal n"):
+        llm.generate("Hi", SamplingParams(n=2, best_of=3, max_tokens=2))
+
+
+@pytest.mark.parametrize("mode", ["auto", "vllm"])
+def test_without_sampling_params_generate_and_chat_use_the_generation_config(monkeypatch, mode):
+    """vLLM's LLM.get_default_sampling_params: the model's generation_config.json values
+    ("auto"), or neutral ones ("vllm"); generate and chat use them when given no params."""
+    engine = FakeEngine()
+    engine.config = EngineConfig()
+    engine.tokenizer.meta = types.SimpleNamespace(sampling_defaults={
+        "temperature": 0.6, "top_p": 0.9, "top_k": 20, "repetition_penalty": 1.05})
+    seen = []
+    add = engine.add_request
+    engine.add_request = lambda rid, ids, params, spec=None: (seen.append(params), add(rid, ids, params, spec))
+    monkeypatch.setattr(llm_mod.LLMEngine, "from_config", staticmethod(lambda config: engine))
+    llm = LLM(generation_config=mode)
+    expected = (SamplingParams(temperature=0.6, top_p=0.9, top_k=20, repetition_penalty=1.05)
+                if mode == "auto" else SamplingParams())
+    assert llm.get_default_sampling_params() == expected
+    llm.generate("hi", use_tqdm=False)
+    llm.chat([{"role": "user", "content": "hi"}], use_tqdm=False)
+    assert seen == [expected, expected]
+    with pytest.raises(ValueError, match="generation_config 'hf'"):
+        LLM(generation_config="hf")
 
 
 def test_chat_takes_one_conversation_or_many(llm):

@@ -255,3 +255,70 @@ def test_system_fingerprint_is_stable_and_on_every_chunk(server):
     chunks = list(c.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "fp"}],
                                             max_tokens=3, stream=True, stream_options={"include_usage": True}))
     assert chunks and all(ch.system_fingerprint == a.system_fingerprint for ch in chunks)
+
+
+# ---------------------------------------------------------------------------- batched prompts, echo
+def _texts_by_index(chunks: list, count: int) -> tuple[list[str], list[str]]:
+    """(whole text, first chunk's text) per choice index of a completions stream."""
+    texts, firsts = [""] * count, [None] * count
+    for ch in chunks:
+        for choice in ch.choices:
+            if firsts[choice.index] is None:
+                firsts[choice.index] = choice.text
+            texts[choice.index] += choice.text
+    return texts, firsts
+
+
+def test_a_batch_of_prompts_gets_n_choices_each_in_openais_order(server):
+    """prompt = [p0, p1] with n = 2: choice p * n + j equals choice j of a request for p alone
+    (same seed), for text and token-id prompts, streamed or not; usage sums the prompts."""
+    c = client(server)
+    prompts = [unique(40), unique(50)]  # the fake samples from (seed, length): lengths differ
+    req = dict(model=MODEL, max_tokens=5, temperature=0.8, seed=11, n=2, extra_body={"ignore_eos": True})
+    singles = [c.completions.create(prompt=p, **req) for p in prompts]
+    expected = [ch.text for s in singles for ch in s.choices]
+    assert len(set(expected)) == 4  # seeds s, s + 1 and two prompts: four different samples
+    r = c.completions.create(prompt=prompts, **req)
+    assert [ch.index for ch in r.choices] == [0, 1, 2, 3] and [ch.text for ch in r.choices] == expected
+    assert r.usage.prompt_tokens == 90 and r.usage.completion_tokens == 20
+    assert r.usage.total_tokens == 110 and r.id.startswith("cmpl-")
+    by_ids = c.completions.create(prompt=[ByteTokenizer().encode(p) for p in prompts], **req)
+    assert [ch.text for ch in by_ids.choices] == expected
+    chunks = list(c.completions.create(prompt=prompts, stream=True, stream_options={"include_usage": True}, **req))
+    texts, _ = _texts_by_index(chunks, 4)
+    assert texts == expected and len({ch.id for ch in chunks}) == 1
+    assert chunks[-1].choices == [] and (chunks[-1].usage.prompt_tokens, chunks[-1].usage.completion_tokens) == (90, 20)
+    assert sum(ch.choices[0].finish_reason is not None for ch in chunks if ch.choices) == 4
+
+
+def test_echo_starts_each_choice_with_its_prompt_text(server):
+    c = client(server)
+    req = dict(model=MODEL, max_tokens=4, temperature=0)
+    prompts = ["echo this", "and that"]
+    plain = c.completions.create(prompt=prompts, **req)
+    r = c.completions.create(prompt=prompts, echo=True, **req)
+    assert [ch.text for ch in r.choices] == [p + ch.text for p, ch in zip(prompts, plain.choices)]
+    assert r.usage.completion_tokens == plain.usage.completion_tokens  # the echo is not generated
+    ids = c.completions.create(prompt=ByteTokenizer().encode("hi there"), echo=True, **req)
+    assert ids.choices[0].text.startswith("hi there") and len(ids.choices[0].text) > len("hi there")
+    chunks = list(c.completions.create(prompt=prompts, echo=True, n=2, stream=True, **req))
+    texts, firsts = _texts_by_index(chunks, 4)
+    assert firsts == [prompts[0], prompts[0], prompts[1], prompts[1]]  # the first chunk is the prompt
+    assert texts == [r.choices[0].text] * 2 + [r.choices[1].text] * 2
+
+
+@pytest.mark.parametrize("body, param, words", [
+    ({"prompt": []}, "prompt", "non-empty list"),
+    ({"prompt": ["a", ""]}, "prompt", "prompt 1 of the batch is empty"),
+    ({"prompt": [[104], []]}, "prompt", "prompt 1 of the batch is empty"),
+    ({"prompt": ["a", [104, 1.5]]}, "prompt", "prompt 1 of the batch must be"),
+    ({"prompt": ["a"] * 17}, "prompt", "at most 16"),
+    ({"prompt": ["a"] * 3, "n": 6}, "n", "18 choices"),
+    ({"prompt": ["a", "b" * 600]}, "prompt", "prompt 1 of the batch"),
+    ({"prompt": "a", "echo": True, "logprobs": 1}, "echo", "cannot be combined with logprobs"),
+])
+def test_bad_batches_and_echo_with_logprobs_are_400s_naming_the_field(server, body, param, words):
+    c = client(server)
+    with pytest.raises(openai.BadRequestError) as err:
+        c.completions.create(model=MODEL, max_tokens=2, **body)
+    assert err.value.body["param"] == param and words in err.value.body["message"], err.value.body

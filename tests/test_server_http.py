@@ -764,3 +764,27 @@ def test_n_stream_closed_early_aborts_every_sibling(server):
     assert health["in_flight"] == 0 and health["kv_blocks_used"] == 0, health
     assert health["integrity"] == "ok", health
 
+
+
+# ---------------------------------------------------------------------------- batched prompts, echo
+def test_a_batch_of_prompts_answers_what_each_prompt_answers_alone(server, tokenizer):
+    """Greedy: choice i of prompt = [p0, p1, p2] is the completion of p_i sent alone, streamed
+    or not, text or token ids; echo puts each prompt (a token-id prompt decoded) first."""
+    c = client(server)
+    prompts = ["The capital of France is", "def fibonacci(n):", "1, 2, 3,"]
+    req = dict(model=BACKEND.model, max_tokens=6, temperature=0)
+    singles = [c.completions.create(prompt=p, **req) for p in prompts]
+    expected = [s.choices[0].text for s in singles]
+    r = c.completions.create(prompt=prompts, **req)
+    assert _choice_texts("completion", r, 3) == expected
+    assert _counts(r.usage) == tuple(map(sum, zip(*(_counts(s.usage) for s in singles))))
+    ids = [tokenizer.encode(p) for p in prompts]
+    assert _choice_texts("completion", c.completions.create(prompt=ids, **req), 3) == expected
+    chunks = list(c.completions.create(prompt=prompts, stream=True, stream_options={"include_usage": True}, **req))
+    texts, finishes, usage = _streamed_choices("completion", chunks, 3)
+    assert texts == expected and finishes == [ch.finish_reason for ch in r.choices]
+    assert _counts(usage) == _counts(r.usage)
+    echoed = c.completions.create(prompt=[prompts[0], ids[1]], echo=True, **req)
+    assert _choice_texts("completion", echoed, 2) == [prompts[0] + expected[0],
+                                                       tokenizer.decode(ids[1]) + expected[1]]
+    server.wait_idle()

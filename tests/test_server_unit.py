@@ -91,7 +91,15 @@ BAD_REQUESTS = [
     (COMP, {"prompt": "x" * 600}, 400, "prompt"),
     (COMP, {"prompt": ""}, 400, "prompt"),
     (COMP, {"prompt": [1, 2, 999]}, 400, "prompt"),
-    (COMP, {"prompt": ["a", "b"]}, 400, "prompt"),
+    (COMP, {"prompt": []}, 400, "prompt"),
+    (COMP, {"prompt": ["a", ""]}, 400, "prompt"),
+    (COMP, {"prompt": [[1, 2], []]}, 400, "prompt"),
+    (COMP, {"prompt": ["a", 5]}, 400, "prompt"),
+    (COMP, {"prompt": ["a", "x" * 600]}, 400, "prompt"),
+    (COMP, {"prompt": [[1, 2], [3, 999]]}, 400, "prompt"),
+    (COMP, {"prompt": ["a", "b" * 500], "max_tokens": 100}, 400, "max_tokens"),
+    (COMP, {"prompt": ["a"] * 17}, 400, "prompt"),
+    (COMP, {"prompt": ["a"] * 4, "n": 5}, 400, "n"),
     (COMP, {"prompt": 5}, 400, "prompt"),
     (COMP, {}, 400, "prompt"),
     (COMP, {"prompt": "x", "model": "gpt-4"}, 400, "model"),
@@ -110,7 +118,7 @@ BAD_REQUESTS = [
     (CHAT, {"messages": MSG, "logprobs": False, "top_logprobs": 3}, 400, "top_logprobs"),
     (CHAT, {"messages": MSG, "logprobs": True, "top_logprobs": 21}, 400, "top_logprobs"),
     (CHAT, {"messages": MSG, "logprobs": 2}, 400, "logprobs"),
-    (COMP, {"prompt": "x", "echo": True}, 400, "echo"),
+    (COMP, {"prompt": "x", "echo": True, "logprobs": 0}, 400, "echo"),
     (COMP, {"prompt": "x", "stream_options": {"include_usage": True}}, 400, "stream_options"),
     (COMP, {"prompt": "x", "speculative": {"method": "medusa"}}, 400, "speculative.method"),
     (COMP, {"prompt": "x", "speculative": {"num_tokens": -1}}, 400, "speculative.num_tokens"),
@@ -643,13 +651,18 @@ def test_full_waiting_queue_raises_queue_full_and_http_429():
 
 
 def test_n_counts_n_against_the_waiting_queue():
-    """An n > 1 request needs room for n waiting requests: with max_waiting below n it is a
-    429 before any sibling reaches the engine; with room it answers n choices."""
+    """An n > 1 request needs room for n waiting requests, a batch of prompts for prompts x n:
+    with max_waiting below that it is a 429 before any sibling reaches the engine; with room
+    it answers every choice."""
     async def scenario():
         async with serving(max_waiting=2) as (_, client, engine):
             r = await client.post(COMP, json={"prompt": "x", "max_tokens": 3, "n": 3})
             assert r.status_code == 429 and r.json()["error"]["code"] == "queue_full", r.text
+            r = await client.post(COMP, json={"prompt": ["x", "y", "z"], "max_tokens": 3})
+            assert r.status_code == 429 and r.json()["error"]["code"] == "queue_full", r.text
             assert engine.requests == {}
+            r = await client.post(COMP, json={"prompt": ["x", "y"], "max_tokens": 3})
+            assert r.status_code == 200 and [c["index"] for c in r.json()["choices"]] == [0, 1], r.text
             r = await client.post(COMP, json={"prompt": "x", "max_tokens": 3, "n": 2, "best_of": 2})
             assert r.status_code == 200, r.text
             assert [c["index"] for c in r.json()["choices"]] == [0, 1]

@@ -33,6 +33,21 @@ class TinyTokenizer:
     def encode_chat(self, messages) -> list[int]:
         return self.encode(self.apply_chat_template(messages))
 
+    @property
+    def backend(self):
+        """The same vocabulary as a `tokenizers.Tokenizer` (what structured output compiles
+        grammars against); the EOS id, if given, is the special token "</s>"."""
+        from tokenizers import AddedToken, Tokenizer, decoders, models
+
+        vocab = {chr(ord("a") + i): i for i in range(self.vocab_size)}
+        if self.eos_token_ids and self.eos_token_ids[0] >= self.vocab_size:
+            vocab["</s>"] = self.eos_token_ids[0]
+        backend = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+        if "</s>" in vocab:
+            backend.add_special_tokens([AddedToken("</s>", special=True)])
+        backend.decoder = decoders.ByteLevel()
+        return backend
+
 
 def tiny_config(vocab: int = 16, layers: int = 2, hidden: int = 32, max_len: int = 256) -> ModelConfig:
     return ModelConfig(family="llama", vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden,

@@ -4,8 +4,9 @@ The offline API has vLLM's shape: `from verispec import LLM, SamplingParams`.
 """
 from verispec.outputs import CompletionOutput, LLMRequestOutput
 from verispec.sampling import SamplingParams
+from verispec.structured.spec import StructuredOutput
 
-__all__ = ["LLM", "SamplingParams", "CompletionOutput", "LLMRequestOutput"]
+__all__ = ["LLM", "SamplingParams", "StructuredOutput", "CompletionOutput", "LLMRequestOutput"]
 __version__ = "0.1.0"
 
 

@@ -28,6 +28,22 @@ class SpecStats:
             for i in range(n):
                 counts[i] += 1
 
+    @classmethod
+    def summed(cls, stats: list["SpecStats"]) -> "SpecStats":
+        """The counters of several requests added up (the n completions of one prompt)."""
+        out = cls()
+        for s in stats:
+            out.num_drafts += s.num_drafts
+            out.num_draft_tokens += s.num_draft_tokens
+            out.num_accepted_tokens += s.num_accepted_tokens
+            out.target_forwards += s.target_forwards
+            for mine, theirs in ((out.accepted_per_position, s.accepted_per_position),
+                                 (out.drafted_per_position, s.drafted_per_position)):
+                mine.extend([0] * (len(theirs) - len(mine)))
+                for i, v in enumerate(theirs):
+                    mine[i] += v
+        return out
+
     @property
     def acceptance_rate(self) -> float | None:
         return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else None
@@ -126,10 +142,10 @@ class LLMRequestOutput:
     """The final result of one prompt, as vLLM's `vllm.outputs.RequestOutput`.
 
     `prompt` is the prompt text (None for a token-id prompt; the rendered conversation for
-    `LLM.chat`); `outputs` holds one CompletionOutput (n > 1 is not supported yet). verispec
-    adds `spec` (SpecStats: drafted / accepted tokens, per position) and `error` (set when
-    this request failed alone). `text`, `token_ids` and `finish_reason` read `outputs[0]`,
-    for code written against verispec's earlier results.
+    `LLM.chat`); `outputs` holds SamplingParams.n CompletionOutputs (index 0..n-1). verispec
+    adds `spec` (SpecStats: drafted / accepted tokens, per position; summed over the n
+    completions) and `error` (set when this request failed alone). `text`, `token_ids` and
+    `finish_reason` read `outputs[0]`, for code written against verispec's earlier results.
     """
 
     request_id: str

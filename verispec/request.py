@@ -6,6 +6,7 @@ verify pass (it is that pass's first query).
 """
 from __future__ import annotations
 
+import dataclasses
 import enum
 from dataclasses import dataclass, field
 
@@ -20,6 +21,15 @@ class SpecOverride:
     method: str | None = None        # "ngram" | "draft" | "none"
     num_tokens: int | None = None    # k (k_max when adaptive)
     adaptive: bool | None = None
+
+
+def choice_params(params: SamplingParams, index: int) -> SamplingParams:
+    """The params of choice `index` of a request for n choices (the server's `n`, the LLM
+    API's SamplingParams.n): with a seed s it is seeded s + index, so that choice equals an
+    independent request seeded s + index; unseeded choices sample independently."""
+    if params.seed is None or index == 0:
+        return params
+    return dataclasses.replace(params, seed=params.seed + index)
 
 
 class Status(enum.Enum):
@@ -53,6 +63,9 @@ class Request:
     detokenizer: object = None
     # (logprob, [(token id, logprob), ...]) per output token, when params.logprobs is set
     logprobs: list | None = None
+    # The structured-output state (verispec.structured.grammar.RequestGrammar) when
+    # params.structured is set: it has consumed exactly the output tokens.
+    grammar: object = None
 
     def __post_init__(self) -> None:
         self._all_ids = self.prompt_ids + self.output_ids

@@ -12,6 +12,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from verispec.structured.spec import StructuredOutput
+
 if TYPE_CHECKING:
     import torch
 
@@ -51,6 +53,9 @@ class SamplingParams:
       count(t) + presence * (count(t) > 0), count over OUTPUT tokens only.
     - min_tokens >= 0: while fewer output tokens than this exist, EOS (unless ignore_eos)
       and stop_token_ids get probability 0.
+    - structured (a StructuredOutput): tokens the constraint does not admit after the
+      output so far get probability 0 (`verispec.structured`). Where min_tokens would ban
+      every token the constraint admits, the constraint wins.
 
     stop_token_ids end the request like EOS (the id is kept in the output, finish_reason
     "stop"). top_k = -1 means disabled, like 0 (stored as 0).
@@ -74,6 +79,12 @@ class SamplingParams:
     # [0, MAX_LOGPROBS] = each emitted token's logprob and the N most likely alternatives
     # (`token_logprobs` states the convention).
     logprobs: int | None = None
+    structured: StructuredOutput | None = None
+    # Completions per prompt (the LLM API's, vLLM's `n`; the server's `n` field is the same
+    # rule): choice j of a seeded request is seeded seed + j (`request.choice_params`).
+    # best_of is vLLM's; verispec ranks no extra candidates, so it must be None or n.
+    n: int = 1
+    best_of: int | None = None
 
     def __post_init__(self):
         if isinstance(self.stop, str):
@@ -103,6 +114,12 @@ class SamplingParams:
                f"stop must be non-empty strings, got {self.stop!r}")
         _check(self.logprobs is None or (_is_int(self.logprobs) and 0 <= self.logprobs <= MAX_LOGPROBS),
                f"logprobs must be an integer in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
+        _check(_is_int(self.n) and self.n >= 1, f"n must be an integer >= 1, got {self.n!r}")
+        _check(self.best_of is None or self.best_of == self.n,
+               f"best_of must equal n ({self.n}) or be None (verispec does not rank extra candidates), "
+               f"got {self.best_of!r}")
+        _check(self.structured is None or isinstance(self.structured, StructuredOutput),
+               f"structured must be a StructuredOutput, got {self.structured!r}")
 
         if 0 < self.temperature < MIN_TEMPERATURE:  # the limit, without float32 overflow
             object.__setattr__(self, "temperature", 0.0)
@@ -135,6 +152,11 @@ class SamplingParams:
     @property
     def has_processors(self) -> bool:
         """Whether any logits processor is on (rows without one skip that stage entirely)."""
+        return self.has_token_processors or self.structured is not None
+
+    @property
+    def has_token_processors(self) -> bool:
+        """Whether a processor that touches single tokens is on (all but `structured`)."""
         return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1
                     or self.logit_bias or self.min_tokens)
 
@@ -167,6 +189,7 @@ class _History:
     `prompt` and `output` are the request's committed ids, `drafted` the tokens treated as
     generated before this position (a verify row's d_1..d_{i-1}, a draft model's own
     drafts): penalties and min_tokens see output + drafted, exactly as plain decoding would.
+    `grammar` is the request's structured-output state (`RequestGrammar`), None without one.
     """
 
     params: SamplingParams
@@ -174,6 +197,7 @@ class _History:
     output: Sequence[int]
     stop_ids: frozenset  # what min_tokens bans: EOS (unless ignore_eos) and stop_token_ids
     drafted: tuple[int, ...] = ()
+    grammar: object = None
 
 
 @dataclass(frozen=True)
@@ -197,10 +221,11 @@ class SamplingTensors:
     @classmethod
     def from_params(cls, params_list: Sequence[SamplingParams], device,
                     histories: Sequence[tuple[Sequence[int], Sequence[int]]] | None = None,
-                    eos_ids: Sequence[int] = ()) -> "SamplingTensors":
+                    eos_ids: Sequence[int] = (), grammars: Sequence | None = None) -> "SamplingTensors":
         """One row per SamplingParams, in order. `histories[i]` = (prompt ids, output ids)
         of row i, required when a row has a logits processor; `eos_ids` are what min_tokens
-        bans besides stop_token_ids. Output ids are read at `process` time: pass a copy if
+        bans besides stop_token_ids; `grammars[i]` is row i's RequestGrammar, required when
+        its params are structured. Output ids are read at `process` time: pass a copy if
         they may grow before."""
         import torch
 
@@ -211,8 +236,14 @@ class SamplingTensors:
         if any(p.has_processors for p in params_list):
             if histories is None or len(histories) != len(params_list):
                 raise ValueError("logits processors need one (prompt, output) history per row")
-            history = tuple(_History(p, h[0], h[1], _banned_by_min_tokens(p, eos_ids))
-                            if p.has_processors else None for p, h in zip(params_list, histories))
+            if any(p.structured is not None for p in params_list) and (
+                    grammars is None or any(p.structured is not None and g is None
+                                            for p, g in zip(params_list, grammars))):
+                raise ValueError("a structured-output row needs its RequestGrammar")
+            history = tuple(_History(p, h[0], h[1], _banned_by_min_tokens(p, eos_ids),
+                                     grammar=grammars[i] if p.structured is not None else None)
+                            if p.has_processors else None
+                            for i, (p, h) in enumerate(zip(params_list, histories)))
         return cls(
             temperature=tensor([float(p.temperature) for p in params_list], torch.float32),
             top_k=tensor([p.top_k for p in params_list], torch.int64),
@@ -295,7 +326,7 @@ def _at_position(h: _History | None, drafts: Sequence[int] | None, j: int) -> _H
         return h
     if drafts is None or len(drafts) < j:
         raise ValueError("a verify row with logits processors needs its draft tokens")
-    return _History(h.params, h.prompt, h.output, h.stop_ids, h.drafted + tuple(drafts[:j]))
+    return _History(h.params, h.prompt, h.output, h.stop_ids, h.drafted + tuple(drafts[:j]), h.grammar)
 
 
 def _position_entries(h: _History) -> tuple[list[int], list[float], list[bool], list[float], list[bool]]:
@@ -322,14 +353,40 @@ def apply_processors(logits: torch.Tensor, history: Sequence[_History | None]) -
     Sparse: only the tokens a row's history, bias or min_tokens touches are gathered,
     changed and scattered back; rows with history None are copied unchanged. Each row's
     token list is padded by repeating its first entry, so padded scatters write the same
-    value twice.
+    value twice. Structured rows are then masked to what their constraint admits.
     """
-    import torch
-
     logits = logits.float()
     rows = [i for i, h in enumerate(history) if h is not None]
     if not rows:
         return logits
+    sparse = [i for i in rows if history[i].params.has_token_processors]
+    processed = _apply_sparse(logits, history, sparse) if sparse else logits
+    constrained = [i for i in rows if history[i].grammar is not None]
+    return _apply_grammars(logits, processed, history, constrained) if constrained else processed
+
+
+def _apply_grammars(raw: torch.Tensor, processed: torch.Tensor, history: Sequence[_History | None],
+                    rows: list[int]) -> torch.Tensor:
+    """`processed` with each structured row's disallowed tokens at -inf. A row whose every
+    admitted token min_tokens banned gets its admitted tokens' unprocessed logits instead:
+    the output must stay inside the constraint, and -inf everywhere has no distribution."""
+    import torch
+
+    from verispec.structured.grammar import allowed_tokens
+
+    allowed = allowed_tokens([(h.grammar, list(h.output[h.grammar.committed:]) + list(h.drafted))
+                              for h in (history[i] for i in rows)], raw.shape[-1]).to(raw.device)
+    rows_t = torch.tensor(rows, dtype=torch.int64, device=raw.device)
+    masked = processed.index_select(0, rows_t).masked_fill(~allowed, float("-inf"))
+    empty = torch.isneginf(masked).all(dim=-1, keepdim=True)                  # (R, 1)
+    unbanned = raw.index_select(0, rows_t).masked_fill(~allowed, float("-inf"))
+    return processed.index_copy(0, rows_t, torch.where(empty, unbanned, masked))
+
+
+def _apply_sparse(logits: torch.Tensor, history: Sequence[_History | None], rows: list[int]) -> torch.Tensor:
+    """Penalties, logit_bias and min_tokens on `rows` (see `apply_processors`)."""
+    import torch
+
     entries = [_position_entries(history[i]) for i in rows]
     width = max(1, max(len(e[0]) for e in entries))
 

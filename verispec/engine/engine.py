@@ -49,6 +49,7 @@ from verispec.sampling import SamplingParams, SamplingTensors, noise_key, sample
 from verispec.spec.policy import RoundReport, RoundTimer, RowOffer, RowResult, SpeculationPolicy
 from verispec.spec.proposer import ProposerContext, build_proposers
 from verispec.spec.rejection import RejectionResult, greedy_accept, rejection_sample, seeded_verify
+from verispec.structured.grammar import GrammarCompiler
 
 log = logging.getLogger("verispec")
 
@@ -145,6 +146,7 @@ class LLMEngine:
         self.requests: dict[str, Request] = {}
         self._arrivals = 0
         self.eos_ids = set(tokenizer.eos_token_ids)
+        self._grammars: GrammarCompiler | None = None  # built by the first structured request
         for proposer in self.proposers.values():  # the draft model's min_tokens bans EOS too
             if hasattr(proposer, "eos_ids"):
                 proposer.eos_ids = tuple(self.eos_ids)
@@ -202,10 +204,18 @@ class LLMEngine:
         if need > self.kv.num_total_blocks:
             raise ValueError(f"request needs {need} KV blocks; the pool has {self.kv.num_total_blocks}")
         req = Request(request_id, list(prompt_token_ids), params, method, k, adaptive, self._arrivals)
+        if params.structured is not None:  # GrammarError (a ValueError) names response_format
+            req.grammar = self._grammar_compiler().matcher(params.structured)
         self._arrivals += 1
         req.detokenizer = IncrementalDetokenizer(self.tokenizer, req.prompt_ids)
         self.requests[request_id] = req
         self.scheduler.add(req)
+
+    def _grammar_compiler(self) -> GrammarCompiler:
+        if self._grammars is None:
+            vocab = self.target.vocab_limit or self.target.model.cfg.vocab_size
+            self._grammars = GrammarCompiler(self.tokenizer.backend.to_str(), vocab, sorted(self.eos_ids))
+        return self._grammars
 
     def _resolve_spec(self, spec: SpecOverride | None) -> tuple[str, int, bool]:
         cfg = self.config.spec
@@ -436,7 +446,7 @@ class LLMEngine:
             timer.lap("round")
             caught_up += proposer.prepare(reqs)
             timer.lap("catch_up" if proposer.timed else "round")
-            proposed = proposer.draft(reqs, row_ks)
+            proposed = [_inside_grammar(r, d) for r, d in zip(reqs, proposer.draft(reqs, row_ks))]
             seconds = timer.lap("draft" if proposer.timed else "round")
             if proposer.timed:
                 passes[name] = (len(reqs), max(row_ks), seconds)
@@ -532,7 +542,8 @@ class LLMEngine:
         """The rows' SamplingTensors at their next output position (histories: prompt and
         output so far, read only when a row has a logits processor)."""
         return SamplingTensors.from_params([r.params for r in rows], device,
-                                           [(r.prompt_ids, r.output_ids) for r in rows], self.eos_ids)
+                                           [(r.prompt_ids, r.output_ids) for r in rows], self.eos_ids,
+                                           [r.grammar for r in rows])
 
     def _rejection_sample(self, rows: list[Request], target_probs: torch.Tensor,
                           proposed: list[list[int]], drafts) -> RejectionResult:
@@ -638,6 +649,8 @@ class LLMEngine:
             if len(req.output_ids) >= req.params.max_tokens:
                 reason = "length"
                 break
+        if req.grammar is not None:
+            req.grammar.commit(new_ids)
         if reason and not stop_hit:
             full += req.detokenizer.flush()  # text held back for an unfinished character
         hold = 0 if reason else max((len(s) for s in stops), default=1) - 1
@@ -734,6 +747,16 @@ def output_position(req: Request) -> int:
     """The output index of the token a row samples next (its first sampled token is 0);
     a verify row's position i is this + i. Unchanged by preemption and recompute."""
     return len(req.output_ids)
+
+
+def _inside_grammar(req: Request, draft: tuple[list[int], torch.Tensor | None]):
+    """The draft cut before its first token the request's constraint does not admit (the
+    target would give it probability 0): nothing past it is verified."""
+    tokens, q = draft
+    if req.grammar is None or not tokens:
+        return draft
+    n = req.grammar.valid_prefix(req.output_ids, tokens)
+    return (tokens, q) if n == len(tokens) else (tokens[:n], None if q is None else q[:n])
 
 
 def _pad_rows(flat: torch.Tensor, counts: list[int]) -> torch.Tensor:

@@ -6,13 +6,18 @@
     for o in outputs:
         print(o.prompt, o.outputs[0].text, o.spec.acceptance_rate)
 
+As in vLLM, SamplingParams.n asks for n completions of each prompt (with a seed s,
+completion i is seeded s + i: verispec.request.choice_params, the server's rule for `n`),
+and generate/chat without sampling_params use the model's generation-config defaults
+(`get_default_sampling_params`; generation_config="vllm" for neutral ones).
+
 Differences from vLLM (README "Coming from vLLM" has the full list): with no
 `speculative_config` verispec still speculates (adaptive n-gram, lossless) where vLLM
 does not; pass {"method": "none"} to turn it off. SamplingParams.max_tokens defaults to
-256 (vLLM: 16). One completion per prompt (n > 1) and log-probabilities are not supported
-yet. Keyword arguments vLLM has and verispec cannot honour are a ValueError; a few that
-cannot change anything here (gpu_memory_utilization, swap_space, enforce_eager,
-trust_remote_code, disable_log_stats) are accepted and ignored: `LLM_NOOP_OPTIONS`.
+256 (vLLM: 16). Prompt log-probabilities are not supported yet. Keyword arguments vLLM
+has and verispec cannot honour are a ValueError; a few that cannot change anything here
+(gpu_memory_utilization, swap_space, enforce_eager, trust_remote_code, disable_log_stats)
+are accepted and ignored: `LLM_NOOP_OPTIONS`.
 """
 from __future__ import annotations
 
@@ -22,7 +27,8 @@ from dataclasses import fields, replace
 from verispec.config import EngineConfig, SpecConfig, spec_from_speculative_config
 from verispec.engine.engine import LLMEngine, SpecOverride
 from verispec.model.tokenizer import Tokenizer
-from verispec.outputs import CompletionOutput, LLMRequestOutput, Logprob, RequestOutput
+from verispec.outputs import CompletionOutput, LLMRequestOutput, Logprob, RequestOutput, SpecStats
+from verispec.request import choice_params
 from verispec.sampling import SamplingParams
 
 # vLLM's options that change nothing in verispec (a CPU engine: the KV pool is sized by
@@ -42,6 +48,9 @@ _HINTS = {"quantization": " (verispec's weight_format= picks int8/int4 weights)"
 # EngineConfig fields LLM(...) takes by name; the nested ones have vLLM's names below.
 _ENGINE_FIELDS = tuple(f.name for f in fields(EngineConfig) if f.name not in ("model", "spec", "cache", "scheduler"))
 _DTYPES = {"auto": None, "bfloat16": "bfloat16", "bf16": "bfloat16", "float32": "float32", "float": "float32"}
+# Where default sampling values come from (the server's --generation-config): the model's
+# generation_config.json, or vLLM's neutral defaults (SamplingParams' own).
+GENERATION_CONFIGS = ("auto", "vllm")
 
 
 class LLM:
@@ -52,16 +61,22 @@ class LLM:
                  num_kv_tokens: int | None = None, tokenizer: str | None = None,
                  chat_template: str | None = None, draft: str | None = None,
                  spec: str | SpecConfig | None = None, config: EngineConfig | None = None,
-                 **engine_options):
+                 generation_config: str = "auto", **engine_options):
         """Build an engine from vLLM's arguments onto one frozen EngineConfig.
 
         model: registry name, .gguf file or Hugging Face directory (None: the default model).
         speculative_config: vLLM's dict (config.spec_from_speculative_config); None keeps
         verispec's default speculation. dtype: "auto" (bfloat16), "bfloat16" or "float32".
-        block_size / num_kv_tokens size the KV pool. verispec's own: `spec` (a method name or
-        a SpecConfig), `draft` (a draft model), `config` (a whole EngineConfig the other
+        block_size / num_kv_tokens size the KV pool. generation_config: where the default
+        sampling values come from, "auto" (the model's generation_config.json) or "vllm"
+        (neutral), as the server's --generation-config. verispec's own: `spec` (a method name
+        or a SpecConfig), `draft` (a draft model), `config` (a whole EngineConfig the other
         arguments override), and any EngineConfig field (weight_format, threads, kernels...).
         """
+        if generation_config not in GENERATION_CONFIGS:
+            raise ValueError(f"generation_config {generation_config!r} is not supported; allowed: "
+                             "'auto' (the model's generation_config.json) or 'vllm' (neutral defaults)")
+        self.generation_config = generation_config
         base = config or EngineConfig()
         top: dict = {}
         if model is not None:
@@ -124,6 +139,16 @@ class LLM:
     def get_tokenizer(self) -> Tokenizer:
         return self.tokenizer
 
+    def get_default_sampling_params(self) -> SamplingParams:
+        """vLLM's: what generate/chat use without sampling_params. With generation_config
+        "auto", the model's recommended temperature, top_p, top_k, min_p and
+        repetition_penalty (TokenizerMeta.sampling_defaults), the rest SamplingParams'
+        defaults; with "vllm", SamplingParams() (neutral)."""
+        if self.generation_config == "vllm":
+            return SamplingParams()
+        meta = getattr(self.tokenizer, "meta", None)
+        return SamplingParams(**(getattr(meta, "sampling_defaults", None) or {}))
+
     # ------------------------------------------------------------------ generate
     def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None, *,
                  use_tqdm=True, spec: SpecOverride | None = None,
@@ -132,10 +157,11 @@ class LLM:
 
         prompts: a string, a {"prompt": str} or {"prompt_token_ids": [...]} dict (vLLM's
         TextPrompt / TokensPrompt), a list of token ids, or a list of any of these.
-        sampling_params: one SamplingParams for all, or one per prompt (None: the defaults;
-        `params=` is the earlier spelling). use_tqdm: a progress bar on stderr when it is a
-        terminal (or a tqdm-like class to use). spec: verispec's per-request speculation
-        override. A request that fails alone comes back with `.error` set.
+        sampling_params: one SamplingParams for all, or one per prompt (None:
+        get_default_sampling_params(); `params=` is the earlier spelling); its `n` asks for n
+        completions of the prompt, `outputs[0..n-1]`. use_tqdm: a progress bar on stderr when
+        it is a terminal (or a tqdm-like class to use). spec: verispec's per-request
+        speculation override. A request that fails alone comes back with `.error` set.
         """
         if params is not None:
             if sampling_params is not None:
@@ -176,40 +202,59 @@ class LLM:
     # ------------------------------------------------------------------ internals
     def _run(self, encoded: list[tuple[str | None, list[int]]], params_list: list[SamplingParams],
              spec: SpecOverride | None, use_tqdm) -> list[LLMRequestOutput]:
-        ids = []
-        for _, tokens in encoded:
+        """Add every prompt's n completions as engine requests (`llm-<i>`, or `llm-<i>-<j>`
+        for n > 1, seeded by choice_params), step until all finish, gather them per prompt."""
+        groups: list[tuple[str, list[tuple[str, SamplingParams]]]] = []  # per prompt: its choices
+        for (_, tokens), p in zip(encoded, params_list):
             rid = f"llm-{self._next_id}"
             self._next_id += 1
-            ids.append(rid)
-        for rid, (_, tokens), p in zip(ids, encoded, params_list):
-            self.engine.add_request(rid, tokens, p, spec)
-        bar = _progress_bar(use_tqdm, len(ids))
+            n = p.n
+            choices = [(rid if n == 1 else f"{rid}-{j}", choice_params(p, j)) for j in range(n)]
+            for cid, cp in choices:
+                self.engine.add_request(cid, tokens, cp, spec)
+            groups.append((rid, choices))
+        group_of = {cid: g for g, (_, choices) in enumerate(groups) for cid, _ in choices}
+        left = [len(choices) for _, choices in groups]
+        bar = _progress_bar(use_tqdm, len(groups))  # counts prompts, as vLLM's does
         final: dict[str, RequestOutput] = {}
         try:
-            while len(final) < len(ids):
+            while len(final) < len(group_of):
                 for out in self.engine.step():
-                    if out.finished and out.request_id not in final:
+                    if out.finished and out.request_id in group_of and out.request_id not in final:
                         final[out.request_id] = out
-                        if bar is not None:
+                        g = group_of[out.request_id]
+                        left[g] -= 1
+                        if bar is not None and left[g] == 0:
                             bar.update(1)
         finally:
             if bar is not None:
                 bar.close()
-        return [self._result(final[rid], text, p) for rid, (text, _), p in zip(ids, encoded, params_list)]
+        return [self._result(rid, text, [(final[cid], cp) for cid, cp in choices])
+                for (text, _), (rid, choices) in zip(encoded, groups)]
 
-    def _result(self, out: RequestOutput, prompt: str | None, params: SamplingParams) -> LLMRequestOutput:
+    def _result(self, request_id: str, prompt: str | None,
+                choices: list[tuple[RequestOutput, SamplingParams]]) -> LLMRequestOutput:
+        """One prompt's result: its completions in order; `spec` sums theirs, `error` is the
+        first one's that failed."""
+        outs = [out for out, _ in choices]
+        first = outs[0]
+        return LLMRequestOutput(request_id=request_id, prompt=prompt,
+                                prompt_token_ids=list(first.prompt_token_ids),
+                                outputs=[self._completion(j, out, p) for j, (out, p) in enumerate(choices)],
+                                finished=all(out.finished for out in outs),
+                                spec=first.spec if len(outs) == 1 else SpecStats.summed([o.spec for o in outs]),
+                                error=next((out.error for out in outs if out.error is not None), None),
+                                num_cached_tokens=getattr(first, "num_cached_tokens", None))
+
+    def _completion(self, index: int, out: RequestOutput, params: SamplingParams) -> CompletionOutput:
         logprobs = cumulative = None
         if out.logprobs is not None:  # vLLM's shape: per token {id: Logprob}, the token first
             logprobs = [self._logprob_dict(t, entry) for t, entry in zip(out.token_ids, out.logprobs)]
             cumulative = sum(lp for lp, _ in out.logprobs)
-        completion = CompletionOutput(index=0, text=out.text, token_ids=list(out.token_ids),
-                                      cumulative_logprob=cumulative, logprobs=logprobs,
-                                      finish_reason=out.finish_reason,
-                                      stop_reason=self._stop_reason(out, params))
-        return LLMRequestOutput(request_id=out.request_id, prompt=prompt,
-                                prompt_token_ids=list(out.prompt_token_ids), outputs=[completion],
-                                finished=out.finished, spec=out.spec, error=out.error,
-                                num_cached_tokens=getattr(out, "num_cached_tokens", None))
+        return CompletionOutput(index=index, text=out.text, token_ids=list(out.token_ids),
+                                cumulative_logprob=cumulative, logprobs=logprobs,
+                                finish_reason=out.finish_reason,
+                                stop_reason=self._stop_reason(out, params))
 
     def _stop_reason(self, out: RequestOutput, params: SamplingParams) -> int | str | None:
         """vLLM's stop_reason: the stop token id or stop string that ended it, else None."""
@@ -253,10 +298,9 @@ class LLM:
                                  f"(e.g. {{'prompt_token_ids': [...]}}), got {type(prompt).__name__}")
         return items
 
-    @staticmethod
-    def _params_for(sampling_params, n: int) -> list[SamplingParams]:
+    def _params_for(self, sampling_params, n: int) -> list[SamplingParams]:
         if sampling_params is None:
-            sampling_params = SamplingParams()
+            sampling_params = self.get_default_sampling_params()
         params_list = list(sampling_params) if isinstance(sampling_params, (list, tuple)) else [sampling_params] * n
         if len(params_list) != n:
             raise ValueError(f"got {len(params_list)} SamplingParams for {n} prompts")
@@ -264,9 +308,6 @@ class LLM:
             if not isinstance(p, SamplingParams):
                 raise ValueError(f"sampling_params must be verispec.SamplingParams, got {type(p).__module__}."
                                  f"{type(p).__name__}")
-            if getattr(p, "n", 1) not in (None, 1) or getattr(p, "best_of", None) not in (None, 1):
-                raise ValueError("n > 1 (several completions per prompt) is not supported yet; "
-                                 "repeat the prompt instead")
             if getattr(p, "prompt_logprobs", None) is not None:
                 raise ValueError("prompt_logprobs are not supported yet")
         return params_list

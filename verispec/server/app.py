@@ -30,10 +30,9 @@ import logging
 import os
 import uuid
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import asynccontextmanager
-import dataclasses
+from contextlib import asynccontextmanager, contextmanager
 from dataclasses import dataclass, fields
-from typing import Any, AsyncIterator, Callable
+from typing import Any, AsyncIterator, Callable, NamedTuple
 
 import uvicorn
 from pydantic import Field
@@ -45,6 +44,8 @@ from starlette.routing import Route
 
 import verispec
 from verispec.outputs import RequestOutput
+from verispec.request import choice_params
+from verispec.sampling import SamplingParams
 from verispec.server import guard
 from verispec.server import protocol as P
 from verispec.server import tools
@@ -433,13 +434,17 @@ class OpenAIServer:
     @_api
     async def completions(self, request: Request) -> Response:
         self._authorize(request)
-        req, prompt_ids = await self._prepare(request, self._parse_completion)
-        max_tokens = self._resolve_max_tokens(req.max_tokens, "max_tokens", len(prompt_ids), "prompt",
-                                              DEFAULT_COMPLETION_MAX_TOKENS)
+        req, prompts = await self._prepare(request, self._parse_completion)
+        runs = []
+        for i, prompt in enumerate(prompts):
+            with _batch_item(i, len(prompts)):
+                max_tokens = self._resolve_max_tokens(req.max_tokens, "max_tokens", len(prompt.ids), "prompt",
+                                                      DEFAULT_COMPLETION_MAX_TOKENS)
+            runs.append((prompt.ids, P.sampling_params(req, max_tokens, self.sampling_defaults)))
         rid = f"cmpl-{uuid.uuid4().hex}"
-        params = P.sampling_params(req, max_tokens, self.sampling_defaults)
-        stream = await self._start(rid, prompt_ids, params, req)
-        return await self._respond(request, stream, "completion", req)
+        stream = await self._start(rid, runs, req)
+        echo = [prompt.echo for prompt in prompts for _ in range(req.n)] if req.echo else None
+        return await self._respond(request, stream, "completion", req, echo)
 
     @_api
     async def chat_completions(self, request: Request) -> Response:
@@ -450,19 +455,21 @@ class OpenAIServer:
                                               "messages", None)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         params = P.sampling_params(req, max_tokens, self.sampling_defaults)
-        stream = await self._start(rid, prompt_ids, params, req)
+        stream = await self._start(rid, [(prompt_ids, params)], req)
         return await self._respond(request, stream, "chat", req)
 
     async def _respond(self, request: Request, stream: RequestStream | SiblingStreams, kind: str,
-                       req) -> Response:
-        """The response of one started request: n = 1 is one RequestStream, n > 1 the
-        SiblingStreams of its n choices (docs/serving.md, "logprobs and n")."""
+                       req, echo: list[str] | None = None) -> Response:
+        """The response of one started request: one choice is one RequestStream, several (n > 1,
+        a batch of prompts) the SiblingStreams of its choices (docs/serving.md, "logprobs
+        and n"). echo: per choice, the prompt text its text starts with (completions' echo)."""
         siblings = stream.streams if isinstance(stream, SiblingStreams) else [stream]
         if req.stream:
             if len(siblings) == 1:
-                events = self._choice_events(stream, kind, req, req.stream_usage_mode())
+                events = self._choice_events(stream, kind, req, req.stream_usage_mode(),
+                                             echo[0] if echo else None)
             else:
-                events = self._merged_events(stream, kind, req)
+                events = self._merged_events(stream, kind, req, echo)
             return SSEResponse(events, stream)
         try:
             outs = await _collect(siblings, request)
@@ -471,10 +478,12 @@ class OpenAIServer:
         if outs is None:  # the client went away; its request is already aborted
             return Response(status_code=499)
         bodies = [self._body(kind, req, stream.request_id, out, stream.method) for out in outs]
+        for b, text in zip(bodies, echo or ()):
+            b["choices"][0]["text"] = text + b["choices"][0]["text"]
         body = bodies[0]
         if len(bodies) > 1:
             body["choices"] = [{**b["choices"][0], "index": i} for i, b in enumerate(bodies)]
-            body["usage"] = P.merge_usage([b["usage"] for b in bodies])
+            body["usage"] = P.merge_usage([b["usage"] for b in bodies], stream.n)
             body["spec"] = P.merge_spec([b["spec"] for b in bodies])
         return JSONResponse(body)
 
@@ -490,23 +499,25 @@ class OpenAIServer:
             tools.apply_to_response(body, req.parallel_tool_calls is not False)
         return body
 
-    def _choice_events(self, stream: RequestStream, kind: str, req, usage_mode: str) -> AsyncIterator[bytes]:
-        events = self._events(stream, kind, usage_mode)
+    def _choice_events(self, stream: RequestStream, kind: str, req, usage_mode: str,
+                       echo: str | None = None) -> AsyncIterator[bytes]:
+        events = self._events(stream, kind, usage_mode, echo)
         if kind == "chat" and req.template_tools():  # <tool_call> blocks -> delta.tool_calls
             events = tools.stream_events(events, req.parallel_tool_calls is not False)
         return events
 
-    async def _merged_events(self, siblings: SiblingStreams, kind: str, req) -> AsyncIterator[bytes]:
-        """The SSE events of n > 1 choices: each sibling's own events (role chunk, content,
-        finish) as they come, relabelled with the request's id and the choice's `index`;
-        the siblings' usage chunks summed into one at the end; one [DONE]. A sibling's error
-        event ends the stream at once and aborts the others."""
+    async def _merged_events(self, siblings: SiblingStreams, kind: str, req,
+                             echo: list[str] | None = None) -> AsyncIterator[bytes]:
+        """The SSE events of several choices: each sibling's own events (echo or role chunk,
+        content, finish) as they come, relabelled with the request's id and the choice's
+        `index`; the siblings' usage chunks summed into one at the end; one [DONE]. A
+        sibling's error event ends the stream at once and aborts the others."""
         rid, created, model = siblings.request_id, P.now(), self.model_name
         usage_mode = req.stream_usage_mode()
-        n = len(siblings.streams)
+        count = len(siblings.streams)
         # bounded: a stalled client stalls the pumps, so each sibling's own output buffer
         # limit (--max-buffered-outputs) still applies
-        queue: asyncio.Queue = asyncio.Queue(maxsize=n)
+        queue: asyncio.Queue = asyncio.Queue(maxsize=count)
 
         async def pump(i: int, events: AsyncIterator[bytes]) -> None:
             try:
@@ -519,11 +530,12 @@ class OpenAIServer:
             finally:
                 await events.aclose()
 
-        tasks = [asyncio.ensure_future(pump(i, self._choice_events(s, kind, req, usage_mode)))
+        tasks = [asyncio.ensure_future(pump(i, self._choice_events(s, kind, req, usage_mode,
+                                                                   echo[i] if echo else None)))
                  for i, s in enumerate(siblings.streams)]
-        usages: list = [None] * n
-        specs: list = [None] * n
-        live = n
+        usages: list = [None] * count
+        specs: list = [None] * count
+        live = count
         try:
             while live:
                 i, event = await queue.get()
@@ -549,7 +561,7 @@ class OpenAIServer:
             else:
                 if usage_mode != "none":
                     obj_kind = "text_completion" if kind == "completion" else "chat.completion.chunk"
-                    yield P.sse({**P.usage_chunk(rid, created, model, obj_kind, P.merge_usage(usages)),
+                    yield P.sse({**P.usage_chunk(rid, created, model, obj_kind, P.merge_usage(usages, siblings.n)),
                                  "system_fingerprint": self.fingerprint, "spec": P.merge_spec(specs)})
             yield P.sse("[DONE]")
         finally:
@@ -576,11 +588,13 @@ class OpenAIServer:
             return P.completion_logprobs(tokens, self._token_text, offset)
         return P.chat_logprobs(tokens, self._token_text)
 
-    async def _events(self, stream: RequestStream, kind: str, usage_mode: str) -> AsyncIterator[bytes]:
+    async def _events(self, stream: RequestStream, kind: str, usage_mode: str,
+                      echo: str | None = None) -> AsyncIterator[bytes]:
         """SSE events of one request, one per engine step that added text; `spec` rides on the
         last chunk before [DONE]. usage_mode: "none", "final" (stream_options.include_usage:
         `usage: null` on every chunk, then a usage chunk) or "continuous" (also
-        continuous_usage_stats: each chunk carries the usage so far, as vLLM does)."""
+        continuous_usage_stats: each chunk carries the usage so far, as vLLM does). echo:
+        the prompt text, sent as the first chunk (completions' `echo`)."""
         rid, created, model = stream.request_id, P.now(), self.model_name
         fingerprint = self.fingerprint
 
@@ -612,6 +626,8 @@ class OpenAIServer:
             return c
 
         try:
+            if echo:
+                yield P.sse(chunk(echo, None, 0))
             if kind == "chat":
                 yield P.sse({**chunk("", None, 0), "choices": [
                     {"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
@@ -664,10 +680,20 @@ class OpenAIServer:
         except EngineClosed as exc:
             raise _failure(exc, rejected=True) from None
 
-    def _parse_completion(self, body: bytes) -> tuple[P.CompletionRequest, list[int]]:
+    def _parse_completion(self, body: bytes) -> tuple[P.CompletionRequest, list[EncodedPrompt]]:
+        """The request and its prompts (a batch: each in turn), tokenized, with the text
+        `echo` returns: a string prompt as sent, a token-id prompt decoded."""
         req = P.parse_request(P.CompletionRequest, body, self.config.allow_unknown_fields)
         self._check_model(req.model)
-        return req, self._encode_prompt(req.prompt)
+        prompts = []
+        for i, prompt in enumerate(req.prompt):
+            with _batch_item(i, len(req.prompt)):
+                ids = self._encode_prompt(prompt)
+            echo = None
+            if req.echo:
+                echo = prompt if isinstance(prompt, str) else self.tokenizer.decode(ids)
+            prompts.append(EncodedPrompt(ids, echo))
+        return req, prompts
 
     def _parse_chat(self, body: bytes) -> tuple[P.ChatCompletionRequest, list[int]]:
         req = P.parse_request(P.ChatCompletionRequest, body, self.config.allow_unknown_fields)
@@ -755,24 +781,27 @@ class OpenAIServer:
                              code="context_length_exceeded")
         return requested
 
-    async def _start(self, rid: str, prompt_ids: list[int], params, req) -> RequestStream | SiblingStreams:
-        """Hand the request to the engine, mapping refusals to HTTP errors. n > 1: n sibling
-        requests `<rid>-<i>` of the same prompt (the prefix cache shares its KV), admitted
-        together; with a seed s, sibling i is seeded s + i (so it equals an independent request
-        with seed s + i); without one each samples independently."""
-        if req.n == 1:
-            return await self._start_one(rid, prompt_ids, params, req)
-        self._admit(req.n)
+    async def _start(self, rid: str, prompts: list[tuple[list[int], SamplingParams]],
+                     req) -> RequestStream | SiblingStreams:
+        """Hand the request to the engine, mapping refusals to HTTP errors. One prompt with
+        n = 1 is one engine request. Otherwise choice j of prompt p is the sibling request
+        `<rid>-<k>`, k = p * n + j (its choice index, OpenAI's order); all are admitted
+        together or refused (429) together. A prompt's n siblings share its KV through the
+        prefix cache; with a seed s, choice j of every prompt is seeded s + j (choice_params),
+        so it equals an independent request of that prompt with seed s + j."""
+        choices = [(ids, choice_params(params, j)) for ids, params in prompts for j in range(req.n)]
+        if len(choices) == 1:
+            return await self._start_one(rid, *choices[0], req)
+        self._admit(len(choices))
         streams: list[RequestStream] = []
         try:
-            for i in range(req.n):
-                p = params if params.seed is None else dataclasses.replace(params, seed=params.seed + i)
-                streams.append(await self._start_one(f"{rid}-{i}", prompt_ids, p, req))
+            for k, (ids, params) in enumerate(choices):
+                streams.append(await self._start_one(f"{rid}-{k}", ids, params, req))
         except BaseException:
             for stream in streams:
                 stream.abort()
             raise
-        return SiblingStreams(rid, streams)
+        return SiblingStreams(rid, streams, req.n)
 
     async def _start_one(self, rid: str, prompt_ids: list[int], params, req) -> RequestStream:
         try:
@@ -786,12 +815,34 @@ class OpenAIServer:
             raise _failure(exc, rejected=True) from None
 
 
-class SiblingStreams:
-    """The n engine requests (`<rid>-0` .. `<rid>-{n-1}`) of one n > 1 request, aborted together."""
+class EncodedPrompt(NamedTuple):
+    """One prompt of a completions request: its token ids, and the text `echo` returns (None
+    without echo)."""
 
-    def __init__(self, request_id: str, streams: list[RequestStream]):
+    ids: list[int]
+    echo: str | None
+
+
+@contextmanager
+def _batch_item(index: int, size: int):
+    """A 400 about one prompt of a batch says which prompt (its `param` is unchanged)."""
+    try:
+        yield
+    except P.APIError as exc:
+        if size == 1:
+            raise
+        raise P.APIError(exc.status, f"{exc.message} (prompt {index} of the batch)", param=exc.param,
+                         type=exc.type, code=exc.code, headers=exc.headers, rejected=exc.rejected) from None
+
+
+class SiblingStreams:
+    """The engine requests (`<rid>-0` .. `<rid>-{k-1}`) of a request for several choices, n
+    per prompt, prompt-major (stream i is choice i), aborted together."""
+
+    def __init__(self, request_id: str, streams: list[RequestStream], n: int):
         self.request_id = request_id
         self.streams = streams
+        self.n = n  # choices per prompt: usage counts each prompt once
 
     @property
     def method(self) -> str:

@@ -33,6 +33,8 @@ from pydantic import (BaseModel, ConfigDict, Field, ValidationError, ValidationI
 from verispec.outputs import SpecStats
 from verispec.request import SpecOverride
 from verispec.sampling import SamplingParams
+from verispec.server.tools import call_grammar
+from verispec.structured.spec import StructuredOutput, from_guided, from_response_format
 
 log = logging.getLogger("verispec.server")
 
@@ -41,7 +43,7 @@ MAX_STOP_TOKEN_IDS = 256
 MAX_SEED = 2**63 - 1
 MAX_INT32 = 2**31 - 1
 MAX_LOGPROBS = 20   # alternatives per token (OpenAI's top_logprobs bound; vLLM's default)
-MAX_N = 16          # choices per request (n); each is one engine request
+MAX_N = 16          # choices per request (prompts x n); each is one engine request
 # Deepest JSON nesting accepted: chat messages with content parts need 5 levels and a
 # tool's JSON Schema rarely 20; Python's decoder would raise RecursionError near 1,000.
 MAX_JSON_DEPTH = 64
@@ -134,6 +136,13 @@ class _GenerationRequest(_Strict):
     logit_bias: dict | None = None                    # {"token id": bias in [-100, 100]}
     min_tokens: int = Field(0, ge=0, le=MAX_INT32)   # extension
     stop_token_ids: list[int] = Field(default_factory=list, max_length=MAX_STOP_TOKEN_IDS)  # extension
+    # Structured output (docs/serving.md, "Structured output"): OpenAI's response_format,
+    # or one of vLLM's guided_* extensions.
+    response_format: dict | None = None
+    guided_json: Any = None
+    guided_regex: Any = None
+    guided_choice: Any = None
+    guided_grammar: Any = None
     # Accepted and ignored: hints that change nothing about the output (each one's reason).
     user: str | None = None               # an end-user id for abuse tracking; nothing is tracked
     safety_identifier: str | None = None  # OpenAI's successor of `user`; same
@@ -190,6 +199,27 @@ class _GenerationRequest(_Strict):
             raise ValueError(f"must be token ids (integers >= 0), got {v}")
         return v
 
+    def structured_output(self) -> StructuredOutput | None:
+        """The one output constraint the request sets (response_format or a guided_*
+        field), or None; APIError(400) naming the field for a bad or conflicting one."""
+        given = [name for name in ("response_format", "guided_json", "guided_regex", "guided_choice",
+                                   "guided_grammar") if getattr(self, name) is not None]
+        if len(given) > 1:
+            raise APIError(400, f"{given[1]}: cannot be combined with {given[0]} (give one constraint)",
+                           param=given[1], code="invalid_value")
+        if not given:
+            return None
+        try:
+            if given[0] == "response_format":
+                return from_response_format(self.response_format)
+            return from_guided(self.guided_json, self.guided_regex, self.guided_choice, self.guided_grammar)
+        except ValueError as exc:
+            text = str(exc)
+            param = given[0] if given[0] != "response_format" else "response_format." + text.split(":")[0]
+            if given[0] == "response_format":
+                text = "response_format." + text
+            raise APIError(400, text, param=param, code="invalid_value") from None
+
     def check_stream_options(self) -> None:
         if self.stream_options is not None and not self.stream:
             raise APIError(400, "stream_options is only allowed when stream is true",
@@ -204,7 +234,8 @@ class _GenerationRequest(_Strict):
 
 
 class CompletionRequest(_GenerationRequest):
-    """POST /v1/completions: `prompt` is a string or a list of token ids (one prompt)."""
+    """POST /v1/completions: `prompt` is a string, a list of token ids, or a batch (a list
+    of either), parsed into a list of prompts; each prompt gets `n` choices."""
 
     prompt: Any
     echo: bool = False
@@ -214,22 +245,35 @@ class CompletionRequest(_GenerationRequest):
 
     @field_validator("prompt")
     @classmethod
-    def _check_prompt(cls, v: Any) -> str | list[int]:
-        if isinstance(v, list) and len(v) == 1 and isinstance(v[0], (str, list)):
-            v = v[0]  # a batch of one prompt
-        if isinstance(v, str):
-            return v
-        if isinstance(v, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in v):
-            return v
-        raise ValueError("must be a string or a list of token ids (integers); batches of "
-                         "several prompts are not supported")
-
-    @field_validator("echo")
-    @classmethod
-    def _check_echo(cls, v: bool) -> bool:
-        if v:
-            raise ValueError("echo is not supported")
+    def _check_prompt(cls, v: Any) -> list[str | list[int]]:
+        """OpenAI's four shapes (a string, a list of token ids, a list of strings, a list of
+        token-id lists) as a non-empty list of non-empty prompts."""
+        if isinstance(v, str) or (isinstance(v, list) and v and all(map(_is_token_id, v))):
+            v = [v]
+        if not isinstance(v, list) or not v:
+            raise ValueError("must be a string, a list of token ids (integers), or a non-empty "
+                             "list of strings or of token-id lists (a batch)")
+        for i, prompt in enumerate(v):
+            where = f"prompt {i} of the batch" if len(v) > 1 else "the prompt"
+            if not (isinstance(prompt, str) or (isinstance(prompt, list) and all(map(_is_token_id, prompt)))):
+                raise ValueError(f"{where} must be a string or a list of token ids (integers)")
+            if not prompt:
+                raise ValueError(f"{where} is empty")
         return v
+
+    @model_validator(mode="after")
+    def _check_batch_and_echo(self) -> "CompletionRequest":
+        choices = len(self.prompt) * self.n
+        if choices > MAX_N:
+            param = "n" if self.n > 1 else "prompt"
+            raise APIError(400, f"{param}: {len(self.prompt)} prompt(s) with n={self.n} ask for "
+                           f"{choices} choices; at most {MAX_N} per request", param=param,
+                           code="invalid_value")
+        if self.echo and self.logprobs is not None:
+            raise APIError(400, "echo: cannot be combined with logprobs (that needs the prompt "
+                           "tokens' log-probabilities, which this server does not compute); "
+                           "send echo or logprobs, not both", param="echo", code="invalid_value")
+        return self
 
     @field_validator("logprobs")
     @classmethod
@@ -352,7 +396,6 @@ class ChatCompletionRequest(_GenerationRequest):
     # "required" and a named function are best effort (docs/serving.md, "Tools").
     tool_choice: Any = None
     parallel_tool_calls: bool | None = None  # false: only the first call is returned
-    response_format: dict | None = None
 
     @field_validator("top_logprobs")
     @classmethod
@@ -404,12 +447,19 @@ class ChatCompletionRequest(_GenerationRequest):
             tools = [t for t in tools if t.function.name == self.tool_choice.function.name]
         return [t.model_dump(exclude_none=True) for t in tools]
 
-    @field_validator("response_format")
-    @classmethod
-    def _check_response_format(cls, v: dict | None) -> dict | None:
-        if v is not None and v != {"type": "text"}:
-            raise ValueError('only {"type": "text"} is supported')
-        return v
+    def structured_output(self) -> StructuredOutput | None:
+        """As for every request, plus: tool_choice "required" or a named function is
+        enforced by a grammar of `<tool_call>` blocks (`tools.call_grammar`), which cannot
+        be combined with another constraint."""
+        other = super().structured_output()
+        if self.tool_choice != "required" and not isinstance(self.tool_choice, NamedToolChoice):
+            return other
+        if other is not None:
+            raise APIError(400, "tool_choice: a required or named tool choice is itself a constraint "
+                           "and cannot be combined with response_format or guided_* fields",
+                           param="tool_choice", code="invalid_value")
+        return StructuredOutput("lark", call_grammar(self.template_tools(),
+                                                     parallel=self.parallel_tool_calls is not False))
 
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
@@ -494,6 +544,10 @@ def _validation_error(exc: ValidationError) -> APIError:
     return APIError(400, f"{param}: {message}", param=param, code=code)
 
 
+def _is_token_id(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
 def format_param(loc: tuple) -> str:
     """('messages', 0, 'content') -> 'messages[0].content'."""
     out = ""
@@ -530,7 +584,8 @@ def sampling_params(request: _GenerationRequest, max_tokens: int,
                               repetition_penalty=pick("repetition_penalty"),
                               logit_bias=request.logit_bias, min_tokens=request.min_tokens,
                               stop_token_ids=request.stop_token_ids,
-                              logprobs=request.requested_logprobs())
+                              logprobs=request.requested_logprobs(),
+                              structured=request.structured_output())
     except ValueError as exc:  # the protocol checks first, so this is a belt-and-braces path
         raise APIError(400, str(exc), param=engine_error_param(str(exc))) from None
 
@@ -546,7 +601,7 @@ def spec_override(request: _GenerationRequest) -> SpecOverride | None:
 _KNOWN_PARAMS = ("speculative.method", "speculative.num_tokens", "speculative.adaptive",
                  "max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop_token_ids", "stop",
                  "prompt", "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias",
-                 "min_tokens")
+                 "min_tokens", "response_format")
 
 
 def engine_error_param(message: str) -> str | None:
@@ -604,12 +659,13 @@ def merge_spec(summaries: list[dict]) -> dict:
             "accepted_per_position": acc, "drafted_per_position": dra}
 
 
-def merge_usage(usages: list[dict]) -> dict:
-    """The usage of n sibling choices: the prompt (and its cached tokens) counted once, from
-    the first sibling; completion tokens summed."""
-    first = usages[0]
-    cached = first.get("prompt_tokens_details", {}).get("cached_tokens")
-    return usage(first["prompt_tokens"], sum(u["completion_tokens"] for u in usages), cached)
+def merge_usage(usages: list[dict], n: int) -> dict:
+    """The usage of sibling choices, n consecutive ones per prompt: each prompt (and its
+    cached tokens) counted once, from its first choice; completion tokens summed."""
+    firsts = usages[::n]
+    cached = [u["prompt_tokens_details"]["cached_tokens"] for u in firsts if "prompt_tokens_details" in u]
+    return usage(sum(u["prompt_tokens"] for u in firsts), sum(u["completion_tokens"] for u in usages),
+                 sum(cached) if cached else None)
 
 
 def now() -> int:

@@ -30,6 +30,20 @@ TOOL_OPEN = "<tool_call>"
 TOOL_CLOSE = "</tool_call>"
 
 
+def call_grammar(tools: list[dict], parallel: bool = True) -> str:
+    """A Lark grammar (llguidance's dialect) whose sentences are one `<tool_call>` block per
+    call, or several separated by newlines when `parallel`: each block's inside is a JSON
+    object {"name": one of the tools, "arguments": valid against that tool's parameters}.
+    `tools` are OpenAI tool definitions as dicts."""
+    calls = [{"type": "object", "additionalProperties": False, "required": ["name", "arguments"],
+              "properties": {"name": {"const": t["function"]["name"]},
+                             "arguments": t["function"].get("parameters") or {"type": "object"}}}
+             for t in tools]
+    block = f'"{TOOL_OPEN}\\n" %json {json.dumps({"anyOf": calls})} "\\n{TOOL_CLOSE}"'
+    repeat = ' ("\\n" call)*' if parallel else ""
+    return f"start: call{repeat}\ncall: {block}"
+
+
 def new_call_id() -> str:
     """An OpenAI-style tool call id: "call_" + 24 hex digits."""
     return "call_" + secrets.token_hex(12)

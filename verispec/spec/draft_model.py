@@ -135,7 +135,8 @@ class DraftModelProposer:
         params = [reqs[i].params for i in active]
         histories = [(reqs[i].prompt_ids, reqs[i].output_ids + tokens_out[i]) if reqs[i].params.has_processors
                      else None for i in active]
-        return SamplingTensors.from_params(params, device, histories, self.eos_ids)
+        return SamplingTensors.from_params(params, device, histories, self.eos_ids,
+                                           [reqs[i].grammar for i in active])
 
     def to_probs(self, st: SamplingTensors, logits: torch.Tensor) -> torch.Tensor:
         """q: exactly the target's logits -> probs transform (tests patch this to inject bugs)."""
