@@ -3,7 +3,9 @@ plain decoding against the server's default speculation (docs/benchmarks.md, "St
 
 Each prompt is a short profile in prose (generated from a fixed seed: names, ages, cities,
 jobs, e-mail addresses and skills) and asks for it as JSON; every request sends the schema
-as `response_format` json_schema, greedy, `--max-tokens` at most. A fresh server per
+as `response_format` json_schema, greedy, `--max-tokens` at most. The schema bounds every
+string (maxLength), as strict schemas should: the small default model otherwise repeats
+itself inside a string until `max_tokens` cuts the JSON short. A fresh server per
 contender and repeat (`--spec none`, then default settings), one request at a time, the
 contenders' order shuffled per repeat; tok/s is completion tokens over the requests' own
 seconds. Every output is checked against the schema with `jsonschema`, and the two
@@ -33,12 +35,12 @@ DATASET = "json-extraction"
 SCHEMA = {
     "type": "object",
     "properties": {
-        "name": {"type": "string"},
-        "age": {"type": "integer", "minimum": 0},
-        "city": {"type": "string"},
-        "occupation": {"type": "string"},
-        "email": {"type": "string"},
-        "skills": {"type": "array", "items": {"type": "string"}, "maxItems": 5},
+        "name": {"type": "string", "maxLength": 40},
+        "age": {"type": "integer", "minimum": 0, "maximum": 150},
+        "city": {"type": "string", "maxLength": 40},
+        "occupation": {"type": "string", "maxLength": 40},
+        "email": {"type": "string", "maxLength": 60},
+        "skills": {"type": "array", "items": {"type": "string", "maxLength": 30}, "maxItems": 5},
     },
     "required": ["name", "age", "city", "occupation", "email", "skills"],
     "additionalProperties": False,

@@ -374,13 +374,16 @@ def _apply_grammars(raw: torch.Tensor, processed: torch.Tensor, history: Sequenc
 
     from verispec.structured.grammar import allowed_tokens
 
-    allowed = allowed_tokens([(h.grammar, list(h.output[h.grammar.committed:]) + list(h.drafted))
-                              for h in (history[i] for i in rows)], raw.shape[-1]).to(raw.device)
-    rows_t = torch.tensor(rows, dtype=torch.int64, device=raw.device)
-    masked = processed.index_select(0, rows_t).masked_fill(~allowed, float("-inf"))
-    empty = torch.isneginf(masked).all(dim=-1, keepdim=True)                  # (R, 1)
-    unbanned = raw.index_select(0, rows_t).masked_fill(~allowed, float("-inf"))
-    return processed.index_copy(0, rows_t, torch.where(empty, unbanned, masked))
+    refused = ~allowed_tokens([(h.grammar, list(h.output[h.grammar.committed:]) + list(h.drafted))
+                               for h in (history[i] for i in rows)], raw.shape[-1]).to(raw.device)
+    whole = len(rows) == raw.shape[0]  # every row constrained (batch 1): no gather/scatter
+    rows_t = None if whole else torch.tensor(rows, dtype=torch.int64, device=raw.device)
+    masked = (processed if whole else processed.index_select(0, rows_t)).masked_fill(refused, float("-inf"))
+    if any(history[i].params.min_tokens for i in rows):
+        empty = torch.isneginf(masked).all(dim=-1, keepdim=True)                  # (R, 1)
+        unbanned = (raw if whole else raw.index_select(0, rows_t)).float().masked_fill(refused, float("-inf"))
+        masked = torch.where(empty, unbanned, masked)
+    return masked if whole else processed.index_copy(0, rows_t, masked)
 
 
 def _apply_sparse(logits: torch.Tensor, history: Sequence[_History | None], rows: list[int]) -> torch.Tensor:

@@ -176,6 +176,7 @@ def allowed_tokens(positions: Sequence[tuple[RequestGrammar, Sequence[int]]], vo
     """(N, vocab) bool: the tokens each position's constraint admits; positions[i] is
     (grammar, tokens treated as generated after its committed output). Consecutive
     positions of one grammar are walked together."""
+    import numpy
     import torch
 
     packed, start = [], 0
@@ -186,9 +187,10 @@ def allowed_tokens(positions: Sequence[tuple[RequestGrammar, Sequence[int]]], vo
             end += 1
         packed.append(g.bitmasks([extra for _, extra in positions[start:end]]))
         start = end
-    words = torch.cat(packed)                                             # (N, W) int32
-    bits = torch.arange(32, dtype=torch.int32)
-    allowed = ((words.unsqueeze(-1) >> bits) & 1).view(words.shape[0], -1)[:, :vocab].bool()
+    words = (packed[0] if len(packed) == 1 else torch.cat(packed)).numpy()  # (N, W) int32
+    # bit j of word w is token 32 w + j: little-endian bytes, bits least significant first
+    bits = numpy.unpackbits(words.astype("<i4", copy=False).view(numpy.uint8), axis=1, bitorder="little")
+    allowed = torch.from_numpy(bits[:, :vocab]).view(torch.bool)  # 0/1 bytes: no copy
     if allowed.shape[1] < vocab:  # logits wider than the constraint's vocabulary: never admitted
         allowed = torch.nn.functional.pad(allowed, (0, vocab - allowed.shape[1]))
     return allowed
