@@ -194,6 +194,9 @@ SETTINGS = [  # (method, k, temperature, top_k, top_p)
     ("ngram", 1, 1.0, 0, 1.0),
     ("ngram", 2, 0.6, 0, 0.9),
     ("ngram", 4, 1.0, 6, 1.0),
+    # suffix decoding: the 20,000 requests share one prompt, so most drafts come from the
+    # global trie of earlier requests' outputs
+    ("suffix", 3, 0.9, 5, 0.9),
 ]
 
 

@@ -29,7 +29,7 @@ def spec_methods() -> tuple[str, ...]:
 class SpecConfig:
     """Speculation defaults; a request may override method, k and adaptivity."""
 
-    method: str = "ngram"            # "none" | "ngram" | "draft"
+    method: str = "ngram"            # "none" | "ngram" | "draft" | "suffix"
     num_spec_tokens: int = 4         # k_max when adaptive, k when fixed
     adaptive: bool = True
     ngram_max: int = 4
@@ -152,7 +152,8 @@ def load_chat_template(value: str) -> str:
 SPECULATIVE_CONFIG_KEYS = ("method", "model", "num_speculative_tokens", "prompt_lookup_max",
                            "prompt_lookup_min", "adaptive", "draft_tensor_parallel_size")
 # vLLM's method names -> verispec's; "none" and verispec's own names are accepted too.
-SPECULATIVE_METHODS = {"ngram": "ngram", "draft_model": "draft", "draft": "draft", "none": "none"}
+SPECULATIVE_METHODS = {"ngram": "ngram", "draft_model": "draft", "draft": "draft", "suffix": "suffix",
+                       "none": "none"}
 
 
 def spec_from_speculative_config(speculative_config: dict | str | None,

@@ -247,7 +247,8 @@ class LLMEngine:
         return EngineStats(len(self.scheduler.running), len(self.scheduler.waiting),
                            self.kv.num_total_blocks - self.kv.num_free_blocks - self.kv.num_evictable_blocks,
                            self.kv.num_total_blocks, self.kv.hit_tokens, self.kv.query_tokens,
-                           self.scheduler.num_preemptions)
+                           self.scheduler.num_preemptions,
+                           {name: p.stats() for name, p in self.proposers.items() if hasattr(p, "stats")})
 
     @property
     def num_preemptions(self) -> int:

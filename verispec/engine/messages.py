@@ -97,6 +97,7 @@ class EngineStats(msgspec.Struct, array_like=True):
     prefix_hit_tokens: int
     prefix_query_tokens: int
     num_preemptions: int = 0     # since start (the engine's LLMEngine.num_preemptions)
+    proposer_stats: dict[str, dict[str, float]] = {}  # method -> its proposer's stats()
 
 
 class CallResult(msgspec.Struct, array_like=True):

@@ -258,3 +258,16 @@ class _EngineStateCollector:
             c = CounterMetricFamily(name, doc, labels=["model_name"])
             c.add_metric([self.model_name], v)
             yield c
+        yield from self._proposer_families(getattr(stats, "proposer_stats", None) or {})
+
+    def _proposer_families(self, by_method: dict):
+        """Each proposer's stats() as verispec:spec_<method>_<name> (counters for "_total")."""
+        for method, values in sorted(by_method.items()):
+            for key, v in sorted(values.items()):
+                counter = key.endswith("_total")
+                name = f"{OWN}spec_{method}_{key.removesuffix('_total')}"
+                family = (CounterMetricFamily if counter else GaugeMetricFamily)(
+                    name, f"The {method} proposer's {key.removesuffix('_total').replace('_', ' ')}.",
+                    labels=["model_name"])
+                family.add_metric([self.model_name], float(v))
+                yield family

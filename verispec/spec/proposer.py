@@ -22,6 +22,9 @@ Contracts a proposer keeps, on which losslessness rests:
 engine then times the proposer's passes and the policy prices them. Untimed proposers
 (lookups) are treated as free.
 
+A proposer may also have `stats() -> {name: number}`: its state for `/metrics` (a name
+ending in "_total" is a counter since start, any other a gauge).
+
 Adding a proposer is one module that implements `Proposer` and one `register_proposer`
 line (see `tests/fake_proposer.py`).
 """
@@ -125,5 +128,11 @@ def _draft_model(context: ProposerContext) -> Proposer:
                               context.config.scheduler.max_num_batched_tokens)
 
 
+def _suffix(context: ProposerContext) -> Proposer:
+    from verispec.spec.suffix import SuffixProposer
+    return SuffixProposer()
+
+
 register_proposer("ngram", _ngram)
 register_proposer("draft", _draft_model)
+register_proposer("suffix", _suffix)

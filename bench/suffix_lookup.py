@@ -1,0 +1,66 @@
+"""What suffix decoding costs per row per step, in process: the time of the proposer's
+`offer` (extending the row's tries with its new tokens, then the lookup) and of `forget`
+(a finished output joining the global trie), over the agentic `retries` workload on the
+tuning half of HumanEval (bench/agentic.py), greedy, 256 tokens, the default model.
+
+    .venv/bin/python bench/suffix_lookup.py --out bench/results/suffix-lookup-<machine>.json
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "bench"))
+import common  # noqa: E402
+from agentic import RETRIES  # noqa: E402
+from verispec.bench.datasets import load_datasets  # noqa: E402
+from verispec.bench.provenance import machine_info  # noqa: E402
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--problems", type=int, default=6)
+    ap.add_argument("--out", type=Path)
+    args = ap.parse_args(argv)
+    from verispec.engine.llm import LLM
+    from verispec.sampling import SamplingParams
+    from verispec.spec.suffix import SuffixProposer
+
+    timings: dict[str, list[float]] = {"offer_per_row_us": [], "forget_us": []}
+    real_offer, real_forget = SuffixProposer.offer, SuffixProposer.forget
+
+    def offer(self, rows, budgets):
+        start = time.perf_counter()
+        out = real_offer(self, rows, budgets)
+        timings["offer_per_row_us"].append((time.perf_counter() - start) * 1e6 / max(1, len(rows)))
+        return out
+
+    def forget(self, request_id):
+        start = time.perf_counter()
+        real_forget(self, request_id)
+        timings["forget_us"].append((time.perf_counter() - start) * 1e6)
+    SuffixProposer.offer, SuffixProposer.forget = offer, forget
+    problems = [p for p in load_datasets("humaneval")[0]["humaneval"]
+                if common.prompt_half("humaneval", p.prompt_id) == "tuning"][: args.problems]
+    llm = LLM(speculative_config={"method": "suffix"})
+    for p in problems:
+        for prefix in RETRIES:
+            llm.chat([{"role": "user", "content": prefix + p.messages[0]["content"]}],
+                     SamplingParams(temperature=0, max_tokens=256), use_tqdm=False)
+    summary = {name: {"median": statistics.median(v), "p90": sorted(v)[int(0.9 * (len(v) - 1))],
+                      "max": max(v), "calls": len(v)} for name, v in timings.items()}
+    summary["proposer_stats"] = llm.llm_engine.proposers["suffix"].stats()
+    print(json.dumps(summary, indent=1))
+    if args.out:
+        args.out.write_text(json.dumps({"summary": summary, "machine": machine_info(),
+                                        "config": llm.llm_engine.config.to_dict()}, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

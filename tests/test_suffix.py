@@ -1,0 +1,194 @@
+"""Suffix decoding: the tries count exactly the substrings they should, hold only committed
+tokens of their own request, evict whole outputs, and propose the most frequent
+continuation. Losslessness is G1/G2 (tests/test_gate_lossless.py, tests/test_gate_greedy.py).
+"""
+from __future__ import annotations
+
+import random
+from collections import Counter
+
+import pytest
+
+import verispec.spec.suffix as suffix_mod
+from tiny import tiny_engine, tiny_pair
+from verispec.sampling import SamplingParams
+from verispec.spec.suffix import MAX_DEPTH, SuffixProposer, SuffixTrie, continuation
+
+VOCAB = 12
+
+
+def substring_counts(sequences, depth: int = MAX_DEPTH) -> Counter:
+    counts: Counter = Counter()
+    for seq in sequences:
+        for i in range(len(seq)):
+            for j in range(i + 1, min(len(seq), i + depth) + 1):
+                counts[tuple(seq[i:j])] += 1
+    return counts
+
+
+def trie_counts(trie: SuffixTrie) -> Counter:
+    counts: Counter = Counter()
+    stack = [((), trie.root)]
+    while stack:
+        path, node = stack.pop()
+        for t, child in node.children.items():
+            counts[path + (t,)] = child.count
+            stack.append((path + (t,), child))
+    return counts
+
+
+def _random_sequences(n: int, seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(4) for _ in range(rng.randint(1, 40))] for _ in range(n)]
+
+
+def test_the_trie_counts_every_substring_and_removal_undoes_it_exactly():
+    seqs = _random_sequences(6, 0)
+    trie = SuffixTrie(max_depth=5)
+    for s in seqs:
+        trie.add(s)
+    assert trie_counts(trie) == substring_counts(seqs, 5)
+    assert trie.num_nodes == len(substring_counts(seqs, 5)) + 1
+    trie.add(seqs[2], delta=-1)
+    assert trie_counts(trie) == substring_counts(seqs[:2] + seqs[3:], 5)
+    for s in seqs[:2] + seqs[3:]:
+        trie.add(s, delta=-1)
+    assert trie.num_nodes == 1 and not trie.root.children
+
+
+def test_continuation_follows_the_most_frequent_child_of_the_longest_match():
+    trie = SuffixTrie()
+    # after (1, 2): 3 twice, 4 once; after (9, 1, 2): 4 (the longer match wins)
+    for s in ([1, 2, 3, 5], [1, 2, 3, 5], [1, 2, 4], [9, 1, 2, 4, 7]):
+        trie.add(s)
+    frontier = [trie.root]
+    for t in [0, 1, 2]:
+        frontier = trie.follow(frontier, t)
+    assert continuation(frontier, budget=8) == ([3, 5], 2)
+    frontier = [trie.root]
+    for t in [9, 1, 2]:
+        frontier = trie.follow(frontier, t)
+    assert continuation(frontier, budget=8) == ([4, 7], 3)
+    assert continuation(frontier, budget=1) == ([4], 3)
+
+
+# ---------------------------------------------------------------------------- in the engine
+PAIR = tiny_pair(vocab=VOCAB, noise=0.3, seed=4)
+GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+SAMPLED = SamplingParams(temperature=1.0, max_tokens=24, ignore_eos=True)
+
+
+def _prompts(n: int, seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    out = []
+    for _ in range(n):
+        head = [rng.randrange(VOCAB) for _ in range(rng.randint(2, 6))]
+        out.append((head * 4)[: rng.randint(6, 20)])
+    return out
+
+
+def own_trie_problems(engine) -> list[str]:
+    """Each running request's own trie must count exactly the substrings of its committed
+    tokens seen so far: nothing of another request, no draft."""
+    proposer = engine.proposers["suffix"]
+    problems = []
+    for rid, state in proposer._rows.items():
+        want = substring_counts([state.req.all_ids[: state.seen]])
+        if trie_counts(state.trie) != want:
+            problems.append(rid)
+    return problems
+
+
+def run_checked(engine, prompts, params) -> list:
+    for i, p in enumerate(prompts):
+        engine.add_request(f"r{i}", p, params)
+    problems, done = [], {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out
+        problems += own_trie_problems(engine)
+    return problems, [done[f"r{i}"] for i in range(len(prompts))]
+
+
+def test_own_tries_hold_only_their_own_committed_tokens():
+    engine = tiny_engine(PAIR[0], method="suffix", k=4)
+    problems, outs = run_checked(engine, _prompts(6, 1), SAMPLED)
+    assert problems == []
+    drafted = sum(o.spec.num_draft_tokens for o in outs)
+    accepted = sum(o.spec.num_accepted_tokens for o in outs)
+    assert drafted > 0 and accepted < drafted  # rejections happened: the check covered them
+
+
+def test_the_check_catches_a_trie_shared_between_requests(monkeypatch):
+    shared = SuffixTrie()
+    real_init = suffix_mod._RowState.__init__
+
+    def leaky(self, req, global_trie):  # the bug: every request extends one own trie
+        real_init(self, req, global_trie)
+        self.trie, self.own = shared, [shared.root]
+    monkeypatch.setattr(suffix_mod._RowState, "__init__", leaky)
+    problems, _ = run_checked(tiny_engine(PAIR[0], method="suffix", k=4), _prompts(6, 1), SAMPLED)
+    assert problems
+
+
+def test_the_check_catches_drafts_left_in_the_trie(monkeypatch):
+    real_draft = SuffixProposer.draft
+
+    def stale(self, rows, ks):  # the bug: drafted tokens are counted before verification
+        out = real_draft(self, rows, ks)
+        for r, (tokens, _) in zip(rows, out):
+            state = self._rows[r.request_id]
+            for t in tokens:
+                state.own = state.trie.extend(state.own, t)
+        return out
+    monkeypatch.setattr(SuffixProposer, "draft", stale)
+    problems, _ = run_checked(tiny_engine(PAIR[0], method="suffix", k=4), _prompts(6, 1), SAMPLED)
+    assert problems
+
+
+def test_finished_outputs_join_the_global_trie_and_leave_it_oldest_first():
+    engine = tiny_engine(PAIR[0], method="suffix", k=4)
+    proposer = engine.proposers["suffix"]
+    proposer.global_nodes = 600
+    _, outs = run_checked(engine, _prompts(8, 2), GREEDY)
+    kept = list(proposer._outputs.values())
+    assert trie_counts(proposer.global_trie) == substring_counts(kept)
+    assert proposer.global_trie.num_nodes <= 600 and proposer._counts["evicted_outputs"] > 0
+    assert kept and all(k in [o.token_ids for o in outs] for k in kept)
+    assert list(proposer._outputs) == list(range(proposer._added - len(kept), proposer._added))  # newest stay
+    stats = engine.stats().proposer_stats["suffix"]
+    assert stats["global_nodes"] == proposer.global_trie.num_nodes and stats["lookups_total"] > 0
+
+
+def test_a_repeated_request_is_drafted_from_the_global_trie():
+    engine = tiny_engine(PAIR[0], method="suffix", k=8)
+    prompt = _prompts(1, 3)[0]
+    first = run_checked(engine, [prompt], GREEDY)[1][0]
+    engine.proposers["suffix"]._counts["global_hits"] = 0
+    second = run_checked(engine, [prompt], GREEDY)[1][0]
+    assert second.token_ids == first.token_ids
+    assert engine.proposers["suffix"]._counts["global_hits"] > 0
+    assert second.spec.num_accepted_tokens > first.spec.num_accepted_tokens
+
+
+@pytest.mark.parametrize("k", [1, 3, 8])
+def test_suffix_greedy_output_equals_plain(k):
+    prompts = _prompts(5, 7)
+    plain = [o.token_ids for o in run_checked(tiny_engine(PAIR[0], method="none"), prompts, GREEDY)[1]]
+    spec = [o.token_ids for o in run_checked(tiny_engine(PAIR[0], method="suffix", k=k), prompts, GREEDY)[1]]
+    assert spec == plain
+
+
+def test_the_suffix_tries_state_is_in_metrics():
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from verispec.server.metrics import ServerMetrics
+    engine = tiny_engine(PAIR[0], method="suffix", k=4)
+    run_checked(engine, _prompts(3, 5), GREEDY)
+    metrics = ServerMetrics("tiny", engine.stats)
+    families = {f.name: f for f in text_string_to_metric_families(metrics.render()[0].decode())}
+    nodes = families["verispec:spec_suffix_global_nodes"]
+    assert nodes.type == "gauge" and nodes.samples[0].value == engine.proposers["suffix"].global_trie.num_nodes > 1
+    lookups = families["verispec:spec_suffix_lookups"]
+    assert lookups.type == "counter" and lookups.samples[0].value == engine.proposers["suffix"]._counts["lookups"] > 0
