@@ -299,3 +299,23 @@ def test_bad_constraints_are_400s_naming_the_field(server, body, param):
     with pytest.raises(openai.BadRequestError) as err:
         c.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=8, extra_body=body)
     assert err.value.body["param"] == param, err.value.body
+
+
+def test_vllms_structured_outputs_params_become_the_constraint_and_travel_to_the_core():
+    from verispec import GuidedDecodingParams, StructuredOutputsParams
+    from verispec.engine import messages as M
+
+    p = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True,
+                       structured_outputs=StructuredOutputsParams(regex=REGEX))
+    assert p.structured == CONSTRAINT and p.structured_outputs is None
+    assert SamplingParams(guided_decoding=GuidedDecodingParams(json_object=True)).structured == JSON_OBJECT
+    add = M.Add("r", [1, 2], p, None)
+    decoded = M.command_decoder().decode(M.encoder().encode(add))
+    assert decoded.params == p and decoded.params.structured == CONSTRAINT
+    out = _run("ngram", p, n=1)[0]
+    assert all(t in allowed_by_regex(out[:i]) for i, t in enumerate(out))
+    for bad in (dict(structured_outputs=StructuredOutputsParams(regex="a", choice=["b"])),
+                dict(structured_outputs=StructuredOutputsParams()),
+                dict(structured=CONSTRAINT, guided_decoding=GuidedDecodingParams(regex="a"))):
+        with pytest.raises(ValueError, match="structured_outputs|give one of"):
+            SamplingParams(**bad)

@@ -4,9 +4,10 @@ The offline API has vLLM's shape: `from verispec import LLM, SamplingParams`.
 """
 from verispec.outputs import CompletionOutput, LLMRequestOutput
 from verispec.sampling import SamplingParams
-from verispec.structured.spec import StructuredOutput
+from verispec.structured.spec import GuidedDecodingParams, StructuredOutput, StructuredOutputsParams
 
-__all__ = ["LLM", "SamplingParams", "StructuredOutput", "CompletionOutput", "LLMRequestOutput"]
+__all__ = ["LLM", "SamplingParams", "StructuredOutput", "StructuredOutputsParams", "GuidedDecodingParams",
+           "CompletionOutput", "LLMRequestOutput"]
 __version__ = "0.1.0"
 
 

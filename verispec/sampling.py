@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from verispec.structured.spec import StructuredOutput
+from verispec.structured.spec import StructuredOutput, StructuredOutputsParams
 
 if TYPE_CHECKING:
     import torch
@@ -85,6 +85,10 @@ class SamplingParams:
     # best_of is vLLM's; verispec ranks no extra candidates, so it must be None or n.
     n: int = 1
     best_of: int | None = None
+    # vLLM's spellings of `structured` (a StructuredOutputsParams); turned into `structured`
+    # on construction and then None, so only `structured` travels to the engine.
+    structured_outputs: StructuredOutputsParams | None = None
+    guided_decoding: StructuredOutputsParams | None = None
 
     def __post_init__(self):
         if isinstance(self.stop, str):
@@ -98,6 +102,7 @@ class SamplingParams:
         if self.top_k == -1 and not isinstance(self.top_k, bool):  # vLLM's and llama.cpp's "disabled"
             object.__setattr__(self, "top_k", 0)
         self._check_processors()
+        self._adopt_vllm_constraint()
         _check(isinstance(self.temperature, (int, float)) and self.temperature >= 0,
                f"temperature must be >= 0, got {self.temperature!r}")
         _check(isinstance(self.top_p, (int, float)) and 0 < self.top_p <= 1,
@@ -123,6 +128,18 @@ class SamplingParams:
 
         if 0 < self.temperature < MIN_TEMPERATURE:  # the limit, without float32 overflow
             object.__setattr__(self, "temperature", 0.0)
+
+    def _adopt_vllm_constraint(self) -> None:
+        given = [n for n in ("structured_outputs", "guided_decoding") if getattr(self, n) is not None]
+        if not given:
+            return
+        _check(len(given) == 1 and self.structured is None,
+               "give one of structured, structured_outputs and guided_decoding")
+        value = getattr(self, given[0])
+        _check(isinstance(value, StructuredOutputsParams),
+               f"{given[0]} must be a StructuredOutputsParams, got {type(value).__name__}")
+        object.__setattr__(self, "structured", value.to_structured())
+        object.__setattr__(self, given[0], None)
 
     def _check_processors(self) -> None:
         for name in ("presence_penalty", "frequency_penalty"):

@@ -35,6 +35,33 @@ class StructuredOutput:
 JSON_OBJECT = StructuredOutput("json", '{"type": "object"}')
 
 
+@dataclass(frozen=True)
+class StructuredOutputsParams:
+    """vLLM's Python spelling of a constraint (`SamplingParams(structured_outputs=...)`; its
+    older name, `guided_decoding=GuidedDecodingParams(...)`, is the same class): exactly one
+    of json (a schema, dict or JSON text), regex, choice, grammar (Lark) or json_object."""
+
+    json: dict | str | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+
+    def to_structured(self) -> StructuredOutput:
+        given = [name for name in ("json", "regex", "choice", "grammar", "json_object")
+                 if getattr(self, name) not in (None, False)]
+        if len(given) != 1:
+            raise ValueError(f"structured_outputs: give exactly one of json, regex, choice, grammar, "
+                             f"json_object; got {given or 'none'}")
+        if self.json_object:
+            return JSON_OBJECT
+        choice = list(self.choice) if self.choice is not None else None
+        return from_guided(self.json, self.regex, choice, self.grammar)
+
+
+GuidedDecodingParams = StructuredOutputsParams
+
+
 def from_response_format(value: dict) -> StructuredOutput | None:
     """OpenAI's `response_format` -> a constraint (None for {"type": "text"}); ValueError
     naming the sub-field otherwise."""
