@@ -225,22 +225,3 @@ def test_the_policy_modules_stay_small():
     import inspect
     lines = sum(len(inspect.getsource(m).splitlines()) for m in (acceptance_mod, costs_mod, policy_mod))
     assert lines <= 700
-
-
-@pytest.mark.parametrize("broken", [False, True])
-def test_a_row_count_with_only_plain_measured_borrows_the_nearest_cost_per_token(monkeypatch, broken):
-    """16 rows measured only without drafts; 15 rows measured at 0 and 1 drafted tokens
-    (1 ms a token, as the default model's batch of 16 pays). The first draft at 16 rows is
-    priced at half that, not as free, so a row accepting a third of its drafts does not draft."""
-    if broken:  # no borrowing: the first draft at 16 rows looks free
-        monkeypatch.setattr(CostCells, "_first_slope_near", lambda self, rows: 0.0)
-    policy = SpeculationPolicy(8)
-    for _ in range(TRUSTED_AT):
-        policy.verify_costs.observe(16, 0, 0.017)
-        policy.verify_costs.observe(15, 0, 0.016)
-        policy.verify_costs.observe(15, 1, 0.017)
-    assert policy.verify_costs.at(16).price(1) == pytest.approx(0.017 + 0.0005 * (not broken))
-    rows = [RowOffer(f"r{i}", "ngram", 4 if i == 0 else 0, 4) for i in range(16)]
-    for accepted in [0, 1] * 25:  # alpha about 1/3: a third of a token for half a millisecond
-        policy.acceptance.observe("r0", "ngram", 0, 3, accepted)
-    assert (sum(policy.plan(rows)) == 0) != broken

@@ -12,9 +12,7 @@ from what is measured. At a given row count: a size between two trusted cells at
 chord (a lower bound where cost grows concavely with tokens, as a weight-streaming pass
 does); the next bucket past the largest trusted one at that cell's cost plus
 EXPLORE_SLOPE of the last measured cost per token, so widening stops where even half the
-last increment no longer pays (with one trusted size at this row count, the first cost per
-token measured at the nearest row count that has two: a batch of 16 pays ~1 ms a drafted
-token, which the first drafts at 15 or 17 rows would otherwise be priced as free); sizes further out at their upper bound (a pass costs no
+last increment no longer pays; sizes further out at their upper bound (a pass costs no
 less with more rows or tokens: the cheapest trusted cell with no fewer of either), so a
 plan there is played only if it pays at its worst (a drained batch still drafts).
 """
@@ -70,28 +68,15 @@ class CostCells:
         for i in range(n - 2, -1, -1):  # no more than a costlier-or-equal bucket
             if upper[i + 1] is not None and (upper[i] is None or upper[i + 1] < upper[i]):
                 upper[i] = upper[i + 1]
-        return RowPrices(own, _exploring(own, upper, self._first_slope_near(rows)))
-
-    def _first_slope_near(self, rows: int) -> float:
-        """Cost per token between the two smallest trusted sizes at the row count nearest
-        `rows` that has two (0 where none has)."""
-        sizes: dict[int, list[tuple[int, float]]] = {}
-        for (r, b), median in self._trusted.items():
-            sizes.setdefault(r, []).append((b, median))
-        for r in sorted(sizes, key=lambda r: (abs(r - rows), r)):
-            if len(sizes[r]) > 1:
-                (b0, m0), (b1, m1) = sorted(sizes[r])[:2]
-                return max(0.0, (m1 - m0) / (b1 - b0))
-        return 0.0
+        return RowPrices(own, _exploring(own, upper))
 
     def snapshot(self) -> list[dict]:
         return [{"rows": r, "size": b, "median_s": round(m, 6), "n": len(self._timings[(r, b)])}
                 for (r, b), m in sorted(self._trusted.items())]
 
 
-def _exploring(own: list, upper: list, borrowed_slope: float = 0.0) -> list:
-    """Upper bounds, with the chords between trusted cells and one step past the last
-    (priced by `borrowed_slope` where only one size is trusted)."""
+def _exploring(own: list, upper: list) -> list:
+    """Upper bounds, with the chords between trusted cells and one step past the last."""
     bound = list(upper)
     known = [i for i, m in enumerate(own) if m is not None]
     for a, b in zip(known, known[1:]):
@@ -100,7 +85,7 @@ def _exploring(own: list, upper: list, borrowed_slope: float = 0.0) -> list:
             bound[i] = own[a] + share * (own[b] - own[a])
     if known and known[-1] + 1 < len(own):
         last = known[-1]
-        slope = borrowed_slope
+        slope = 0.0
         if len(known) > 1:
             prev = known[-2]
             slope = max(0.0, (own[last] - own[prev]) / (_BUCKETS[last] - _BUCKETS[prev]))
