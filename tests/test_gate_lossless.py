@@ -276,7 +276,9 @@ def allowed_by_regex(output: list[int]) -> list[int]:
     return list(range(4, VOCAB)) if output[-1] < 4 else list(range(8))
 
 
-STRUCTURED_SETTINGS = [("draft", 3, 1.0), ("ngram", 2, 0.9)]  # (method, k, temperature)
+# (method, k, temperature): the draft model's q is masked too; prompt lookup's drafts are cut
+# at the constraint before verification (tests/test_structured.py checks the cut itself)
+STRUCTURED_SETTINGS = [("draft", 3, 1.0)]
 
 
 @pytest.fixture(scope="module")
@@ -314,8 +316,8 @@ def test_a_grammar_mask_narrowed_to_the_committed_state_is_caught(pair, exact_st
         return allowed
     monkeypatch.setattr(grammar_mod, "allowed_tokens", narrowed)
     params = SamplingParams(temperature=1.0, structured=StructuredOutput("regex", REGEX))
-    verdict = run_gate(pair, exact_structured(1.0), "draft", 3, params, num_samples=BUG_SAMPLES,
-                       eos=STRUCTURED_EOS)
+    verdict = run_gate(pair, exact_structured(1.0), "draft", 3, params, num_samples=BUG_SAMPLES // 2,
+                       eos=STRUCTURED_EOS)  # a quarter of the gate's samples already catch it
     assert verdict.passed["acceptance"], verdict.measured
     missed = [name for name in ("x3 TV", "x3 chi2") if verdict.passed[name]]
     assert not missed, ("a narrowed grammar mask went unnoticed by", missed, verdict.measured)

@@ -788,3 +788,21 @@ def test_a_batch_of_prompts_answers_what_each_prompt_answers_alone(server, token
     assert _choice_texts("completion", echoed, 2) == [prompts[0] + expected[0],
                                                        tokenizer.decode(ids[1]) + expected[1]]
     server.wait_idle()
+
+
+def test_queue_time_ends_when_the_engine_first_schedules_the_request():
+    """A prompt prefilled in many chunks (--max-num-batched-tokens 32) waits in no queue:
+    the engine admits it at once, so its queue time is a sliver of its prefill time. Taking
+    the first token's step as "first scheduled" would count every earlier chunk as queue."""
+    with clean_server(BACKEND, ("--max-num-batched-tokens", "32", "--spec", "none")) as srv:
+        before = srv.metrics()
+        prompt = " ".join(f"word{i}" for i in range(120))
+        client(srv).completions.create(model=BACKEND.model, prompt=prompt, max_tokens=4, temperature=0)
+        srv.wait_idle()
+        after = srv.metrics()
+
+        def delta(name):
+            return _metric(after, name) - _metric(before, name)
+        queue, prefill = delta("vllm:request_queue_time_seconds_sum"), delta("vllm:request_prefill_time_seconds_sum")
+        assert delta("vllm:request_queue_time_seconds_count") == 1
+        assert queue < 0.2 * prefill, (queue, prefill)

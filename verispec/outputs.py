@@ -86,6 +86,7 @@ class RequestOutput:
     spec: SpecStats
     error: str | None = None       # set when this request failed; other requests go on
     num_cached_tokens: int = 0     # prompt tokens served from the prefix cache when first scheduled
+    scheduled_at: float | None = None  # time.monotonic() when first scheduled (Request.scheduled_at)
     # Only when the request asked (SamplingParams.logprobs), else None: per completion token
     # (its logprob, [(token id, logprob), ...] its top alternatives, most likely first);
     # `logprobs` covers token_ids, `new_logprobs` new_token_ids. Convention and -inf:

@@ -55,6 +55,7 @@ class Request:
     error: str | None = None
     num_preemptions: int = 0
     num_cached_tokens: int | None = None  # prompt tokens the prefix cache served at first admission
+    scheduled_at: float | None = None      # time.monotonic() of the first admission (first chunk scheduled)
     stats: SpecStats = field(default_factory=SpecStats)
     # Text emitted so far (stop strings applied) and the engine's per-request detokenizer
     # live here so preemption and recompute keep them.

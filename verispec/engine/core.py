@@ -197,6 +197,7 @@ class EngineCore:
                 o.request_id, M.OUTPUT, list(o.new_token_ids), o.new_text, o.finished, o.finish_reason,
                 o.error, spec=_snapshot(o) if ends else None,
                 num_cached_tokens=getattr(o, "num_cached_tokens", 0) or 0,
+                scheduled_at=getattr(o, "scheduled_at", None) or 0.0,
                 logprobs=getattr(o, "new_logprobs", None)))
             if ends:
                 del self.live[o.request_id]

@@ -691,7 +691,7 @@ class LLMEngine:
             new_logprobs = []
         return RequestOutput(req.request_id, req.prompt_ids, list(req.output_ids), new_ids, req.text,
                              new_text, req.finished, req.finish_reason, req.stats, req.error,
-                             num_cached_tokens=req.num_cached_tokens or 0,
+                             num_cached_tokens=req.num_cached_tokens or 0, scheduled_at=req.scheduled_at,
                              logprobs=None if req.params.logprobs is None else list(req.logprobs or ()),
                              new_logprobs=new_logprobs)
 

@@ -82,6 +82,9 @@ class RequestEvent(msgspec.Struct, array_like=True, omit_defaults=True):
     bad_input: bool = False
     spec: SpecSnapshot | None = None   # with the event that ends the request
     num_cached_tokens: int = 0         # prompt tokens the prefix cache served (OUTPUT events)
+    # time.monotonic() in the engine process when the request was first scheduled (OUTPUT
+    # events; 0: not known). CLOCK_MONOTONIC is one clock for every process on the machine.
+    scheduled_at: float = 0.0
     # per new token (logprob, [(token id, logprob), ...]); only for requests that asked
     # (SamplingParams.logprobs), omitted otherwise
     logprobs: list[tuple[float, list[tuple[int, float]]]] | None = None

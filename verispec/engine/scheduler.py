@@ -26,6 +26,7 @@ doing the same work.
 """
 from __future__ import annotations
 
+import time
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -126,6 +127,7 @@ class Scheduler:
             self.waiting.popleft()
             if req.num_cached_tokens is None:  # the first admission (not a preempted recompute)
                 req.num_cached_tokens = req.num_computed
+                req.scheduled_at = time.monotonic()
             req.status = Status.RUNNING
             self.running.append(req)
             budget -= used

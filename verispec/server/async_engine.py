@@ -100,7 +100,7 @@ class RequestRecord:
     first_token_time: float | None = None
     last_output: RequestOutput | None = None
     # For the latency histograms (time.monotonic(); see verispec/server/metrics.py):
-    scheduled_time: float | None = None   # ~ start of the step that gave the first token
+    scheduled_time: float | None = None   # when the engine first scheduled it (its own clock reading)
     last_token_time: float | None = None  # the latest output that carried tokens
     prev_token_time: float | None = None  # the one before it
 
@@ -603,7 +603,9 @@ class AsyncEngine:
             record.prev_token_time, record.last_token_time = record.last_token_time, now
             if record.first_token_time is None:
                 record.first_token_time = now
-                record.scheduled_time = min(now, max(record.arrival_time, self._step_started_at))
+                # the engine's own time of first scheduling; else the start of this step
+                scheduled = ev.scheduled_at or max(record.arrival_time, self._step_started_at)
+                record.scheduled_time = min(now, max(record.arrival_time, scheduled))
                 self._notify("on_first_token", record)
         self._notify("on_request_output", record, output)
         if output.error is not None:

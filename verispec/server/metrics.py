@@ -6,7 +6,7 @@ unchanged; `prefix="verispec"` (`--metrics-prefix verispec`) exports the same me
 `verispec:*`, the per-request TPOT histogram keeping its old name
 `verispec:time_per_output_token_seconds`. Metrics vLLM has no counterpart for (aborted,
 errored and rejected requests, engine step errors, KV blocks, the prefix hit rate) are always
-`verispec:*`. docs/serving.md ("Metrics") lists every name and what is approximated.
+`verispec:*`. docs/serving.md ("Metrics") lists every name.
 
 Every metric lives in a per-app CollectorRegistry (never the process-global one), so two
 servers in one process (tests) do not share counters. ServerMetrics is also the
@@ -19,11 +19,10 @@ the `spec` blocks of the responses of that window (plus the aborted requests' st
 Engine-state gauges (running/waiting, KV usage, prefix cache, preemptions) are read at
 scrape time from the latest stats the engine core sent (with every step).
 
-Request timings (front-end clock, time.monotonic()): arrival = the server handed the request
-to the engine; scheduled = the start of the engine step that produced its first token,
-taken as the arrival of the core's previous message (or arrival, if later); first token and
-every later token batch = arrival of the core message carrying them; finish = arrival of
-the message that ended it. Queue, prefill and decode times are observed for requests that
+Request timings (time.monotonic(), one clock for every process): arrival = the server handed
+the request to the engine; scheduled = the engine process admitted it (RequestEvent.
+scheduled_at); first token and every later token batch = arrival of the core message
+carrying them; finish = arrival of the message that ended it. Queue, prefill and decode times are observed for requests that
 finished normally (stop/length), as vLLM does.
 """
 from __future__ import annotations
@@ -97,7 +96,7 @@ class ServerMetrics:
         self.e2e = histogram(p + "e2e_request_latency_seconds",
                              "Arrival to finish, finished requests.", REQUEST_LATENCY_BUCKETS)
         self.queue = histogram(p + "request_queue_time_seconds",
-                               "Arrival to first scheduled (approximate: see docs/serving.md).",
+                               "Arrival to first scheduled by the engine.",
                                REQUEST_LATENCY_BUCKETS)
         self.inference = histogram(p + "request_inference_time_seconds",
                                    "First scheduled to finish.", REQUEST_LATENCY_BUCKETS)
