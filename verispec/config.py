@@ -30,7 +30,9 @@ class SpecConfig:
     """Speculation defaults; a request may override method, k and adaptivity."""
 
     method: str = "ngram"            # "none" | "ngram" | "draft" | "suffix"
-    num_spec_tokens: int = 4         # k_max when adaptive, k when fixed
+    # k_max when adaptive (the k_max the adaptive grid validates: docs/benchmarks.md), k when
+    # fixed (there 1-2 is usually best: set it with adaptive off)
+    num_spec_tokens: int = 8
     adaptive: bool = True
     ngram_max: int = 4
     ngram_min: int = 1
@@ -163,7 +165,7 @@ def spec_from_speculative_config(speculative_config: dict | str | None,
     {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": n, "prompt_lookup_min": m}
     and {"model": DRAFT, "num_speculative_tokens": k} (method "draft_model", implied by "model")
     map onto verispec's n-gram and draft-model speculation; {"adaptive": false} fixes k.
-    Keys not given keep `base`'s values (verispec's defaults: adaptive n-gram, k 4, n-gram
+    Keys not given keep `base`'s values (verispec's defaults: adaptive n-gram, k_max 8, n-gram
     lengths 1..4). A lone prompt_lookup_max or _min keeps the other bound's default (clamped);
     vLLM copies it instead. Unknown keys and methods verispec lacks (eagle, medusa, mtp...)
     are a ValueError naming the allowed ones.
