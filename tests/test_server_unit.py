@@ -901,22 +901,25 @@ def _once(body: bytes, then):
     return receive
 
 
-def _where(engine: FakeEngine) -> tuple[int, bool]:
+def _where(engine: FakeEngine) -> tuple[int, bool, int]:
+    import gc
     import threading
-    return os.getpid(), threading.current_thread() is threading.main_thread()
+    return os.getpid(), threading.current_thread() is threading.main_thread(), gc.get_freeze_count()
 
 
 def test_a_spawned_engine_runs_on_the_main_thread_of_another_process():
     """AsyncEngine.spawn (what `verispec serve` uses) builds and steps the engine on the main
-    thread of a child process; the thread form (tests) shares this process."""
+    thread of a child process, with the objects it was built from frozen out of the garbage
+    collector; the thread form (tests) shares this process."""
     import functools
 
     async def scenario():
         ae = AsyncEngine.spawn(functools.partial(FakeEngine, step_delay_s=0.001))
         ae.start()
         try:
-            pid, on_main = await ae.call(_where)
+            pid, on_main, frozen = await ae.call(_where)
             assert pid == ae.engine_pid != os.getpid() and on_main
+            assert frozen > 0  # what the engine was built from is out of the collector's sight
             outs = [o async for o in ae.generate("r", [1, 2, 3], SamplingParams(max_tokens=5, ignore_eos=True))]
             assert outs[-1].finished and len(outs[-1].token_ids) == 5
         finally:

@@ -21,6 +21,7 @@ when the front end's process is gone.
 """
 from __future__ import annotations
 
+import gc
 import logging
 import os
 import pickle
@@ -254,6 +255,11 @@ def run_core_process(factory: Callable[[], Any], addresses: CoreAddresses, ready
         bad_input = isinstance(exc, (ValueError, OSError))  # a configuration the user can fix
         ready.send(("error", bad_input, str(exc) if bad_input else f"{type(exc).__name__}: {exc}"))
         raise SystemExit(2) from None
+    # Everything built so far (the model, torch, tokenizer) lives as long as the process: move
+    # it out of the collector's sight, so a full collection, which pauses the step loop,
+    # scans only what serving allocates (docs/architecture.md, "The server").
+    gc.collect()
+    gc.freeze()
     core = EngineCore(engine)
     core.serve(addresses, parent_pid, on_bound=lambda: ready.send(("ready", core.info(), engine.tokenizer)))
 
