@@ -787,28 +787,17 @@ def _post_scope(path: str) -> dict:
             "server": ("test", 80), "client": ("test", 1), "root_path": ""}
 
 
+@pytest.mark.parametrize("n", [1, 3])
 @pytest.mark.parametrize("stream", [False, True])
-def test_client_disconnect_aborts_the_request_at_once(stream):
+def test_client_disconnect_aborts_every_choice_at_once(stream, n):
+    """A client that leaves ends its request's engine work at once, all n siblings of it."""
     async def scenario():
         engine = FakeEngine(step_delay_s=0.01)
         app = create_app(engine, ServerConfig())
         async with app.router.lifespan_context(app):
-            body = {"prompt": "walk away", "max_tokens": 400, "ignore_eos": True, "stream": stream}
-            await _disconnecting_call(app, body, after_messages=3 if stream else 0)
-            await _assert_aborted_and_freed(app, engine, "the request ran on after the client left")
-    run(scenario())
-
-
-@pytest.mark.parametrize("stream", [False, True])
-def test_client_disconnect_aborts_every_sibling(stream):
-    async def scenario():
-        engine = FakeEngine(step_delay_s=0.01)
-        app = create_app(engine, ServerConfig())
-        async with app.router.lifespan_context(app):
-            body = {"prompt": "walk away", "max_tokens": 400, "ignore_eos": True, "stream": stream,
-                    "n": 3}
-            await _disconnecting_call(app, body, after_messages=4 if stream else 0)
-            await _assert_aborted_and_freed(app, engine, "siblings ran on after the client left", aborts=3)
+            body = {"prompt": "walk away", "max_tokens": 400, "ignore_eos": True, "stream": stream, "n": n}
+            await _disconnecting_call(app, body, after_messages=(3 if n == 1 else 4) if stream else 0)
+            await _assert_aborted_and_freed(app, engine, f"{n} choice(s) ran on after the client left", aborts=n)
     run(scenario())
 
 

@@ -18,6 +18,9 @@ DTYPES = ("bfloat16", "float32")
 # verispec.model.quant.WEIGHT_FORMATS (repeated here: config must not import torch)
 WEIGHT_FORMATS = ("auto", "dense", "int8", "int4", "int4a8")
 KERNELS = ("auto", "on", "off")
+# Where the sampling defaults of a request (server) or a generate call (LLM) that sets none
+# come from: the model's generation_config.json ("auto", vLLM's default) or neutral values.
+GENERATION_CONFIGS = ("auto", "vllm")
 
 
 def spec_methods() -> tuple[str, ...]:

@@ -24,7 +24,7 @@ from __future__ import annotations
 import sys
 from dataclasses import fields, replace
 
-from verispec.config import EngineConfig, SpecConfig, spec_from_speculative_config
+from verispec.config import GENERATION_CONFIGS, EngineConfig, SpecConfig, spec_from_speculative_config
 from verispec.engine.engine import LLMEngine, SpecOverride
 from verispec.model.tokenizer import Tokenizer
 from verispec.outputs import CompletionOutput, LLMRequestOutput, Logprob, RequestOutput, SpecStats
@@ -48,9 +48,6 @@ _HINTS = {"quantization": " (verispec's weight_format= picks int8/int4 weights)"
 # EngineConfig fields LLM(...) takes by name; the nested ones have vLLM's names below.
 _ENGINE_FIELDS = tuple(f.name for f in fields(EngineConfig) if f.name not in ("model", "spec", "cache", "scheduler"))
 _DTYPES = {"auto": None, "bfloat16": "bfloat16", "bf16": "bfloat16", "float32": "float32", "float": "float32"}
-# Where default sampling values come from (the server's --generation-config): the model's
-# generation_config.json, or vLLM's neutral defaults (SamplingParams' own).
-GENERATION_CONFIGS = ("auto", "vllm")
 
 
 class LLM:

@@ -43,6 +43,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 import verispec
+from verispec.config import GENERATION_CONFIGS
 from verispec.outputs import RequestOutput
 from verispec.request import choice_params
 from verispec.sampling import SamplingParams
@@ -109,8 +110,8 @@ class ServerConfig:
             raise ValueError(f"max_connections must be >= 1, got {self.max_connections}")
         if self.fd_reserve < 0:
             raise ValueError(f"fd_reserve must be >= 0, got {self.fd_reserve}")
-        if self.generation_config not in ("auto", "vllm"):
-            raise ValueError(f"generation_config must be 'auto' or 'vllm', got {self.generation_config!r}")
+        if self.generation_config not in GENERATION_CONFIGS:
+            raise ValueError(f"generation_config must be one of {GENERATION_CONFIGS}, got {self.generation_config!r}")
         if self.metrics_prefix not in ("vllm", "verispec"):
             raise ValueError(f"metrics_prefix must be 'vllm' or 'verispec', got {self.metrics_prefix!r}")
         # "a,b" or names with ports -> bare lowercase names, so the policy compares like with like
@@ -173,7 +174,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--allow-unknown-fields", action="store_true", default=d.allow_unknown_fields,
                    help="ignore request fields this server does not know (logged at debug level) "
                         "instead of answering 400 'Unrecognized request argument supplied'")
-    g.add_argument("--generation-config", choices=["auto", "vllm"], default=d.generation_config,
+    g.add_argument("--generation-config", choices=GENERATION_CONFIGS, default=d.generation_config,
                    help="sampling defaults for fields a request omits (temperature, top_p, top_k, "
                         "min_p, repetition_penalty): 'auto' takes the model's generation_config.json "
                         "values (vLLM's default), 'vllm' OpenAI's neutral ones (1, 1, off, 0, 1)")
