@@ -60,12 +60,12 @@ def proposals(eng: LLMEngine) -> list[list[int]]:
 
 def eager_prefill(monkeypatch):
     """Broken: the draft model prefills every prompt with the target (the old eager way)."""
-    after = LLMEngine._after_prefill
+    after = LLMEngine._sample_first
 
-    def eager(self, chunks, logits):
+    def eager(self, chunks, logits, readback):
         self.proposers['draft'].catch_up([c.request for c in chunks])
-        return after(self, chunks, logits)
-    monkeypatch.setattr(LLMEngine, "_after_prefill", eager)
+        return after(self, chunks, logits, readback)
+    monkeypatch.setattr(LLMEngine, "_sample_first", eager)
 
 
 @pytest.mark.parametrize("broken", [False, True])

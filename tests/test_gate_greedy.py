@@ -39,6 +39,7 @@ def plain_outputs(pair):
             for b in (1, 3, 8)}
 
 
+@pytest.mark.gpu
 @pytest.mark.parametrize("method", ["ngram", "draft", "suffix"])
 def test_greedy_speculative_output_equals_plain_for_every_k(pair, plain_outputs, method):
     target, draft = pair

@@ -213,6 +213,7 @@ def exact(pair):
     return get
 
 
+@pytest.mark.gpu
 @pytest.mark.parametrize("method,k,temperature,top_k,top_p", SETTINGS,
                          ids=[f"{m}-k{k}-T{t}-topk{tk}-topp{tp}" for m, k, t, tk, tp in SETTINGS])
 def test_speculative_samples_match_the_exact_target_distribution(pair, exact, method, k, temperature, top_k, top_p):

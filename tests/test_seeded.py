@@ -146,6 +146,7 @@ SETTINGS = [  # (method, k, batch size, temperature, engine options)
 ]
 
 
+@pytest.mark.gpu
 @pytest.mark.parametrize("method,k,size,temperature,options", SETTINGS,
                          ids=[f"{m}-k{k}-b{b}-T{t}-{'-'.join(o) or 'plain'}" for m, k, b, t, o in SETTINGS])
 def test_seeded_speculative_output_is_token_identical_to_seeded_plain(method, k, size, temperature, options):

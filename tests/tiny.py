@@ -5,6 +5,9 @@ first generated tokens can be enumerated with the target model itself.
 """
 from __future__ import annotations
 
+import copy
+import os
+
 import torch
 
 from verispec.config import CacheConfig, EngineConfig, SchedulerConfig, SpecConfig
@@ -79,6 +82,15 @@ def tiny_pair(vocab: int = 16, noise: float = 0.5, seed: int = 0, logit_scale: f
     return target, draft
 
 
+# The device tiny engines run on: scripts/gpu_check.py runs the tests marked `gpu` with
+# VERISPEC_TEST_DEVICE=cuda (the models are built on the CPU and copied there).
+TEST_DEVICE = os.environ.get("VERISPEC_TEST_DEVICE", "cpu")
+
+
+def on_test_device(model: LlamaModel | None) -> LlamaModel | None:
+    return model if model is None or TEST_DEVICE == "cpu" else copy.deepcopy(model).to(TEST_DEVICE)
+
+
 def tiny_engine(target: LlamaModel, draft: LlamaModel | None = None, method: str = "ngram", k: int = 4,
                 adaptive: bool = False, num_kv_tokens: int = 4096, block_size: int = 4,
                 max_num_seqs: int = 256, max_batched_tokens: int = 4096, prefix_cache: bool = True,
@@ -88,7 +100,8 @@ def tiny_engine(target: LlamaModel, draft: LlamaModel | None = None, method: str
         spec=SpecConfig(method=method, num_spec_tokens=k, adaptive=adaptive),
         cache=CacheConfig(block_size=block_size, num_kv_tokens=num_kv_tokens, prefix_cache=prefix_cache),
         scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_batched_tokens))
-    return LLMEngine(config, target, TinyTokenizer(target.cfg.vocab_size, eos), draft)
+    return LLMEngine(config, on_test_device(target), TinyTokenizer(target.cfg.vocab_size, eos),
+                     on_test_device(draft))
 
 
 def run_all(engine: LLMEngine, prompts: list[list[int]], params, spec=None, check=True) -> list:

@@ -18,6 +18,7 @@ DTYPES = ("bfloat16", "float32")
 # verispec.model.quant.WEIGHT_FORMATS (repeated here: config must not import torch)
 WEIGHT_FORMATS = ("auto", "dense", "int8", "int4", "int4a8")
 KERNELS = ("auto", "on", "off")
+DEVICES = ("cpu", "cuda")
 # Where the sampling defaults of a request (server) or a generate call (LLM) that sets none
 # come from: the model's generation_config.json ("auto", vLLM's default) or neutral values.
 GENERATION_CONFIGS = ("auto", "vllm")
@@ -90,6 +91,8 @@ class EngineConfig:
     kernels: str = "auto"            # fused C++ CPU kernels (model/kernels.py): "auto" (if they build) | "on" | "off"
     huge_pages: bool = True          # CPU weights in huge pages where the OS offers them (model/memory.py)
     seed: int = 0
+    device: str = "auto"             # "auto" (cuda when available, else cpu) | "cpu" | "cuda" | "cuda:N"
+    tensor_parallel_size: int = 1    # ranks that shard the target (verispec.distributed); 1 = one process
     chat_template: str | None = None  # Jinja text that replaces the model's chat template (a path is read)
     spec: SpecConfig = field(default_factory=SpecConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
@@ -102,6 +105,11 @@ class EngineConfig:
             raise ValueError(f"threads must be >= 1, got {self.threads}")
         if self.kernels not in KERNELS:
             raise ValueError(f"kernels must be one of {KERNELS}, got {self.kernels!r}")
+        if self.device != "auto" and self.device.split(":")[0] not in DEVICES:
+            raise ValueError(f"device must be one of {('auto',) + DEVICES} (cuda may name an index, "
+                             f"cuda:1), got {self.device!r}")
+        if not isinstance(self.tensor_parallel_size, int) or self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be an integer >= 1, got {self.tensor_parallel_size!r}")
         if not isinstance(self.huge_pages, bool):
             raise ValueError(f"huge_pages must be true or false, got {self.huge_pages!r}")
         for name in ("weight_format", "draft_weight_format"):
@@ -314,6 +322,10 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--chat-template", metavar="PATH_OR_TEMPLATE",
                    help="Jinja chat template (a file, or the template text) replacing the model's")
     g.add_argument("--seed", type=int)
+    g.add_argument("--device", help="where the engine runs: auto (default: cuda when available, "
+                   "else cpu), cpu, cuda or cuda:N")
+    g.add_argument("--tensor-parallel-size", "-tp", type=int,
+                   help="shard the target model across this many ranks (default 1)")
     g.add_argument("--threads", type=int, help="torch intra-op threads (default: one per physical "
                    "core; serve leaves one to its HTTP front end above 8 cores); on a machine shared "
                    "with other busy processes, fewer threads avoid stalls")
@@ -330,6 +342,8 @@ def config_from_args(args: argparse.Namespace) -> EngineConfig:
     _set(top, "weight_format", getattr(args, "weight_format", None))
     _set(top, "draft_weight_format", getattr(args, "draft_weight_format", None))
     _set(top, "seed", args.seed)
+    _set(top, "device", getattr(args, "device", None))
+    _set(top, "tensor_parallel_size", getattr(args, "tensor_parallel_size", None))
     _set(top, "threads", getattr(args, "threads", None))
     _set(top, "kernels", getattr(args, "kernels", None))
     _set(top, "huge_pages", getattr(args, "huge_pages", None))

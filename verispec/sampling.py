@@ -183,6 +183,14 @@ def _check(ok: bool, message: str) -> None:
         raise ValueError(message)
 
 
+def _device_tensor(values, dtype, device):
+    """`values` as a tensor on `device`; the copy from the host does not wait for the
+    device (a GPU stream orders it before the kernels that read it: no sync)."""
+    import torch
+
+    return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
+
+
 def _is_int(v) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
@@ -247,7 +255,7 @@ class SamplingTensors:
         import torch
 
         def tensor(values, dtype):
-            return torch.tensor(values, dtype=dtype, device=device)
+            return _device_tensor(values, dtype, device)
 
         history = None
         if any(p.has_processors for p in params_list):
@@ -294,7 +302,7 @@ class SamplingTensors:
             host = counts.tolist() if isinstance(counts, torch.Tensor) else list(counts)
             if len(host) != self.num_rows or any(c < 0 for c in host):
                 raise ValueError(f"counts must be {self.num_rows} integers >= 0, got {host}")
-            repeats = torch.tensor(host, dtype=torch.int64, device=self.temperature.device)
+            repeats = _device_tensor(host, torch.int64, self.temperature.device)
             total = sum(host)
 
         def rep(t: torch.Tensor) -> torch.Tensor:
@@ -311,7 +319,7 @@ class SamplingTensors:
         """The rows `index`, in that order (host list: no sync)."""
         import torch
 
-        idx = torch.tensor(list(index), dtype=torch.int64, device=self.temperature.device)
+        idx = _device_tensor(list(index), torch.int64, self.temperature.device)
         history = None if self.history is None else tuple(self.history[i] for i in index)
         if history is not None and all(h is None for h in history):
             history = None
@@ -392,9 +400,9 @@ def _apply_grammars(raw: torch.Tensor, processed: torch.Tensor, history: Sequenc
     from verispec.structured.grammar import allowed_tokens
 
     refused = ~allowed_tokens([(h.grammar, list(h.output[h.grammar.committed:]) + list(h.drafted))
-                               for h in (history[i] for i in rows)], raw.shape[-1]).to(raw.device)
+                               for h in (history[i] for i in rows)], raw.shape[-1]).to(raw.device, non_blocking=True)
     whole = len(rows) == raw.shape[0]  # every row constrained (batch 1): no gather/scatter
-    rows_t = None if whole else torch.tensor(rows, dtype=torch.int64, device=raw.device)
+    rows_t = None if whole else _device_tensor(rows, torch.int64, raw.device)
     masked = (processed if whole else processed.index_select(0, rows_t)).masked_fill(refused, float("-inf"))
     if any(history[i].params.min_tokens for i in rows):
         empty = torch.isneginf(masked).all(dim=-1, keepdim=True)                  # (R, 1)
@@ -413,16 +421,16 @@ def _apply_sparse(logits: torch.Tensor, history: Sequence[_History | None], rows
     def pad(values, fill):
         return values + [values[0] if values else fill] * (width - len(values))
     dev = logits.device
-    idx = torch.tensor([pad(e[0], 0) for e in entries], dtype=torch.int64, device=dev)      # (R, U)
-    count = torch.tensor([pad(e[1], 0.0) for e in entries], dtype=torch.float32, device=dev)
-    seen = torch.tensor([pad(e[2], False) for e in entries], dtype=torch.bool, device=dev)
-    bias = torch.tensor([pad(e[3], 0.0) for e in entries], dtype=torch.float32, device=dev)
-    banned = torch.tensor([pad(e[4], False) for e in entries], dtype=torch.bool, device=dev)
+    idx = _device_tensor([pad(e[0], 0) for e in entries], torch.int64, dev)      # (R, U)
+    count = _device_tensor([pad(e[1], 0.0) for e in entries], torch.float32, dev)
+    seen = _device_tensor([pad(e[2], False) for e in entries], torch.bool, dev)
+    bias = _device_tensor([pad(e[3], 0.0) for e in entries], torch.float32, dev)
+    banned = _device_tensor([pad(e[4], False) for e in entries], torch.bool, dev)
     params = [history[i].params for i in rows]
 
     def column(name):
-        return torch.tensor([float(getattr(p, name)) for p in params], device=dev)[:, None]   # (R, 1)
-    rows_t = torch.tensor(rows, dtype=torch.int64, device=dev)
+        return _device_tensor([float(getattr(p, name)) for p in params], torch.float32, dev)[:, None]  # (R, 1)
+    rows_t = _device_tensor(rows, torch.int64, dev)
     sub = logits.index_select(0, rows_t)                                                     # (R, V)
     vals = sub.gather(1, idx) + bias
     rep = column("repetition_penalty")
@@ -507,7 +515,7 @@ def token_logprobs(st: SamplingTensors, logits: torch.Tensor, tokens: Sequence[i
         keep = probs >= st.min_p.float()[:, None] * probs.amax(dim=-1, keepdim=True)
         scaled = scaled.masked_fill(~keep & ~greedy[:, None], float("-inf"))
     logp = scaled.log_softmax(dim=-1)                                         # (N, V)
-    index = torch.tensor(list(tokens), dtype=torch.int64, device=logp.device)
+    index = _device_tensor(list(tokens), torch.int64, logp.device)
     chosen = logp.gather(1, index[:, None]).squeeze(1).tolist()
     width = max(num_top, default=0)
     if width == 0:
@@ -576,7 +584,7 @@ def seeded_uniform(keys: Sequence[tuple[int, int]], width: int, device) -> torch
 
     generator = torch.Generator()
     rows = [torch.rand(width, generator=generator.manual_seed(noise_seed(s, j))) for s, j in keys]
-    return torch.stack(rows).to(device) if rows else torch.empty(0, width, device=device)
+    return torch.stack(rows).to(device, non_blocking=True) if rows else torch.empty(0, width, device=device)
 
 
 def draw_uniform(

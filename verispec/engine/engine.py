@@ -41,6 +41,7 @@ from verispec.engine.messages import EngineStats
 from verispec.engine.runner import ModelRunner, RowInput
 from verispec.engine.scheduler import ScheduledBatch, Scheduler
 from verispec.model import kernels, memory
+from verispec.model.device import resolve_device
 from verispec.model.llama import LlamaModel
 from verispec.model.tokenizer import IncrementalDetokenizer, Tokenizer
 from verispec.outputs import RequestOutput
@@ -104,12 +105,15 @@ class LLMEngine:
     """Synchronous engine; drive it from one thread (the server wraps it in AsyncEngine)."""
 
     def __init__(self, config: EngineConfig, target: LlamaModel, tokenizer: Tokenizer,
-                 draft: LlamaModel | None = None, vocab_limit: int | None = None):
+                 draft: LlamaModel | None = None, vocab_limit: int | None = None, tensor_parallel=None):
+        """`tensor_parallel`: verispec.distributed.runner.start's result, whose model is
+        `target` (rank 0's slices); its runner then feeds the other ranks every forward."""
         ops = None
-        if config.kernels != "off" and target.embed_tokens.weight.device.type == "cpu":
+        on_cpu = target.embed_tokens.weight.device.type == "cpu"
+        if config.kernels != "off" and on_cpu:
             ops = kernels.load(required=config.kernels == "on")
         huge_pages = False
-        if config.huge_pages and memory.huge_pages_available():
+        if config.huge_pages and on_cpu and memory.huge_pages_available():
             for model in (target, draft):
                 if model is not None:  # before the kernels: the decoder stack is built from these
                     huge_pages = memory.move_to_huge_pages(model) > 0 or huge_pages
@@ -123,7 +127,7 @@ class LLMEngine:
         # The config as run: "auto" weight formats and kernels replaced by what resolved.
         self.config = config = replace(
             config, weight_format=target.weight_format, kernels="on" if ops is not None else "off",
-            huge_pages=huge_pages,
+            huge_pages=huge_pages, device=str(target.embed_tokens.weight.device),
             draft_weight_format=draft.weight_format if draft is not None else config.draft_weight_format)
         self.tokenizer = tokenizer
         self.model_name = config.model
@@ -134,8 +138,10 @@ class LLMEngine:
         cache = config.cache
         self.kv = KVCacheManager(cache.num_blocks, cache.block_size, prefix_cache=cache.prefix_cache)
         num_slots = cache.num_blocks * cache.block_size
-        self.target = ModelRunner(target, num_slots, cache.block_size, vocab_limit)
-        self._shared_generator = torch.Generator().manual_seed(config.seed)
+        self.target = ModelRunner(target, num_slots, cache.block_size, vocab_limit) if tensor_parallel is None \
+            else tensor_parallel.runner(num_slots, cache.block_size, vocab_limit)
+        self.device = self.target.device
+        self._shared_generator = torch.Generator(self.device).manual_seed(config.seed)
         self.draft_runner = ModelRunner(draft, num_slots, cache.block_size, vocab_limit) if draft else None
         self.proposers, self._unavailable = build_proposers(ProposerContext(
             config, self.draft_runner, self.kv.block_table, self._shared_generator))
@@ -163,7 +169,23 @@ class LLMEngine:
             # to make it. The engine's config names the directory it resolved to.
             from verispec.train.registry import registered_draft
             config = replace(config, draft_model=registered_draft(config.model))
-        target, tcfg, tokenizer = load_model(config.model, config)
+        tensor_parallel = None
+        if config.tensor_parallel_size > 1:  # rank 0 here, the others in processes of their own
+            from verispec.distributed.runner import start
+            tensor_parallel = start(config)
+            target, tcfg, tokenizer = tensor_parallel.model, tensor_parallel.config, tensor_parallel.tokenizer
+        else:
+            target, tcfg, tokenizer = load_model(config.model, config)
+        try:
+            return cls._with_target(config, target, tcfg, tokenizer, tensor_parallel)
+        except BaseException:
+            if tensor_parallel is not None:
+                tensor_parallel.group.close()
+            raise
+
+    @classmethod
+    def _with_target(cls, config: EngineConfig, target, tcfg, tokenizer, tensor_parallel) -> "LLMEngine":
+        """The rest of `from_config`: chat template, draft model, the engine around `target`."""
         if config.chat_template is not None:  # --chat-template / LLM(chat_template=...)
             tokenizer = Tokenizer(tokenizer.backend, replace(tokenizer.meta, chat_template=config.chat_template))
         draft, vocab_limit = None, None
@@ -175,7 +197,13 @@ class LLMEngine:
                 raise ValueError(f"draft model {config.draft_model!r} cannot draft for "
                                  f"{config.model!r}: {verdict.reason}")
             vocab_limit = verdict.shared_vocab_size
-        return cls(config, target, tokenizer, draft, vocab_limit)
+        return cls(config, target, tokenizer, draft, vocab_limit, tensor_parallel)
+
+    def shutdown(self) -> None:
+        """Stop what the engine started beside its own process (tensor-parallel worker ranks)."""
+        close = getattr(self.target, "close", None)
+        if close is not None:
+            close()
 
     # ------------------------------------------------------------------ requests
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
@@ -402,8 +430,11 @@ class LLMEngine:
         drafts, passes, caught_up = self._draft(rows, ks, timer)
         logits = self.target.forward(self._inputs(batch, drafts))
         n = len(batch.prefill)
-        first = self._after_prefill(batch.prefill, logits[:n])
-        counts, accepted, emitted = self._accept(rows, logits[n:], drafts)
+        readback = Readback()
+        first = self._sample_first(batch.prefill, logits[:n], readback)
+        verdicts = self._verify(rows, logits[n:], drafts, readback)
+        readback.fetch()  # the step's one device-to-host copy (a sync on a GPU)
+        first, (counts, accepted, emitted) = first(), verdicts()
         logprobs = {}
         if any(r.params.logprobs is not None for r in rows) or any(
                 c.request.params.logprobs is not None for c in batch.prefill):  # else: nothing
@@ -484,27 +515,31 @@ class LLMEngine:
             inputs.append(RowInput([req.all_ids[-1]] + d_tokens, base, self.kv.block_table(req.request_id), 0))
         return inputs
 
-    def _after_prefill(self, chunks, logits: list[torch.Tensor]) -> list[int | None]:
-        """Per chunk, the first token of the prompt it completes (None: it completes none).
-        Samples only; the chunks are committed by `_commit_prefill`."""
-        first: list[int | None] = [None] * len(chunks)
+    def _sample_first(self, chunks, logits: list[torch.Tensor], readback: "Readback"):
+        """Per chunk, the first token of the prompt it completes (None: it completes none),
+        as a function to call after `readback.fetch()`. Samples only; the chunks are
+        committed by `_commit_prefill`."""
         done = [i for i, lg in enumerate(logits) if lg.shape[0]]  # only completing chunks have logits
-        if not done:
-            return first
-        reqs = [chunks[i].request for i in done]
-        last = torch.cat([logits[i][-1:] for i in done])
-        probs = self._tensors(reqs, last.device).to_probs(last)
-        keys = [noise_key(r.params, output_position(r)) for r in reqs]
-        tokens = sample(probs, keys, shared_generator=self._shared_generator).tolist()
-        for i, t in zip(done, tokens):
-            first[i] = t
+        handle = None
+        if done:
+            reqs = [chunks[i].request for i in done]
+            last = torch.cat([logits[i][-1:] for i in done])
+            probs = self._tensors(reqs, last.device).to_probs(last)
+            keys = [noise_key(r.params, output_position(r)) for r in reqs]
+            handle = readback.add(sample(probs, keys, shared_generator=self._shared_generator))
+
+        def first() -> list[int | None]:
+            tokens: list[int | None] = [None] * len(chunks)
+            for i, t in zip(done, readback[handle] if done else ()):
+                tokens[i] = t
+            return tokens
         return first
 
-    def _accept(self, rows: list[Request], logits: list[torch.Tensor], drafts):
-        """Verdicts on every row's drafts: (1 + drafts verified, drafts accepted, tokens to
-        append) per row. Commits nothing."""
+    def _verify(self, rows: list[Request], logits: list[torch.Tensor], drafts, readback: "Readback"):
+        """Verdicts on every row's drafts, as a function to call after `readback.fetch()`:
+        (1 + drafts verified, drafts accepted, tokens to append) per row. Commits nothing."""
         if not rows:
-            return [], [], []
+            return lambda: ([], [], [])
         counts = [lg.shape[0] for lg in logits]  # k_i + 1 per row
         proposed = [drafts.get(r.request_id, ([], None))[0] for r in rows]
         flat = logits[0] if len(logits) == 1 else torch.cat(logits)  # (sum(k_i + 1), V)
@@ -512,16 +547,35 @@ class LLMEngine:
         if all(r.params.greedy for r in rows):  # the same result from argmaxes, no V-wide work
             if any(r.params.has_processors for r in rows):  # the argmax of the processed logits
                 flat = self._tensors(rows, flat.device).expand(counts, proposed).process(flat)
-            argmax = kernels.greedy_tokens(flat, self.target.model.kernels)
-            starts = itertools.accumulate([0] + counts)
-            accepted, emitted = greedy_accept([argmax[s: s + c] for s, c in zip(starts, counts)], proposed)
+            handle = readback.add(kernels.greedy_argmax(flat, self.target.model.kernels))
+
+            def greedy():
+                argmax, starts = readback[handle], itertools.accumulate([0] + counts)
+                accepted, emitted = greedy_accept([argmax[s: s + c] for s, c in zip(starts, counts)], proposed)
+                return counts, accepted, emitted
+            return greedy
+        parts = [(index, [readback.add(t) for t in (result.output_tokens, result.accepted_len, result.num_output)],
+                  result.output_tokens.shape[1]) for index, result in self._rejection_parts(rows, counts, flat,
+                                                                                            proposed, drafts)]
+
+        def sampled():
+            accepted, emitted = [0] * len(rows), [[] for _ in rows]
+            for index, (tokens, lengths, num), width in parts:
+                tokens, lengths, num = readback[tokens], readback[lengths], readback[num]
+                for j, i in enumerate(index):
+                    accepted[i], emitted[i] = lengths[j], tokens[j * width: j * width + num[j]]
             return counts, accepted, emitted
+        return sampled
+
+    def _rejection_parts(self, rows, counts, flat, proposed, drafts) -> list[tuple[list[int], RejectionResult]]:
+        """(row indices, their RejectionResult) for the seeded rows (coupled verification)
+        and the others (rejection sampling); seeded and unseeded rows may share a batch."""
         st = self._tensors(rows, flat.device).expand(counts, proposed)
         target_probs = _pad_rows(st.to_probs(flat), counts)  # (B, K+1, V)
         keys = [noise_key(r.params, output_position(r)) for r in rows]
         seeded = [i for i, key in enumerate(keys) if key is not None]
         other = [i for i, key in enumerate(keys) if key is None]
-        parts = []  # (row indices, their verdicts); seeded and unseeded rows may share a batch
+        parts = []
 
         def probs_of(index):
             return target_probs if len(index) == len(rows) else target_probs[index]
@@ -531,13 +585,7 @@ class LLMEngine:
         if other:
             parts.append((other, self._rejection_sample([rows[i] for i in other], probs_of(other),
                                                         [proposed[i] for i in other], drafts)))
-        accepted, emitted = [0] * len(rows), [[] for _ in rows]
-        for index, result in parts:
-            tokens, lengths, num = (result.output_tokens.tolist(), result.accepted_len.tolist(),
-                                    result.num_output.tolist())
-            for i, t, a, n in zip(index, tokens, lengths, num):
-                accepted[i], emitted[i] = a, t[:n]
-        return counts, accepted, emitted
+        return parts
 
     def _tensors(self, rows: list[Request], device) -> SamplingTensors:
         """The rows' SamplingTensors at their next output position (histories: prompt and
@@ -551,17 +599,19 @@ class LLMEngine:
         """Unseeded sampled (and greedy) rows: exact rejection sampling against each row's q
         (one-hot at the draft for probability-free proposers)."""
         k_max, vocab = target_probs.shape[1] - 1, target_probs.shape[2]
+        device = target_probs.device
         draft_tokens = torch.tensor([t + [0] * (k_max - len(t)) for t in proposed],
-                                    dtype=torch.long).view(len(rows), k_max)  # (B, K)
+                                    dtype=torch.long).view(len(rows), k_max).to(device, non_blocking=True)  # (B, K)
         has_q = any(drafts.get(r.request_id, (None, None))[1] is not None for r in rows)
-        draft_probs = torch.zeros(len(rows), k_max, vocab) if has_q else None  # (B, K, V)
+        draft_probs = torch.zeros(len(rows), k_max, vocab, device=device) if has_q else None  # (B, K, V)
         if has_q:
             for i, r in enumerate(rows):
                 toks, q = drafts.get(r.request_id, ([], None))
                 if q is not None:
                     draft_probs[i, : len(toks)] = q
                 elif toks:  # mixed batch: one-hot q for probability-free rows
-                    draft_probs[i, torch.arange(len(toks)), torch.tensor(toks)] = 1.0
+                    draft_probs[i, torch.arange(len(toks), device=device),
+                                torch.tensor(toks).to(device, non_blocking=True)] = 1.0
         return rejection_sample(target_probs, draft_tokens, draft_probs, [len(t) for t in proposed],
                                 shared_generator=self._shared_generator)
 
@@ -720,7 +770,9 @@ def load_model(spec: str, config: EngineConfig, draft: bool = False):
     source = resolve_model(spec)
     gguf_path = source.path if source.kind == "gguf" else None
     runtime = None
-    if gguf_path is not None and config.dtype == "bfloat16" and not draft:  # drafts: no cache (ApproxHead)
+    device = resolve_device(config.device)
+    # Drafts have no cache (ApproxHead); other devices build their dense weights directly.
+    if gguf_path is not None and config.dtype == "bfloat16" and not draft and device.type == "cpu":
         # A subfolder: the loader reads every *.safetensors beside model.safetensors.
         runtime = cache_dir_for(gguf_path) / "runtime" / f"{config.dtype}-{config.weight_format}-{_RUNTIME_LAYOUT}.safetensors"
     if runtime is not None and runtime.exists():
@@ -729,7 +781,7 @@ def load_model(spec: str, config: EngineConfig, draft: bool = False):
             meta, state = f.metadata(), {k: f.get_tensor(k) for k in f.keys()}
         return LlamaModel.from_runtime_state(mcfg, state, meta), mcfg, tokenizer
     mcfg, state, tokenizer = load_model_files(source)
-    model = LlamaModel.from_state_dict(mcfg, state, dtype=getattr(torch, config.dtype),
+    model = LlamaModel.from_state_dict(mcfg, state, dtype=getattr(torch, config.dtype), device=device,
                                        weight_format=config.draft_weight_format if draft else config.weight_format,
                                        gguf_path=gguf_path, draft=draft)
     if runtime is not None:
@@ -766,8 +818,39 @@ def _pad_rows(flat: torch.Tensor, counts: list[int]) -> torch.Tensor:
     if all(c == width for c in counts):  # e.g. batch 1, or every row at the same k
         return flat.view(len(counts), width, *flat.shape[1:])
     out = flat.new_zeros(len(counts), width, *flat.shape[1:])
-    out[torch.arange(width)[None, :] < torch.tensor(counts)[:, None]] = flat
+    index = torch.tensor([i * width + j for i, c in enumerate(counts) for j in range(c)], dtype=torch.long)
+    out.view(len(counts) * width, *flat.shape[1:])[index.to(flat.device, non_blocking=True)] = flat
     return out
+
+
+class Readback:
+    """Integer tensors a step needs on the host (sampled tokens, verdicts), copied in one
+    transfer by `fetch`: on a GPU the step's one device-to-host sync; `readback[handle]`
+    is then the tensor `add` returned `handle` for, flattened to a list of ints."""
+
+    def __init__(self):
+        self._tensors: list[torch.Tensor] = []
+        self._host: list[list[int]] | None = None
+
+    def add(self, tensor: torch.Tensor) -> int:
+        if self._host is not None:
+            raise RuntimeError("Readback.add after fetch: the step's tensors are already on the host")
+        self._tensors.append(tensor)
+        return len(self._tensors) - 1
+
+    def fetch(self) -> None:
+        sizes = [t.numel() for t in self._tensors]
+        parts = [t.reshape(-1).long() for t in self._tensors]
+        flat = parts[0].tolist() if len(parts) == 1 else torch.cat(parts).tolist() if parts else []
+        self._host, start = [], 0
+        for n in sizes:
+            self._host.append(flat[start: start + n])
+            start += n
+
+    def __getitem__(self, handle: int) -> list[int]:
+        if self._host is None:
+            raise RuntimeError("Readback read before fetch")
+        return self._host[handle]
 
 
 def _find_stop(text: str, stops: tuple[str, ...], searched_upto: int) -> int | None:

@@ -62,8 +62,13 @@ class ModelRunner:
                                            [c[r.start:] for c, r in zip(ctx_slots, rows)], ctx_slots, self.device,
                                            limit)
         every = len(logits_index) == offset  # every position's logits (decoding): no gather
-        logits = self.model(torch.tensor(ids, device=self.device), meta, self.kv,
-                            None if every else torch.tensor(logits_index, dtype=torch.long, device=self.device))
+        logits = self.model(_on(self.device, ids), meta, self.kv, None if every else _on(self.device, logits_index))
         if self.vocab_limit is not None:
             logits = logits[:, : self.vocab_limit]
         return list(logits.split([len(r.token_ids) - r.logits_from for r in rows]))
+
+
+def _on(device: torch.device, values: list[int]) -> torch.Tensor:
+    """An int64 tensor of `values` on `device`; the host-to-device copy does not wait for
+    the device (no sync: the stream orders it before the forward that reads it)."""
+    return torch.tensor(values, dtype=torch.long).to(device, non_blocking=True)

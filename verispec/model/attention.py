@@ -247,11 +247,11 @@ class AttentionMetadata:
             everyone = len(short) == num_rows
             kernel = KernelQueries(
                 tokens=None if everyone else torch.tensor(
-                    [starts[b] + j for b in short for j in range(query_lens[b])], dtype=torch.long).to(device),
-                context_slots=table.to(device),
+                    [starts[b] + j for b in short for j in range(query_lens[b])], dtype=torch.long).to(device, **_ASYNC),
+                context_slots=table.to(device, **_ASYNC),
                 rows=torch.tensor([i for i, b in enumerate(short) for _ in range(query_lens[b])],
-                                  dtype=torch.long).to(device),
-                lens=torch.tensor([p + 1 for b in short for p in positions[b]], dtype=torch.long).to(device))
+                                  dtype=torch.long).to(device, **_ASYNC),
+                lens=torch.tensor([p + 1 for b in short for p in positions[b]], dtype=torch.long).to(device, **_ASYNC))
         in_kernel = set(short)
         long = [b for b in range(num_rows) if b not in in_kernel]
         partition = [[long[i] for i in rows] for rows in partition_rows(
@@ -275,7 +275,7 @@ class AttentionMetadata:
                 q_pos = pos_t[query_index]  # (Bg, Qg) padded queries repeat the row's last position
                 if one_group:
                     gather_index = torch.tensor([i * q_max + j for i, q in enumerate(q_lens)
-                                                 for j in range(q)], dtype=torch.long).to(device)  # (T,)
+                                                 for j in range(q)], dtype=torch.long).to(device, **_ASYNC)  # (T,)
                 else:
                     out = []
                     for b in rows:
@@ -283,16 +283,18 @@ class AttentionMetadata:
                         out += range(starts[b], starts[b] + q)
                         out += range(spare, spare + q_max - q)
                         spare += q_max - q
-                    out_index = torch.tensor(out, dtype=torch.long).to(device)  # (Bg*Qg,)
+                    out_index = torch.tensor(out, dtype=torch.long).to(device, **_ASYNC)  # (Bg*Qg,)
             mask = None
             if not (q_max == 1 and all(positions[b][0] == c_max - 1 and context_lens[b] == c_max
                                        for b in rows)):
                 key_pos = torch.arange(c_max)  # (Cg,)
                 ctx_len = torch.tensor(c_lens, dtype=torch.long)
                 mask = ((key_pos[None, None, :] <= q_pos[:, :, None]) &
-                        (key_pos[None, None, :] < ctx_len[:, None, None])).unsqueeze(1).to(device)  # (Bg, 1, Qg, Cg)
+                        (key_pos[None, None, :] < ctx_len[:, None, None])).unsqueeze(1)  # (Bg, 1, Qg, Cg)
+                mask = mask.to(device, **_ASYNC)
             groups.append(AttentionGroup(
-                context_slots=ctx.to(device), query_index=None if query_index is None else query_index.to(device),
+                context_slots=ctx.to(device, **_ASYNC),
+                query_index=None if query_index is None else query_index.to(device, **_ASYNC),
                 attn_mask=mask, out_index=out_index, num_rows=len(rows), query_len=q_max))
         context_start = None
         if num_rows == 1 and groups:  # `ctx`, `c_max`: the one row's, still on the host
@@ -300,7 +302,8 @@ class AttentionMetadata:
                     (c_max == 1 or bool((ctx[0, 1:] - ctx[0, :-1] == 1).all())):
                 context_start = int(ctx[0, 0])
         return cls(
-            positions=pos_t.to(device), slot_mapping=torch.tensor(flat_slots, dtype=torch.long).to(device),
+            positions=pos_t.to(device, **_ASYNC),
+            slot_mapping=torch.tensor(flat_slots, dtype=torch.long).to(device, **_ASYNC),
             groups=groups, gather_index=gather_index, num_rows=num_rows, out_rows=spare,
             max_position=max(flat_pos), context_start=context_start, kernel=kernel)
 
@@ -326,13 +329,18 @@ class AttentionMetadata:
         rows = [b for b, q in enumerate(query_lens) for _ in range(q)]
         tables = [x for bt, n in zip(block_tables, blocks) for x in bt[:n] + [0] * (width - n)]
         t = len(positions)
-        data = torch.tensor(positions + slots + rows + [p + 1 for p in positions] + tables, dtype=torch.long).to(device)
+        data = torch.tensor(positions + slots + rows + [p + 1 for p in positions] + tables, dtype=torch.long)
+        data = data.to(device, **_ASYNC)
         context = (data[4 * t:].view(num_rows, width, 1) * bs + _offsets(bs, data.device)).view(num_rows, width * bs)
         return cls(positions=data[:t], slot_mapping=data[t: 2 * t], groups=[], gather_index=None,
                    num_rows=num_rows, out_rows=t, max_position=max(positions), context_start=None,
                    kernel=KernelQueries(tokens=None, context_slots=context, rows=data[2 * t: 3 * t],
                                         lens=data[3 * t: 4 * t]))
 
+
+# Host-to-device copies of the step's metadata do not wait for the device (no sync on a
+# GPU: the stream runs them before the forward that reads them); a no-op on the CPU.
+_ASYNC = {"non_blocking": True}
 
 _OFFSETS: dict[tuple[int, str], torch.Tensor] = {}
 

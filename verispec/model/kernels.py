@@ -104,10 +104,15 @@ def load(required: bool = False):
 
 
 def greedy_tokens(logits, ops) -> list[int]:
-    """Each row's argmax (torch.argmax's answer) as host ints: through `ops.argmax_rows`
-    (one vector pass; torch's takes ~4x longer over a 49k vocabulary) when the kernels are
-    loaded (`ops`, else None) and the rows are contiguous float32."""
+    """Each row's argmax (torch.argmax's answer) as host ints (`greedy_argmax`, read back)."""
+    return greedy_argmax(logits, ops).tolist()
+
+
+def greedy_argmax(logits, ops):
+    """Each row's argmax (torch.argmax's answer), (N,) int64 on the logits' device: through
+    `ops.argmax_rows` (one vector pass; torch's takes ~4x longer over a 49k vocabulary)
+    when the kernels are loaded (`ops`, else None) and the rows are contiguous float32."""
     import torch
     if ops is not None and logits.dtype == torch.float32 and logits.dim() == 2 and logits.stride(-1) == 1:
-        return ops.argmax_rows(logits).tolist()
-    return logits.argmax(dim=-1).tolist()
+        return ops.argmax_rows(logits)
+    return logits.argmax(dim=-1)

@@ -237,11 +237,15 @@ class LlamaModel(nn.Module):
         head a `RefinedHead`; "auto" picks from `gguf_path`. The
         resolved format is `model.weight_format`. A `draft` model's quantized head is an
         `ApproxHead` (no float32 refinement), and its "auto" is int8 (int4 for a Q4 GGUF).
+        `shard` (a tensor-parallel rank's `verispec.distributed.sharding.RankShard`, with
+        `cfg` and `hf_state` already that rank's): slices what is read from `gguf_path` alike.
         """
         fmt = resolve_weight_format(weight_format, dtype, gguf_path, draft=draft)
         if weight_format == "auto" and fmt in INT4_FORMATS and any(
                 n % INT4_GROUP for n in (cfg.hidden_size, cfg.intermediate_size, cfg.num_heads * cfg.head_dim)):
             fmt = "dense"  # the int4 kernel needs in_features in whole groups of 32
+        if weight_format == "auto" and torch.device(device).type != "cpu":
+            fmt = "dense"  # the packed formats run on verispec's CPU kernels only
         if fmt != "dense" and torch.device(device).type != "cpu":
             raise ValueError(f"weight_format {fmt!r} uses PyTorch's CPU kernels; device must be cpu, got {device}")
         with torch.device("meta"), _skip_init():
