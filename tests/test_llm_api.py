@@ -127,7 +127,7 @@ def test_a_chat_template_is_stored_as_its_text(captured, tmp_path):
 
 
 @pytest.mark.parametrize("kwargs, words", [
-    ({"tensor_parallel_size": 2}, ["tensor_parallel_size=2", "not supported"]),
+    ({"pipeline_parallel_size": 2}, ["pipeline_parallel_size=2", "not supported", "tensor_parallel_size="]),
     ({"quantization": "awq"}, ["quantization", "weight_format"]),
     ({"dtype": "float16"}, ["float16", "bfloat16"]),
     ({"no_such_option": 1}, ["no_such_option", "weight_format"]),

@@ -142,8 +142,11 @@ class EngineConfig:
         return replace(self, **kw)
 
     def resolved_for(self, mode: str) -> "EngineConfig":
-        """This config with `threads` chosen for `mode` ("serve" or "generate") if unset."""
-        return self if self.threads is not None else replace(self, threads=auto_threads(mode))
+        """This config with `threads` chosen for `mode` ("serve" or "generate") if unset
+        (per rank under tensor parallelism: the cores shared among the ranks)."""
+        if self.threads is not None:
+            return self
+        return replace(self, threads=max(1, auto_threads(mode) // self.tensor_parallel_size))
 
 
 def load_chat_template(value: str) -> str:

@@ -38,13 +38,13 @@ LLM_NOOP_OPTIONS = ("gpu_memory_utilization", "swap_space", "enforce_eager", "tr
                     "disable_log_stats")
 # vLLM's options verispec cannot honour: accepted only at the value that asks for nothing.
 LLM_UNSUPPORTED_OPTIONS = {
-    "tensor_parallel_size": 1, "pipeline_parallel_size": 1, "data_parallel_size": 1,
+    "pipeline_parallel_size": 1, "data_parallel_size": 1,
     "quantization": None, "kv_cache_dtype": "auto", "enable_lora": False, "cpu_offload_gb": 0,
     "tokenizer_mode": "auto", "skip_tokenizer_init": False, "revision": None, "tokenizer_revision": None,
     "download_dir": None, "load_format": "auto",
 }
 _HINTS = {"quantization": " (verispec's weight_format= picks int8/int4 weights)",
-          "tensor_parallel_size": " (verispec runs one process per engine)"}
+          "pipeline_parallel_size": " (tensor_parallel_size= splits a model across ranks)"}
 # EngineConfig fields LLM(...) takes by name; the nested ones have vLLM's names below.
 _ENGINE_FIELDS = tuple(f.name for f in fields(EngineConfig) if f.name not in ("model", "spec", "cache", "scheduler"))
 _DTYPES = {"auto": None, "bfloat16": "bfloat16", "bf16": "bfloat16", "float32": "float32", "float": "float32"}

@@ -227,7 +227,7 @@ class LlamaModel(nn.Module):
     @classmethod
     def from_state_dict(cls, cfg: ModelConfig, hf_state: dict[str, torch.Tensor],
                         dtype: torch.dtype = torch.bfloat16, device="cpu", weight_format: str = "dense",
-                        gguf_path: Path | None = None, draft: bool = False) -> "LlamaModel":
+                        gguf_path: Path | None = None, draft: bool = False, shard=None) -> "LlamaModel":
         """Build on the meta device, then fill with fused weights (no double allocation).
 
         `weight_format` (see `verispec.model.quant`): "dense" keeps every weight in `dtype`
@@ -273,11 +273,13 @@ class LlamaModel(nn.Module):
             raise ValueError(f"weights do not match the {cfg.family} architecture: "
                              f"missing {sorted(missing)[:5]}, unexpected {sorted(unexpected)[:5]}")
         if fmt != "dense":
-            int4_groups = _gguf_int4_groups(cfg, gguf_path) if fmt in INT4_FORMATS and gguf_path else {}
+            int4_groups = _gguf_int4_groups(cfg, gguf_path, shard) if fmt in INT4_FORMATS and gguf_path else {}
             if draft:
                 head = ApproxHead.quantize(quantized["lm_head.weight"], fmt, dtype)
             else:
                 q8_0 = gguf_q8_0_head(gguf_path) if gguf_path else None
+                if q8_0 is not None and shard is not None:
+                    q8_0 = shard.q8_0_head(*q8_0)
                 head = RefinedHead.q8_0(*q8_0) if q8_0 is not None else None
             quantize_model(model, quantized, fmt, dtype, int4_groups, head)
         elif dtype == torch.bfloat16 and torch.device(device).type == "cpu":
@@ -320,8 +322,10 @@ def _pack_bf16_linears(model: LlamaModel) -> None:
             setattr(model.get_submodule(parent), attr, make_bf16_linear(module))
 
 
-def _gguf_int4_groups(cfg: ModelConfig, gguf_path: Path) -> dict:
+def _gguf_int4_groups(cfg: ModelConfig, gguf_path: Path, shard=None) -> dict:
     groups, others = gguf_int4_groups(gguf_path)
+    if shard is not None:
+        groups = shard.int4_groups(groups)
     if others:
         log.info("int4: %d linear weights of %s are not Q4_0/Q4_1; they are re-quantized "
                  "(round to nearest), e.g. %s", len(others), gguf_path.name, others[0])

@@ -1,0 +1,113 @@
+"""Rank 0's target runner: each forward's rows go to every worker, then the same forward
+runs here on rank 0's slices and returns the gathered (whole-vocabulary) logits.
+
+The engine drives it as it drives a `ModelRunner`; nothing else in the engine knows there
+are ranks. Everything the engine does to the target's KV happens inside forwards (the
+pool is written only at the slot mapping of a pass; rollback, prefix sharing and
+preemption are bookkeeping over block tables that rank 0 ships with every row), so one
+message per forward keeps every rank's KV store the same in structure.
+"""
+from __future__ import annotations
+
+import time
+import weakref
+from typing import NamedTuple
+
+import torch
+
+from verispec.config import EngineConfig, physical_cores
+from verispec.distributed.layers import Collectives
+from verispec.distributed.ranks import RankGroup, TensorParallelError, init_group, rank_devices
+from verispec.engine.runner import ModelRunner, RowInput
+from verispec.model.config import ModelConfig
+from verispec.model.llama import LlamaModel
+from verispec.model.tokenizer import Tokenizer
+
+
+class ForwardStats(NamedTuple):
+    """Rank 0's target forwards so far: how many, their seconds, and the part of those
+    seconds spent in collectives (waiting for the slowest rank included)."""
+
+    forwards: int
+    seconds: float
+    collective_seconds: float
+    collective_calls: int
+
+
+class TensorParallelRunner(ModelRunner):
+    """A `ModelRunner` over rank 0's slices that sends every forward's rows to the workers
+    first. Any exception inside a forward is fatal to the group (`TensorParallelError`):
+    the ranks' collectives can no longer be matched up."""
+
+    def __init__(self, model: LlamaModel, num_slots: int, block_size: int, vocab_limit: int | None,
+                 group: RankGroup, comm: Collectives):
+        super().__init__(model, num_slots, block_size, vocab_limit)
+        self.group, self.comm = group, comm
+        self.forwards, self.seconds = 0, 0.0
+        weakref.finalize(self, group.close)  # an engine dropped without shutdown() stops its ranks
+
+    def forward(self, rows: list[RowInput], **options):
+        """`ModelRunner.forward` on every rank. `options` (ModelRunner.forward's, e.g. the
+        hidden states) apply to rank 0 only: they change what it returns, not the collectives
+        (the workers' forwards stay plain)."""
+        start = time.perf_counter()
+        self.group.check()
+        self.group.broadcast(rows)
+        try:
+            out = super().forward(rows, **options)
+        except Exception as exc:  # the ranks' collectives are out of step: the group cannot go on
+            raise self.group.lost(f"during a forward ({type(exc).__name__}: {exc})") from exc
+        self.forwards += 1
+        self.seconds += time.perf_counter() - start
+        return out
+
+    def stats(self) -> ForwardStats:
+        return ForwardStats(self.forwards, self.seconds, self.comm.seconds, self.comm.calls)
+
+    def close(self) -> None:
+        self.group.close()
+
+
+class TensorParallelTarget(NamedTuple):
+    """What `start` returns: rank 0's model (whole-model config, tokenizer) and how to
+    make its runner."""
+
+    model: LlamaModel
+    config: ModelConfig     # the whole model's
+    tokenizer: Tokenizer
+    group: RankGroup
+    comm: Collectives
+
+    def runner(self, num_slots: int, block_size: int, vocab_limit: int | None) -> TensorParallelRunner:
+        return TensorParallelRunner(self.model, num_slots, block_size, vocab_limit, self.group, self.comm)
+
+
+def start(config: EngineConfig) -> TensorParallelTarget:
+    """Start `config.tensor_parallel_size` ranks of the target: the workers (processes) and
+    rank 0 here. Bad configurations (heads not divisible, too few devices) are a ValueError
+    before any process starts; a worker that fails to load stops every rank."""
+    from verispec.distributed.loading import load_rank_model
+    from verispec.distributed.sharding import check_divisible, check_int4_split
+    from verispec.model.loader import load_config_and_tokenizer, resolve_model
+    from verispec.model.quant import INT4_FORMATS
+
+    world = config.tensor_parallel_size
+    full, _ = load_config_and_tokenizer(resolve_model(config.model))
+    check_divisible(full, world)
+    if config.weight_format in INT4_FORMATS:
+        check_int4_split(full, world)
+    devices = rank_devices(config, world)
+    threads = config.threads or max(1, physical_cores() // world)
+    group = RankGroup(config, world, threads, devices)
+    try:
+        torch.set_num_threads(threads)
+        model, full, tokenizer, comm = load_rank_model(config, 0, world, devices[0])
+        group.wait_loaded()
+        init_group(0, world, group.store, devices[0])
+    except BaseException:
+        group.close()
+        raise
+    return TensorParallelTarget(model, full, tokenizer, group, comm)
+
+
+__all__ = ["TensorParallelError", "TensorParallelRunner", "TensorParallelTarget", "ForwardStats", "start"]

@@ -1,0 +1,95 @@
+"""A worker rank (r >= 1) of a tensor-parallel target: `python -m verispec.distributed.worker
+COMMANDS_FD REPLIES_FD`, started by rank 0 (ranks.RankGroup).
+
+It runs the target's forward only: for each message of rows, the same `ModelRunner.forward`
+as rank 0 on its own slices and KV store, whose collectives meet rank 0's. It samples
+nothing and keeps no request state. It exits on None (shutdown), at the end of its
+command pipe (rank 0 is gone), or after reporting a failure on its reply pipe.
+"""
+from __future__ import annotations
+
+import logging
+import pickle
+import sys
+import traceback
+from multiprocessing.connection import Connection
+
+log = logging.getLogger("verispec")
+
+
+def main(argv: list[str]) -> int:
+    commands = Connection(int(argv[1]), writable=False)
+    replies = Connection(int(argv[2]), readable=False)
+    start = commands.recv()
+    from verispec.distributed.ranks import pin_process
+    pin_process(start.cpus)  # before torch starts its OpenMP threads: they inherit it
+    try:
+        runner = _build(start)
+    except Exception:
+        replies.send(("failed", traceback.format_exc()))
+        return 1
+    replies.send(("loaded",))
+    from verispec.distributed.ranks import init_group
+    init_group(start.rank, start.world, _store(start), runner.device)
+    return _serve(commands, replies, runner)
+
+
+def _build(start):
+    """This rank's runner: its slices loaded and placed as `LLMEngine.__init__` places the
+    target (huge pages, then the kernels), with a KV store the size of rank 0's."""
+    import torch
+
+    from verispec.distributed.loading import load_rank_model
+    from verispec.engine.runner import ModelRunner
+    from verispec.model import kernels, memory
+
+    torch.set_num_threads(start.threads)
+    config = start.config
+    model, _, _, _ = load_rank_model(config, start.rank, start.world, torch.device(start.device))
+    on_cpu = model.embed_tokens.weight.device.type == "cpu"
+    if config.huge_pages and on_cpu and memory.huge_pages_available():
+        memory.move_to_huge_pages(model)
+    ops = kernels.load(required=config.kernels == "on") if config.kernels != "off" and on_cpu else None
+    if ops is None and model.weight_format == "int4a8":
+        raise ValueError("weight format 'int4a8' runs on verispec's kernels only; they are off or could not be built")
+    model.kernels = ops
+    cache = config.cache
+    return ModelRunner(model, cache.num_blocks * cache.block_size, cache.block_size)
+
+
+def _store(start):
+    import datetime
+
+    import torch.distributed as dist
+
+    from verispec.distributed.ranks import START_TIMEOUT_S
+    return dist.TCPStore("127.0.0.1", start.store_port, start.world, False,
+                         timeout=datetime.timedelta(seconds=START_TIMEOUT_S))
+
+
+def _serve(commands: Connection, replies: Connection, runner) -> int:
+    import torch.distributed as dist
+
+    while True:
+        try:
+            payload = commands.recv_bytes()
+        except (EOFError, OSError):
+            log.error("tensor-parallel worker: rank 0 is gone; exiting")
+            return 1
+        rows = pickle.loads(payload)
+        if rows is None:
+            dist.destroy_process_group()
+            return 0
+        try:
+            runner.forward(rows)
+        except Exception:
+            try:
+                replies.send(("failed", traceback.format_exc()))
+            except OSError:  # rank 0 is gone too
+                pass
+            return 1
+
+
+if __name__ == "__main__":
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    sys.exit(main(sys.argv))
