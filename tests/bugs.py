@@ -6,6 +6,7 @@ import torch
 import verispec.engine.engine as engine_mod
 import verispec.spec.draft_model as draft_model_mod
 from verispec.spec.draft_model import DraftModelProposer
+from verispec.spec.eagle import EagleProposer
 from verispec.spec.rejection import RejectionResult
 
 _real_rejection_sample = engine_mod.rejection_sample
@@ -88,6 +89,31 @@ def keep_stale_draft_kv(self, req, base: int, accepted: int, k: int) -> None:
         proposer.rollback(req)
 
 
+def eagle_full_vocab_q(monkeypatch) -> None:
+    """The head drafts from its distribution over its vocabulary subset, but hands the
+    verifier q renormalised over the full vocabulary (logit 0 for every token outside the
+    subset instead of -inf): q is then not the distribution the drafts were drawn from."""
+    import verispec.spec.eagle as eagle_mod
+    real_to_probs, real_sample, drawn_from = EagleProposer.to_probs, eagle_mod.sample, []
+
+    def to_probs(self, st, logits):
+        drawn_from[:] = [real_to_probs(self, st, logits)]
+        return real_to_probs(self, st, logits.masked_fill(torch.isinf(logits), 0.0))
+
+    monkeypatch.setattr(EagleProposer, "to_probs", to_probs)
+    monkeypatch.setattr(eagle_mod, "sample", lambda probs, keys, **kw: real_sample(drawn_from[0], keys, **kw))
+
+
+def eagle_stale_head_kv(monkeypatch) -> None:
+    """After verification the head keeps its provisional entries (drafted positions, read
+    from its own features and the drafted tokens) as if they were exact."""
+    def rollback(self, req):
+        row = self.rows.get(req.request_id)
+        if row is not None:
+            row.computed = req.num_computed
+    monkeypatch.setattr(EagleProposer, "rollback", rollback)
+
+
 SAMPLER_BUGS = {
     "skip_acceptance_test": skip_acceptance_test,
     "resample_from_p": resample_from_p,
@@ -119,5 +145,9 @@ def inject(monkeypatch, bug: str, top_p: float = 1.0) -> None:
         top_p_on_target_only(monkeypatch, top_p)
     elif bug == "stale_draft_kv":
         monkeypatch.setattr(engine_mod.LLMEngine, "_rollback", keep_stale_draft_kv)
+    elif bug == "eagle_full_vocab_q":
+        eagle_full_vocab_q(monkeypatch)
+    elif bug == "eagle_stale_head_kv":
+        eagle_stale_head_kv(monkeypatch)
     else:
         raise KeyError(bug)

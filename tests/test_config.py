@@ -37,7 +37,7 @@ def test_config_is_frozen():
     ("dtipe: float32\n", "unknown config option"),
     ("spec:\n  methd: ngram\n", "unknown spec option"),
     ("dtype: float16\n", "dtype must be one of"),
-    ("spec:\n  method: eagle\n", "spec method must be one of"),
+    ("spec:\n  method: medusa\n", "spec method must be one of"),
     ("spec:\n  num_spec_tokens: 0\n", "num_spec_tokens must be in [1, 16]"),
     ("scheduler:\n  max_model_len: 0\n", "max_model_len must be >= 2"),
     ("threads: 0\n", "threads must be >= 1"),

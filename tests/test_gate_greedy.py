@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from bugs import inject
+from eagle_heads import trained_head_dir
 from tiny import run_all, tiny_engine, tiny_pair
 from verispec.sampling import SamplingParams
 
@@ -40,13 +41,15 @@ def plain_outputs(pair):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("method", ["ngram", "draft", "suffix"])
+@pytest.mark.parametrize("method", ["ngram", "draft", "suffix", "eagle"])
 def test_greedy_speculative_output_equals_plain_for_every_k(pair, plain_outputs, method):
     target, draft = pair
+    # the EAGLE-style head: distilled for a few seconds on 32 of the 48 tokens
+    head = trained_head_dir(target, 32) if method == "eagle" else None
     drafted = accepted = 0
     for k in range(1, 9):
         for batch_size in (1, 3, 8):
-            engine = tiny_engine(target, draft if method == "draft" else None, method=method, k=k)
+            engine = tiny_engine(target, draft if method == "draft" else None, method=method, k=k, draft_head=head)
             outs = run_all(engine, prompts_for(batch_size, batch_size), GREEDY)
             for i, (out, want) in enumerate(zip(outs, plain_outputs[batch_size])):
                 assert out.token_ids == want, f"{method} k={k} batch={batch_size} row {i} diverged"

@@ -32,6 +32,7 @@ import torch
 from scipy.stats import chisquare
 
 from bugs import inject
+from eagle_heads import random_head_dir
 from tiny import run_all, tiny_engine, tiny_pair
 from verispec.model.attention import AttentionMetadata
 from verispec.sampling import SamplingParams, SamplingTensors
@@ -44,6 +45,9 @@ CHECKED = (1, 2, 3)                # generated positions whose distribution is c
 
 
 PAIR = tiny_pair(vocab=VOCAB, noise=0.08, seed=1, logit_scale=1.0)
+# The EAGLE-style head's vocabulary: 10 of the 16 tokens, so q is 0 on the other 6 and the
+# residual max(0, p - q) must produce them (random weights: acceptance by chance).
+HEAD_VOCAB = [0, 1, 3, 4, 6, 7, 9, 10, 12, 15]
 
 
 def _greedy_continuation(model, prompt: list[int], n: int) -> list[int]:
@@ -105,7 +109,8 @@ def sample_engine(pair, method: str, k: int, params: SamplingParams, max_tokens:
     target, draft = pair
     engine = tiny_engine(target, draft if method == "draft" else None, method=method, k=k,
                          max_num_seqs=2048, max_batched_tokens=32768,
-                         num_kv_tokens=(len(PROMPT) + 16) * 2048 * 2, block_size=4, seed=seed, eos=eos)
+                         num_kv_tokens=(len(PROMPT) + 16) * 2048 * 2, block_size=4, seed=seed, eos=eos,
+                         draft_head=random_head_dir(target, HEAD_VOCAB) if method == "eagle" else None)
     sp = replace(params, max_tokens=max_tokens, ignore_eos=True)
     # One request first puts the prompt's KV in the prefix cache; every sample then
     # shares it (and the gate covers prefix-cache reuse too).
@@ -197,6 +202,9 @@ SETTINGS = [  # (method, k, temperature, top_k, top_p)
     # suffix decoding: the 20,000 requests share one prompt, so most drafts come from the
     # global trie of earlier requests' outputs
     ("suffix", 3, 0.9, 5, 0.9),
+    # the EAGLE-style head over a vocabulary subset (HEAD_VOCAB); at T = 1 without filters
+    # in test_eagle.py (its bug run)
+    ("eagle", 3, 0.8, 4, 0.9),
 ]
 
 

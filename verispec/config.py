@@ -84,6 +84,7 @@ class SchedulerConfig:
 class EngineConfig:
     model: str = "smollm2-135m-instruct"
     draft_model: str | None = None   # None with spec method "draft": the model's registered draft
+    draft_head: str | None = None    # EAGLE-style head folder (spec method "eagle"); None: the model's registered head
     dtype: str = "bfloat16"
     weight_format: str = "auto"      # "auto" (int4 for a Q4 GGUF, else dense) | "dense" | "int8" | "int4" | "int4a8"
     draft_weight_format: str = "auto"  # the draft model's; "auto" = int4 for a Q4 GGUF, else int8 (bf16)
@@ -291,6 +292,8 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--model", help="registry name, .gguf file or Hugging Face directory "
                                    "(default smollm2-135m-instruct)")
     g.add_argument("--draft-model", help="draft model for --spec draft")
+    g.add_argument("--draft-head", metavar="DIR", help="EAGLE-style draft head for --spec eagle "
+                   "(default: the one registered for the model; `verispec train-draft eagle` trains one)")
     g.add_argument("--dtype", choices=DTYPES)
     g.add_argument("--weight-format", choices=WEIGHT_FORMATS,
                    help="linear-layer weights: auto (default: int4 for a Q4_0/Q4_1 GGUF in bfloat16, "
@@ -341,6 +344,7 @@ def config_from_args(args: argparse.Namespace) -> EngineConfig:
     top = {k: v for k, v in asdict(base).items() if k not in ("spec", "cache", "scheduler")}
     _set(top, "model", args.model)
     _set(top, "draft_model", args.draft_model)
+    _set(top, "draft_head", getattr(args, "draft_head", None))
     _set(top, "dtype", args.dtype)
     _set(top, "weight_format", getattr(args, "weight_format", None))
     _set(top, "draft_weight_format", getattr(args, "draft_weight_format", None))

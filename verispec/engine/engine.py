@@ -144,7 +144,7 @@ class LLMEngine:
         self._shared_generator = torch.Generator(self.device).manual_seed(config.seed)
         self.draft_runner = ModelRunner(draft, num_slots, cache.block_size, vocab_limit) if draft else None
         self.proposers, self._unavailable = build_proposers(ProposerContext(
-            config, self.draft_runner, self.kv.block_table, self._shared_generator))
+            config, self.draft_runner, self.kv.block_table, self._shared_generator, self.target))
         self.scheduler = Scheduler(config.scheduler, self.kv, self.max_model_len, OutOfBlocks)
         self.policy = SpeculationPolicy(MAX_SPEC_TOKENS)
         self.step_errors = 0  # requests failed alone by an exception in the engine
@@ -428,7 +428,7 @@ class LLMEngine:
         """
         rows = batch.decode
         drafts, passes, caught_up = self._draft(rows, ks, timer)
-        logits = self.target.forward(self._inputs(batch, drafts))
+        logits = self._target_forward(batch, self._inputs(batch, drafts))
         n = len(batch.prefill)
         readback = Readback()
         first = self._sample_first(batch.prefill, logits[:n], readback)
@@ -442,6 +442,21 @@ class LLMEngine:
                                       [lg[-1:] for lg in logits[:n]] + logits[n:],
                                       [[t] if t is not None else [] for t in first] + emitted)
         return _Verdicts(first, counts, accepted, emitted, drafts, passes, caught_up, logprobs)
+
+    def _target_forward(self, batch: ScheduledBatch, inputs: list[RowInput]) -> list[torch.Tensor]:
+        """The target's pass (per-row logits); proposers that read its hidden states
+        (`wants_hidden`) are handed their rows' (`observe`), and only then are they computed."""
+        reqs = [c.request for c in batch.prefill] + batch.decode  # the order of `inputs`
+        watching = {name: [i for i, r in enumerate(reqs) if r.spec_method == name]
+                    for name, p in self.proposers.items() if getattr(p, "wants_hidden", False)}
+        watching = {name: rows for name, rows in watching.items() if rows}
+        if not watching:
+            return self.target.forward(inputs)
+        logits, hidden = self.target.forward(inputs, hidden=True)
+        for name, rows in watching.items():
+            self.proposers[name].observe([reqs[i] for i in rows], [inputs[i].start for i in rows],
+                                         [hidden[i] for i in rows])
+        return logits
 
     def _logprobs(self, reqs: list[Request], logits: list[torch.Tensor], tokens: list[list[int]]) -> dict:
         """Request id -> (logprob, top alternatives) of each of tokens[i], for the rows that

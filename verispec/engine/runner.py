@@ -42,8 +42,10 @@ class ModelRunner:
         bs = self.block_size
         return [block_table[p // bs] * bs + p % bs for p in range(start, end)]
 
-    def forward(self, rows: list[RowInput]) -> list[torch.Tensor]:
-        """Run all rows in one pass; returns per-row logits (n_i, V) float32."""
+    def forward(self, rows: list[RowInput], hidden: bool = False):
+        """Run all rows in one pass; returns per-row logits (n_i, V) float32. `hidden`:
+        (per-row logits, per-row final-normed hidden states (len(token_ids), hidden)
+        float32 of every position of the row, logits_from or not)."""
         ids, q_lens, logits_index, offset = [], [], [], 0
         for r in rows:
             n = len(r.token_ids)
@@ -62,10 +64,14 @@ class ModelRunner:
                                            [c[r.start:] for c, r in zip(ctx_slots, rows)], ctx_slots, self.device,
                                            limit)
         every = len(logits_index) == offset  # every position's logits (decoding): no gather
-        logits = self.model(_on(self.device, ids), meta, self.kv, None if every else _on(self.device, logits_index))
+        # return_hidden only when asked: a model stand-in without the option still runs plain passes
+        out = self.model(_on(self.device, ids), meta, self.kv, None if every else _on(self.device, logits_index),
+                         **({"return_hidden": True} if hidden else {}))
+        logits, states = out if hidden else (out, None)
         if self.vocab_limit is not None:
             logits = logits[:, : self.vocab_limit]
-        return list(logits.split([len(r.token_ids) - r.logits_from for r in rows]))
+        per_row = list(logits.split([len(r.token_ids) - r.logits_from for r in rows]))
+        return (per_row, list(states.split(q_lens))) if hidden else per_row
 
 
 def _on(device: torch.device, values: list[int]) -> torch.Tensor:

@@ -26,16 +26,18 @@ if TYPE_CHECKING:
 
 
 def forward(model: LlamaModel, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttentionMetadata,
-            kv: KVStore, logits_index: torch.Tensor | None) -> torch.Tensor:
+            kv: KVStore, logits_index: torch.Tensor | None, return_hidden: bool = False):
     """The layers, final norm and head on `model.kernels`: x (T, hidden) the embeddings,
-    cos, sin (T, 1, D) -> logits (N, V) float32, as `LlamaModel.forward`."""
+    cos, sin (T, 1, D) -> logits (N, V) float32, or (logits, h (T, hidden) float32) with
+    `return_hidden`, as `LlamaModel.forward`."""
     stack = _stack_for(model, meta)
     if stack is None:
-        return _per_layer_forward(model, x, cos, sin, meta, kv, logits_index)
+        return _per_layer_forward(model, x, cos, sin, meta, kv, logits_index, return_hidden)
     kq = meta.kernel
     h = stack.forward(x, cos, sin, kv.k_layers, kv.v_layers, meta.slot_mapping, kq.context_slots, kq.rows,
                       kq.lens, model.cfg.head_dim ** -0.5, final_norm=model.norm.weight.float())
-    return model.lm_head(h if logits_index is None else h[logits_index])  # (N, V) float32
+    logits = model.lm_head(h if logits_index is None else h[logits_index])  # (N, V) float32
+    return (logits, h) if return_hidden else logits
 
 
 def _stack_for(model: LlamaModel, meta: AttentionMetadata):
@@ -48,18 +50,20 @@ def _stack_for(model: LlamaModel, meta: AttentionMetadata):
     return decoder_stack(model) or None
 
 
-def _per_layer_forward(model: LlamaModel, x, cos, sin, meta, kv, logits_index) -> torch.Tensor:
+def _per_layer_forward(model: LlamaModel, x, cos, sin, meta, kv, logits_index, return_hidden=False):
     """`forward` one layer at a time from Python: every pass the stack does not take."""
     ops = model.kernels
     context = kv.context_views(meta)  # every layer's K/V context as views, or None (gather)
     delta = None
     for block in model.layers:
         x, delta = _block(block, x, delta, cos, sin, meta, kv, context, ops)
-    if logits_index is not None:  # only the positions we sample from
+    if logits_index is not None and not return_hidden:  # only the positions we sample from
         x, delta = x[logits_index], delta[logits_index]
     # the last residual add and the final norm in one kernel (float32 out: the head's input)
     h = ops.rms_norm(x, model.norm.weight.float(), model.norm.eps, delta)
-    return model.lm_head(h)  # (N, V) float32
+    if not return_hidden:
+        return model.lm_head(h)  # (N, V) float32
+    return model.lm_head(h if logits_index is None else h[logits_index]), h
 
 
 def _block(block: Block, x, delta, cos, sin, meta, kv, context, ops):

@@ -208,14 +208,20 @@ class LlamaModel(nn.Module):
 
     @torch.inference_mode()
     def forward(self, token_ids: torch.Tensor, meta: AttentionMetadata, kv: KVStore,
-                logits_index: torch.Tensor | None = None) -> torch.Tensor:
+                logits_index: torch.Tensor | None = None, return_hidden: bool = False):
+        """`return_hidden`: (logits, h) with h (T, hidden) float32 the final-normed hidden
+        state of EVERY position (the LM head's input, before the logits_index gather), as
+        an EAGLE-style head reads it; off, nothing extra is computed."""
         x = self.embed_tokens(token_ids)  # (T, hidden)
         cos, sin = self.rotary.cos_sin(meta.positions, meta.max_position, x.dtype)  # (T, 1, D), all layers
         if self._kernels is not None:  # these layers on the fused kernels
-            return fused.forward(self, x, cos, sin, meta, kv, logits_index)
+            return fused.forward(self, x, cos, sin, meta, kv, logits_index, return_hidden)
         context = kv.context_views(meta)  # every layer's K/V context as views, or None (gather)
         for block in self.layers:
             x = block.forward(x, cos, sin, meta, kv, context)
+        if return_hidden:
+            h = self.norm(x.float())      # (T, hidden)
+            return self.lm_head(h if logits_index is None else h[logits_index]), h
         if logits_index is not None:
             x = x[logits_index]           # (N, hidden): only the positions we sample from
         return self.lm_head(self.norm(x.float()))  # (N, V) float32

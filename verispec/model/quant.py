@@ -102,6 +102,8 @@ class Int4Linear(nn.Module):
         self._torch_packed = None             # (packed, scales_zeros) for PyTorch's kernel
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dim() != 2:  # the kernels take (T, K): batched inputs (training, scoring) flattened
+            return self.forward(x.reshape(-1, x.shape[-1])).view(*x.shape[:-1], self.out_features)
         ops = self.kernels
         if self.act_bits == 8:
             if ops is None:
@@ -136,6 +138,8 @@ class Bf16Linear(nn.Module):
         self._torch_weight = None           # (N, K) for PyTorch's matmul
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dim() != 2:  # the kernels take (T, K): batched inputs (training, scoring) flattened
+            return self.forward(x.reshape(-1, x.shape[-1])).view(*x.shape[:-1], self.out_features)
         ops = self.kernels
         if ops is not None and ops.bf16_vector:
             return ops.bf16_linear(x.contiguous(), self.w16, self.out_features, self.bias)

@@ -25,6 +25,14 @@ engine then times the proposer's passes and the policy prices them. Untimed prop
 A proposer may also have `stats() -> {name: number}`: its state for `/metrics` (a name
 ending in "_total" is a counter since start, any other a gauge).
 
+A proposer that reads the target's hidden states (an EAGLE-style head) sets
+`wants_hidden = True` and has `observe(reqs, starts, hidden)`: right after every target
+forward, for its rows in that pass (prefill chunks and verify rows alike), hidden[i]
+(n_i, H) float32 is the target's final-normed hidden state at positions starts[i]..
+starts[i] + n_i - 1 of reqs[i]. Positions past the verified length (rejected drafts) are
+among them: `rollback` must drop what it kept of those. Without a watching row in the
+pass the engine asks the target for no hidden states at all.
+
 Adding a proposer is one module that implements `Proposer` and one `register_proposer`
 line (see `tests/fake_proposer.py`).
 """
@@ -82,6 +90,7 @@ class ProposerContext:
     draft_runner: Any = None         # a ModelRunner over the draft model, if one was loaded
     block_table: Callable | None = None
     shared_generator: Any = None     # the engine's generator for unseeded requests
+    target: Any = None               # the target's ModelRunner (slots, device, hidden states)
 
 
 class ProposerUnavailable(Exception):
@@ -133,6 +142,12 @@ def _suffix(context: ProposerContext) -> Proposer:
     return SuffixProposer()
 
 
+def _eagle(context: ProposerContext) -> Proposer:
+    from verispec.spec.eagle import build_eagle
+    return build_eagle(context)
+
+
 register_proposer("ngram", _ngram)
 register_proposer("draft", _draft_model)
 register_proposer("suffix", _suffix)
+register_proposer("eagle", _eagle)

@@ -1,4 +1,4 @@
-"""`verispec train-draft traces | filter | train | export | all | gate`.
+"""`verispec train-draft traces | filter | train | export | all | gate | eagle`.
 
 Each stage reads the previous stage's folder under --work-dir (default
 <VERISPEC_CACHE>/train/<target>/) and can be rerun at any time: finished work is skipped,
@@ -15,7 +15,7 @@ from verispec.model.registry import DEFAULT_MODEL
 from verispec.train.config import FilterConfig, TracesConfig, TrainConfig
 
 log = logging.getLogger("verispec")
-STAGES = ("traces", "filter", "train", "export", "all", "gate")
+STAGES = ("traces", "filter", "train", "export", "all", "gate", "eagle")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -26,7 +26,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
              "train": "train the draft by top-k distillation (resumable)",
              "export": "write the draft as an HF directory where --spec draft finds it",
              "all": "traces, filter, train and export in turn",
-             "gate": "acceptance and decode speed of draft vs n-gram vs plain, per task"}
+             "gate": "acceptance and decode speed of draft vs n-gram vs plain, per task",
+             "eagle": "an EAGLE-style head from the filtered traces: target features, training, "
+                      "export (verispec/train/eagle.py)"}
     for stage in STAGES:
         p = sub.add_parser(stage, help=helps[stage])
         _add_common(p)
@@ -40,6 +42,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
             p.add_argument("--out", help="export directory (default: the registered draft folder)")
         if stage == "gate":
             _add_gate(p)
+        if stage == "eagle":
+            _add_eagle(p)
 
 
 def _add_common(p: argparse.ArgumentParser) -> None:
@@ -98,6 +102,22 @@ def _add_gate(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", help="JSON results file (default <work-dir>/gate.json)")
 
 
+def _add_eagle(p: argparse.ArgumentParser) -> None:
+    from verispec.train.eagle import EagleConfig
+    d = EagleConfig()
+    g = p.add_argument_group("eagle")
+    g.add_argument("--draft-vocab", type=int, default=d.num_draft_vocab,
+                   help="N: the head's vocabulary, the most frequent output tokens of the traces")
+    g.add_argument("--steps", type=int, default=d.steps)
+    g.add_argument("--tokens-per-step", type=int, default=d.tokens_per_step)
+    g.add_argument("--lr", type=float, default=d.lr)
+    g.add_argument("--feature-weight", type=float, default=d.feature_weight)
+    g.add_argument("--supervise-prompt", action="store_true", help="also train on prompt positions")
+    g.add_argument("--own-feature-prob", type=float, default=d.own_feature_prob,
+                   help="share of input features replaced by the head's own prediction (later drafts read those)")
+    g.add_argument("--out", help="head folder (default: <cache>/heads/<target>, where --spec eagle finds it)")
+
+
 def _work_dir(args) -> Path:
     return Path(args.work_dir).expanduser() if args.work_dir else cache_root() / "train" / args.target
 
@@ -108,6 +128,9 @@ def main(args: argparse.Namespace) -> int:
     if args.stage == "gate":
         from verispec.train.gate import run_gate_cli
         return run_gate_cli(args, work)
+    if args.stage == "eagle":
+        from verispec.train.eagle import run_eagle_cli
+        return run_eagle_cli(args, work)
     stages = ("traces", "filter", "train", "export") if args.stage == "all" else (args.stage,)
     for stage in stages:
         {"traces": stage_traces, "filter": stage_filter, "train": stage_train,

@@ -1,0 +1,208 @@
+"""The EAGLE-style head: the target's hidden states, the head's drafts, its injected bugs.
+
+Losslessness with the head is in the gates (test_gate_lossless.py: "eagle" settings over a
+random head on 10 of 16 tokens; test_gate_greedy.py: a head trained by the pipeline). Here:
+the hidden-state hook on every forward path, the head's drafts against a reference that
+recomputes them from scratch (dense target pass, dense head chain), and the injected bugs:
+  (a) q renormalised over the full vocabulary: caught by G1's statistics at x2;
+  (b) the head's provisional entries kept after verification (stale features and KV):
+      never a change in the output (q is what the drafts were drawn from, so G1/G2 cannot
+      see it, and the test shows G2's identity holding), caught by the reference check.
+"""
+import sys
+
+import pytest
+import torch
+
+from bugs import inject
+from eagle_heads import random_head_dir, trained_head_dir
+from test_gate_lossless import BUG_SAMPLES, PAIR, exact_joint, run_gate
+from tiny import run_all, tiny_config, tiny_engine, tiny_pair
+from verispec.engine.runner import ModelRunner, RowInput
+from verispec.model import kernels
+from verispec.model.attention import AttentionMetadata
+from verispec.model.eagle import load_head
+from verispec.model.llama import LlamaModel
+from verispec.sampling import SamplingParams
+from verispec.spec.eagle import EagleProposer
+from verispec.train.draft import causal_forward
+from verispec.train.eagle import head_forward
+
+GREEDY = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def greedy_pair():
+    return tiny_pair(vocab=48, noise=0.1, seed=3)
+
+
+def _rows_meta(rows, block, kernel_queries):
+    return AttentionMetadata.build(
+        [len(t) for t, _ in rows], [s + len(t) for t, s in rows], [list(range(s, s + len(t))) for t, s in rows],
+        [list(range(r * block + s, r * block + s + len(t))) for r, (t, s) in enumerate(rows)],
+        [list(range(r * block, r * block + s + len(t))) for r, (t, s) in enumerate(rows)],
+        kernel_queries=kernel_queries)
+
+
+@pytest.mark.parametrize("path", ["plain", "per-layer", "stack"])
+def test_hidden_states_are_the_lm_heads_input_at_every_position_on_every_forward_path(path):
+    ops = kernels.load(required=False)
+    if path != "plain" and (ops is None or not ops.bf16_vector):
+        pytest.skip("verispec's kernels (vector bf16) are not available here")
+    from test_kernels import _packed_tiny_model
+    model = _packed_tiny_model("bf16", hidden=256)
+    model.kernels = None if path == "plain" else ops
+    model.fused_stack = path == "stack"
+    kq = 0 if path == "plain" else sys.maxsize  # every query in the attention kernel, or none
+    rows = [([5, 6, 7, 8], 0), ([1], 9), ([2, 3], 4)]  # (new tokens, start): after a prefix of each
+    ids = torch.tensor([t for r, _ in rows for t in r])
+    index = torch.tensor([3, 4, 6])
+    kv = model.new_kv_store(3 * 64)
+    for r, (_, start) in enumerate(rows):  # the contexts before each row's new tokens
+        if start:
+            model(torch.arange(start) % 64, _prefix_meta(r, start, kq), kv)
+    logits, h = model(ids, _rows_meta(rows, 64, kq), kv, index, return_hidden=True)
+    assert h.shape == (7, 256) and h.dtype == torch.float32
+    assert torch.equal(model.lm_head(h[index]), logits)
+    assert torch.equal(model(ids, _rows_meta(rows, 64, kq), kv, index), logits)  # the hook changes nothing
+
+
+def _prefix_meta(row: int, n: int, kernel_queries: int) -> AttentionMetadata:
+    slots = list(range(row * 64, row * 64 + n))
+    return AttentionMetadata.build([n], [n], [list(range(n))], [slots], [slots], kernel_queries=kernel_queries)
+
+
+def test_the_runner_returns_every_positions_hidden_state_per_row():
+    target, _ = tiny_pair(vocab=16)
+    runner = ModelRunner(target, 64, 4)
+    rows = [RowInput([1, 2, 3, 4, 5], 0, [0, 1], 4), RowInput([7, 8], 0, [2, 3], 0)]
+    logits, hidden = runner.forward(rows, hidden=True)
+    assert [h.shape[0] for h in hidden] == [5, 2] and [lg.shape[0] for lg in logits] == [1, 2]
+    dense = causal_forward(target, torch.tensor([[1, 2, 3, 4, 5]]))[0]
+    assert torch.allclose(hidden[0], dense, atol=1e-5)
+    with torch.inference_mode():
+        assert torch.allclose(target.lm_head(hidden[1]), logits[1])
+
+
+def test_without_a_head_eagle_is_unavailable_and_says_how_to_get_one():
+    engine = tiny_engine(tiny_pair(vocab=16)[0], method="ngram")
+    with pytest.raises(ValueError, match="'eagle' is not available: .*--draft-head DIR"):
+        engine.add_request("r", [1, 2], GREEDY, spec=_override("eagle"))
+
+
+def _override(method):
+    from verispec.request import SpecOverride
+    return SpecOverride(method=method)
+
+
+def test_a_saved_head_loads_its_vocabulary_and_weights(tmp_path):
+    target = PAIR[0]
+    head = load_head(random_head_dir(target, list(range(10))))
+    assert head.vocab_ids.tolist() == list(range(10)) and head.lm_head.weight.shape == (10, target.cfg.hidden_size)
+    with pytest.raises(ValueError, match="does not fit"):
+        head.bind(LlamaModel(tiny_config(vocab=8)).embed_tokens)
+
+
+def _recorded_drafts(engine, monkeypatch) -> list[tuple[list[int], list[int]]]:
+    """Wrap the proposer's draft: (the row's tokens, its drafts) of every drafting row."""
+    seen, real = [], EagleProposer.draft
+
+    def draft(self, reqs, ks):
+        out = real(self, reqs, ks)
+        seen.extend((list(r.all_ids), toks) for r, (toks, _) in zip(reqs, out))
+        return out
+    monkeypatch.setattr(EagleProposer, "draft", draft)
+    return seen
+
+
+def reference_drafts(target, head, ids: list[int], k: int) -> list[int]:
+    """The head's greedy chain from scratch: the target's features over ids[:-1] by a dense
+    pass, then k dense head passes, each reading the previous pass's output feature."""
+    h = causal_forward(target, torch.tensor([ids[:-1]]))[0]             # (N-1, H): h_0..h_{N-2}
+    tokens, feats = list(ids), [h[i] for i in range(h.shape[0])]
+    for _ in range(k):
+        logits, g = head_forward(head, torch.tensor([tokens]), torch.stack(feats + [feats[-1]])[None])
+        tokens.append(int(head.vocab_ids[logits[0, -1].argmax()]))
+        feats.append(g[0, -1])
+    return tokens[len(ids):]
+
+
+def _check_against_reference(greedy_pair, monkeypatch, bug: str | None):
+    target = greedy_pair[0]
+    path = trained_head_dir(target, 32)
+    head = load_head(path).bind(target.embed_tokens)
+    if bug:
+        inject(monkeypatch, bug)
+    engine = tiny_engine(target, method="eagle", k=3, draft_head=path, prefix_cache=False)
+    seen = _recorded_drafts(engine, monkeypatch)
+    # the last prompt is longer than a round's entries: its first draft catches up (`prepare`)
+    prompts = [[1, 2, 3, 4, 1, 2], [5, 6, 7], [9, 30, 9, 9, 4, 4, 41, 2, 9], [3, 30, 2, 8],
+               [(7 * i) % 48 for i in range(26)]]
+    outs = run_all(engine, prompts, GREEDY)
+    plain = run_all(tiny_engine(target, method="none"), prompts, GREEDY)
+    assert [o.token_ids for o in outs] == [o.token_ids for o in plain]  # G2's identity, bug or not
+    rounds = len(seen)
+    wrong = sum(d != reference_drafts(target, head, ids, len(d)) for ids, d in seen)
+    accepted = sum(o.spec.num_accepted_tokens for o in outs)
+    return rounds, wrong, accepted
+
+
+def test_the_heads_drafts_equal_a_from_scratch_reference(greedy_pair, monkeypatch):
+    rounds, wrong, accepted = _check_against_reference(greedy_pair, monkeypatch, None)
+    assert rounds > 20 and accepted > 5, (rounds, accepted)
+    assert wrong == 0, f"{wrong} of {rounds} rounds drafted other tokens than the reference"
+
+
+def test_a_stale_head_entry_after_verification_is_caught_by_the_reference_check(greedy_pair, monkeypatch):
+    rounds, wrong, accepted = _check_against_reference(greedy_pair, monkeypatch, "eagle_stale_head_kv")
+    assert wrong > 0, "provisional head entries kept as exact went unnoticed"
+
+
+def test_q_renormalised_over_the_full_vocabulary_is_caught_by_g1(monkeypatch):
+    """Bug (a): the drafts come from the head's subset distribution, the verifier is handed
+    q over the whole vocabulary. x2 (the first draft) is where it acts first."""
+    inject(monkeypatch, "eagle_full_vocab_q")
+    params = SamplingParams(temperature=1.0)
+    verdict = run_gate(PAIR, exact_joint(PAIR[0], params, 4), "eagle", 2, params, num_samples=BUG_SAMPLES)
+    assert verdict.passed["acceptance"], verdict.measured
+    missed = [name for name in ("x2 TV", "x2 chi2") if verdict.passed[name]]
+    assert not missed, ("q over the full vocabulary went unnoticed by", missed, verdict.measured)
+
+
+def test_the_training_stages_raise_agreement_skip_when_done_and_export_a_loadable_head(tmp_path):
+    """Features, training and export on a tiny target: the held-out agreement rises, a
+    rerun with the same settings does no work, one with other settings is refused."""
+    from verispec.model.eagle import save_head
+    from verispec.train.eagle import EagleConfig, init_head, run_features, run_train, teacher_rows
+    from verispec.train.store import read_json, save_torch, write_json
+    from verispec.train.traces import score_topk
+
+    target, _ = tiny_pair(vocab=48, noise=0.1, seed=3)
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(0, 48, (6,), generator=g).tolist() for _ in range(40)]
+    outs = run_all(tiny_engine(target, method="none"), prompts, GREEDY)
+    records = [{"prompt_ids": torch.tensor(p, dtype=torch.int32),
+                "output_ids": torch.tensor(o.token_ids, dtype=torch.int32)} for p, o in zip(prompts, outs)]
+    score_topk(target, records, 8)
+    filtered = tmp_path / "filtered"
+    filtered.mkdir()
+    save_torch(filtered / "train.pt", {"records": records[8:]})
+    save_torch(filtered / "heldout.pt", {"records": records[:8]})
+    write_json(filtered / "report.json", {"fingerprint": "tiny"})
+    cfg = EagleConfig(num_draft_vocab=24, steps=60, tokens_per_step=256, lr=3e-3, warmup_steps=5,
+                      checkpoint_every=30, eval_every=30)
+    feats = run_features(cfg, filtered, tmp_path / "features", target, progress=False)
+    assert feats["vocab"] == 24 and 0.5 < feats["train_output_coverage"] <= 1.0
+    vocab = read_json(tmp_path / "features" / "vocab.json")["vocab_ids"]
+    teacher = teacher_rows(target, vocab)
+    half = EagleConfig(**{**cfg.to_dict(), "steps": 30})
+    with pytest.raises(ValueError, match="different settings"):  # a changed config is refused, not mixed in
+        run_train(cfg, tmp_path / "features", tmp_path / "train", init_head(target, vocab), "tiny", teacher, False)
+        run_train(half, tmp_path / "features", tmp_path / "train", init_head(target, vocab), "tiny", teacher, False)
+    done = read_json(tmp_path / "train" / "done.json")
+    assert done["eval_last"]["greedy_agree"] > done["eval_first"]["greedy_agree"]
+    again = run_train(cfg, tmp_path / "features", tmp_path / "train", init_head(target, vocab), "tiny", teacher, False)
+    assert again == done
+    head = init_head(target, vocab)
+    save_head(head, tmp_path / "head", {"target": "tiny"})
+    assert load_head(tmp_path / "head").vocab_ids.tolist() == vocab
