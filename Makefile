@@ -17,8 +17,11 @@ $(STAMP): pyproject.toml scripts/install.sh
 demo: setup
 	$(VENV)/bin/verispec generate --chat --max-tokens 96 --spec ngram --prompt "$(DEMO_PROMPT)"
 
+# Test files spread over TEST_WORKERS processes (pytest-xdist; a file stays in one, so its
+# module fixtures are built once); TEST_WORKERS=0 runs them in this process.
+TEST_WORKERS ?= 2
 test: setup
-	$(PY) -m pytest
+	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile
 
 # Benchmark-only datasets (MT-bench, HumanEval, GSM8K/MBPP/MATH-500/CNN, essays): never needed by tests.
 bench-setup: setup

@@ -4,7 +4,7 @@
 - chat and completions, streaming and not, with usage exact against the tokenizer;
 - /metrics parsed with prometheus_client: speculation counter deltas over a run equal the
   sums of the per-response `spec` blocks;
-- a bounded load test (200 requests, 16 at a time, 10% cancelled mid-stream, 10% invalid):
+- a bounded load test (120 requests, 16 at a time, 10% cancelled mid-stream, 10% invalid):
   every valid request returns exactly what it returns alone (greedy), nothing is a 5xx,
   and after the drain the KV integrity check holds with no block in use;
 - SIGTERM shuts the server down cleanly with a stream in flight.
@@ -383,7 +383,7 @@ def test_cached_tokens_for_a_repeated_long_prompt(server):
 
 
 # ---------------------------------------------------------------------------- load
-NUM_REQUESTS = 200
+NUM_REQUESTS = 120
 CONCURRENCY = 16
 
 PROMPTS = ["Once upon a time", "def fibonacci(n):", "The three primary colours are",
@@ -481,14 +481,15 @@ def test_load_cancellations_and_invalid_requests_leave_a_clean_engine(server):
 
     failures, counts, before, elapsed = asyncio.run(scenario())
     assert not failures, "\n".join(failures[:20])
-    assert counts == {"valid": 160, "cancel": 20, "invalid": 20}, counts
+    tenth = NUM_REQUESTS // 10
+    assert counts == {"valid": NUM_REQUESTS - 2 * tenth, "cancel": tenth, "invalid": tenth}, counts
     health = server.wait_idle()
     assert health["kv_blocks_used"] == 0, health
     assert health["integrity"] == "ok", health
     after = server.metrics()
     name = "verispec:request_aborted_total"
     aborted = _metric(after, name) - _metric(before, name)
-    assert 0 < aborted <= 20
+    assert 0 < aborted <= tenth
     assert _metric(after, "verispec:request_error_total") == 0
     print(f"load test: {NUM_REQUESTS} requests in {elapsed:.1f} s")
 
