@@ -130,13 +130,7 @@ class DraftModelProposer:
 
     def tensors(self, reqs: list[Request], active: list[int], tokens_out: list[list[int]],
                 device) -> SamplingTensors:
-        """The active rows' SamplingTensors at their next draft position: the tokens drafted
-        so far this round count as generated (as they will have been, if accepted)."""
-        params = [reqs[i].params for i in active]
-        histories = [(reqs[i].prompt_ids, reqs[i].output_ids + tokens_out[i]) if reqs[i].params.has_processors
-                     else None for i in active]
-        return SamplingTensors.from_params(params, device, histories, self.eos_ids,
-                                           [reqs[i].grammar for i in active])
+        return draft_sampling_tensors(reqs, active, tokens_out, device, self.eos_ids)
 
     def to_probs(self, st: SamplingTensors, logits: torch.Tensor) -> torch.Tensor:
         """q: exactly the target's logits -> probs transform (tests patch this to inject bugs)."""
@@ -146,3 +140,13 @@ class DraftModelProposer:
     def rollback(req: Request) -> None:
         """After verification only the verified positions of the draft's KV stay valid."""
         req.draft_computed = min(req.draft_computed, req.num_computed)
+
+
+def draft_sampling_tensors(reqs: list[Request], active: list[int], tokens_out: list[list[int]], device,
+                           eos_ids) -> SamplingTensors:
+    """The active rows' SamplingTensors at their next draft position: the tokens drafted so
+    far this round count as generated (as they will have been, if accepted)."""
+    params = [reqs[i].params for i in active]
+    histories = [(reqs[i].prompt_ids, reqs[i].output_ids + tokens_out[i]) if reqs[i].params.has_processors
+                 else None for i in active]
+    return SamplingTensors.from_params(params, device, histories, eos_ids, [reqs[i].grammar for i in active])

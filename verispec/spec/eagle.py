@@ -39,6 +39,7 @@ from verispec.model.attention import AttentionMetadata
 from verispec.model.eagle import EagleHead, load_head
 from verispec.request import Request
 from verispec.sampling import SamplingTensors, noise_key, sample
+from verispec.spec.draft_model import draft_sampling_tensors
 from verispec.spec.proposer import Offer, ProposerContext, ProposerUnavailable
 
 
@@ -262,13 +263,7 @@ class EagleProposer:
         return full.index_copy_(1, self.head.vocab_ids, logits)
 
     def tensors(self, reqs, active, tokens_out, device) -> SamplingTensors:
-        """The active rows' SamplingTensors at their next draft position (drafts so far count
-        as generated, as they will have been if accepted)."""
-        params = [reqs[i].params for i in active]
-        histories = [(reqs[i].prompt_ids, reqs[i].output_ids + tokens_out[i]) if reqs[i].params.has_processors
-                     else None for i in active]
-        return SamplingTensors.from_params(params, device, histories, self.eos_ids,
-                                           [reqs[i].grammar for i in active])
+        return draft_sampling_tensors(reqs, active, tokens_out, device, self.eos_ids)
 
     def to_probs(self, st: SamplingTensors, logits: torch.Tensor) -> torch.Tensor:
         """q: exactly the target's logits -> probs transform (tests patch this to inject bugs)."""
