@@ -4,7 +4,7 @@
 - chat and completions, streaming and not, with usage exact against the tokenizer;
 - /metrics parsed with prometheus_client: speculation counter deltas over a run equal the
   sums of the per-response `spec` blocks;
-- a bounded load test (120 requests, 16 at a time, 10% cancelled mid-stream, 10% invalid):
+- a bounded load test (64 requests, 16 at a time, 10% cancelled mid-stream, 10% invalid):
   every valid request returns exactly what it returns alone (greedy), nothing is a 5xx,
   and after the drain the KV integrity check holds with no block in use;
 - SIGTERM shuts the server down cleanly with a stream in flight.
@@ -383,7 +383,7 @@ def test_cached_tokens_for_a_repeated_long_prompt(server):
 
 
 # ---------------------------------------------------------------------------- load
-NUM_REQUESTS = 120
+NUM_REQUESTS = 64
 CONCURRENCY = 16
 
 PROMPTS = ["Once upon a time", "def fibonacci(n):", "The three primary colours are",
