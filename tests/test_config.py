@@ -66,11 +66,17 @@ def test_huge_pages_are_on_by_default_and_a_flag_turns_them_off_over_the_yaml(tm
 
 def test_auto_threads_uses_every_core_and_serve_spares_one_only_on_wide_machines(monkeypatch):
     from verispec import config as C
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     for cores, serve, generate in ((1, 1, 1), (2, 2, 2), (8, 8, 8), (9, 8, 9), (64, 63, 64)):
         monkeypatch.setattr(C, "physical_cores", lambda cores=cores: cores)
         assert (C.auto_threads("serve"), C.auto_threads("generate")) == (serve, generate)
     with pytest.raises(ValueError, match="mode must be"):
         C.auto_threads("train")
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")
+    assert (C.auto_threads("serve"), C.auto_threads("generate")) == (3, 3)
+    monkeypatch.setenv("OMP_NUM_THREADS", "two")
+    with pytest.raises(ValueError, match="OMP_NUM_THREADS must be a positive integer, got 'two'"):
+        C.auto_threads("serve")
 
 
 def test_physical_cores_counts_usable_cores_once():

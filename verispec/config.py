@@ -249,7 +249,8 @@ SERVE_SPARE_CORE_ABOVE = 8
 
 
 def auto_threads(mode: str) -> int:
-    """Intra-op threads when none are set: one per physical core this process may run on.
+    """Intra-op threads when none are set: OMP_NUM_THREADS when the environment sets it,
+    else one per physical core this process may run on.
 
     `serve` keeps them all on small machines: its front end is a separate process that
     used 3-5% of one core at 1 and 16 streams on two cores, where leaving it a whole core
@@ -259,6 +260,11 @@ def auto_threads(mode: str) -> int:
     """
     if mode not in ("serve", "generate"):
         raise ValueError(f"mode must be 'serve' or 'generate', got {mode!r}")
+    omp = os.environ.get("OMP_NUM_THREADS", "").strip()
+    if omp:   # the user's (or a job scheduler's) choice, as torch itself honours it
+        if not omp.isdigit() or int(omp) < 1:
+            raise ValueError(f"OMP_NUM_THREADS must be a positive integer, got {omp!r}")
+        return int(omp)
     cores = physical_cores()
     return cores - 1 if mode == "serve" and cores > SERVE_SPARE_CORE_ABOVE else cores
 
