@@ -234,3 +234,55 @@ def test_no_prefix_cache_shares_nothing():
     cache.lock(None)
     cache.unlock(None)
     cache.check_integrity(locked_nodes=[None])
+
+
+# --- block keys and the cache event log (what a replica tells the request router) ---------
+
+def test_block_keys_chain_over_the_path_so_equal_keys_mean_equal_prefixes():
+    from verispec.cache.events import block_keys
+    a, b = block_keys([1, 2, 3, 4, 5], BS), block_keys([1, 2, 9, 4], BS)
+    assert len(a) == 2 and a[0] == b[0] and a[1] != b[1]
+    assert block_keys([7, 7, 3, 4], BS)[1] != a[1]   # same block, different prefix before it
+    assert block_keys([3, 4], BS, parent=a[0]) == a[1:]
+
+
+def test_the_tree_reports_the_keys_a_consumer_must_hold_through_splits_and_evictions():
+    from verispec.cache.events import block_keys
+    pool, tree = make(num_blocks=8)
+    held: set[int] = set()
+    tree.drain_events().apply(held)                     # the first drain is a snapshot
+    cache_path(pool, tree, [1, 2, 3, 4, 5, 6])
+    tree.match_prefix([1, 2, 3, 4, 9, 9])               # a split: no key changes
+    cache_path(pool, tree, [1, 2, 3, 4, 7, 8])          # a branch: one new key
+    delta = tree.drain_events()
+    assert not delta.reset and sorted(delta.stored) == sorted(
+        set(block_keys([1, 2, 3, 4, 5, 6], BS)) | set(block_keys([1, 2, 3, 4, 7, 8], BS)))
+    delta.apply(held)
+    tree.evict(1)                                       # the least recently used leaf: [5 6]
+    tree.drain_events().apply(held)
+    assert held == set(tree.block_keys()) == set(block_keys([1, 2, 3, 4, 7, 8], BS))
+    tree.check_integrity()
+
+
+def test_keys_evicted_and_stored_again_before_a_drain_fold_to_their_last_state():
+    from verispec.cache.events import CacheEventLog
+    log = CacheEventLog(max_pending=4)
+    log.drain(list)
+    log.stored([1, 2])
+    log.removed([2, 3])
+    log.stored([3])
+    held = {2, 9}
+    log.drain(list).apply(held)
+    assert held == {1, 3, 9}
+    log.stored(range(10, 20))                           # past max_pending: the next drain resyncs
+    delta = log.drain(lambda: [42])
+    assert delta.reset and delta.stored == [42]
+
+
+def test_integrity_check_catches_block_keys_that_do_not_chain():
+    pool, tree = make()
+    cache_path(pool, tree, [1, 2, 3, 4])
+    (node,) = tree.root.children.values()
+    node.hashes = node.hashes[::-1]                     # a split that swapped halves would do this
+    with pytest.raises(AssertionError, match="block keys"):
+        tree.check_integrity()

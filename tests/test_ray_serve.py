@@ -5,7 +5,8 @@ PrefixAffinityRouter; real HTTP, the openai client, /metrics read with prometheu
 - streamed and non-streamed answers, chat and completions, equal whichever replica serves;
   a client that leaves a stream aborts its request on the replica;
 - requests sharing a long prefix all go to one replica, whose prefix cache then serves
-  them (its own metrics say so); unrelated concurrent requests spread over both;
+  them (its own metrics say so), routed by the block keys that replica reports from its
+  cache, which are the keys the front door computes; unrelated concurrent requests spread;
 - /metrics labels every sample with its replica, /metrics/aggregate sums them;
 - SIGKILL of a replica's process: its streams end with an error event, the other
   replica's streams finish, later requests succeed, and Ray starts a new replica; SIGKILL
@@ -39,6 +40,7 @@ openai = pytest.importorskip("openai")
 MODEL = "smollm2-135m-instruct"
 SHARED = ("You are a careful assistant who answers questions about the history of science. "
           "Keep every answer short, cite the century, and never invent sources. ") * 8
+ROUTED_TTL_S = 1.0   # short, so that a test can wait for routing by the replicas' reports alone
 UNRELATED = ["Describe the water cycle in", "List three prime numbers and", "Explain how a bicycle gear",
              "Write a haiku about winter", "What is the capital city of", "Give a recipe for pancakes",
              "Summarize the plot of Hamlet", "How do bees make honey and"]
@@ -64,7 +66,8 @@ def cluster():
         serve.start(http_options={"host": "127.0.0.1", "port": port})
         engine = resolve_engine(EngineConfig(model=MODEL, threads=1), replicas=2, cluster_gpus=0)
         server = ServerConfig(port=port, log_level="warning", access_log=False, shutdown_timeout_s=2)
-        serve.run(build_app(engine, server, ReplicaConfig(2)), name=APP_NAME, route_prefix="/")
+        config = ReplicaConfig(2, router_kwargs={"routed_ttl_s": ROUTED_TTL_S})
+        serve.run(build_app(engine, server, config), name=APP_NAME, route_prefix="/")
         yield f"http://127.0.0.1:{port}"
     finally:
         with contextlib.suppress(Exception):
@@ -99,6 +102,28 @@ def replicas_described() -> dict[str, dict]:
     handle = serve.get_deployment_handle("VerispecReplica", APP_NAME)
     answers = handle.broadcast("describe").results(timeout_s=30, return_exceptions=True)
     return {d["replica"]: d for d in answers if isinstance(d, dict)}
+
+
+def cached_keys_reported() -> dict[str, set[int]]:
+    """replica -> the block keys its routing stats report (what PrefixAffinityRouter reads)."""
+    from verispec.ray.app import APP_NAME
+    from verispec.ray.prefix_index import STATS_KEY, unpack_keys
+    handle = serve.get_deployment_handle("VerispecReplica", APP_NAME)
+    reports = [r[STATS_KEY] for r in handle.broadcast("record_routing_stats").results(timeout_s=30) if r]
+    return {r["replica"]: set(unpack_keys(r["keys"])) for r in reports}
+
+
+def front_door_keys(prompt: str) -> list[int]:
+    """The block keys the front door sends with a completion request for `prompt`."""
+    import json
+
+    from verispec.cache.events import block_keys
+    from verispec.ray.app import APP_NAME
+    from verispec.ray.bridge import routing_token_ids
+    handle = serve.get_deployment_handle("VerispecReplica", APP_NAME)
+    tokenizer, block_size = handle.routing_info.remote().result(timeout_s=30)
+    body = json.dumps({"model": MODEL, "prompt": prompt}).encode()
+    return block_keys(routing_token_ids("/v1/completions", body, tokenizer, False), block_size)
 
 
 def wait_for_replacement(gone: str, timeout_s: float = 90) -> dict[str, dict]:
@@ -157,9 +182,15 @@ def test_unrelated_concurrent_requests_spread_over_both_replicas(cluster):
 
 
 def test_requests_sharing_a_long_prefix_land_on_the_replica_that_caches_it(cluster):
+    """The first request goes where load says; once its routed-prompt note has expired, the
+    others follow it only because that replica's own cache report holds the prefix (without
+    the report they would go to the other replica, which holds less)."""
+    from verispec.ray.app import ROUTING_STATS_PERIOD_S
+
     async def scenario():
         c = client(cluster)
         first = await complete(c, SHARED + "Question 0: who first measured the speed of light?")
+        await asyncio.sleep(ROUTED_TTL_S + 2 * ROUTING_STATS_PERIOD_S)
         rest = [await complete(c, SHARED + f"Question {i}: who discovered element {i}?") for i in range(1, 5)]
         return [first, *rest]
     hits_before = per_replica(cluster, "vllm:prefix_cache_hits_total")
@@ -173,6 +204,10 @@ def test_requests_sharing_a_long_prefix_land_on_the_replica_that_caches_it(clust
     # hits are whole 16-token blocks; the last shared token may merge with the question's first
     assert hits[home] - hits_before[home] >= 4 * (shared - 2 * 16)
     assert {r: done[r] - done_before[r] for r in done} == {**{r: 0 for r in done}, home: 5}
+    reported = cached_keys_reported()
+    keys = front_door_keys(SHARED + "Question 9: who?")[:shared // 16 - 1]
+    assert len(keys) >= 4 and set(keys) <= reported[home]            # named as the cache names them
+    assert not set(keys) & set().union(*(v for r, v in reported.items() if r != home))
 
 
 def test_metrics_are_labelled_per_replica_and_aggregate_to_the_single_server_format(cluster):
@@ -253,26 +288,49 @@ def test_a_replica_whose_engine_process_dies_fails_its_stream_and_is_replaced(cl
 
 # ---------------------------------------------------------------------------- the rule alone
 def test_rule_prefers_the_longest_match_within_the_imbalance_and_spreads_otherwise():
-    index = PrefixIndex(chunk_chars=8)
-    rule = RoutingRule(min_match_chars=16, max_imbalance=2)
-    long_prompt = "abcdefgh" * 10
-    index.insert("a", index.keys_of(long_prompt))
-    keys = index.keys_of(long_prompt[:40] + "zzzzzzzz")
-    assert index.decide(keys, {"a": 2, "b": 0}, rule).ranked == ["a", "b"]          # match wins
-    assert index.decide(keys, {"a": 3, "b": 0}, rule).reason == "imbalanced"          # too busy
-    assert index.decide(keys, {"a": 3, "b": 0}, rule).ranked[0] == "b"
-    short = index.keys_of("abcdefgh")                                                 # 8 < 16 chars
-    assert index.decide(short, {"a": 0, "b": 0}, rule).ranked[0] == "b"               # fewer routed
+    from verispec.cache.events import block_keys
+    index, bs = PrefixIndex(), 4
+    rule = RoutingRule(min_match_tokens=16, max_imbalance=2)
+    prompt = list(range(40))
+    index.update_cached("a", 1, block_keys(prompt, bs))                              # a's report
+    keys = block_keys(prompt[:20] + [99] * 8, bs)                                     # 5 blocks shared
+    assert index.decide(keys, bs, {"a": 2, "b": 0}, rule).ranked == ["a", "b"]       # match wins
+    assert index.decide(keys, bs, {"a": 2, "b": 0}, rule).matched_tokens == 20
+    assert index.decide(keys, bs, {"a": 3, "b": 0}, rule).reason == "imbalanced"     # too busy
+    assert index.decide(keys, bs, {"a": 3, "b": 0}, rule).ranked[0] == "b"
+    short = block_keys(prompt[:12], bs)                                               # 12 < 16 tokens
+    assert index.decide(short, bs, {"a": 0, "b": 0}, rule).ranked[0] == "b"          # fewer held
     index.remove("a")
-    assert index.decide(keys, {"a": 0, "b": 1}, rule).reason == "short_match"         # forgotten
+    assert index.decide(keys, bs, {"a": 0, "b": 1}, rule).reason == "short_match"    # forgotten
 
 
-def test_index_forgets_least_recently_used_prefixes_past_its_budget():
-    index = PrefixIndex(chunk_chars=4, max_chunks=3)
-    index.insert("a", index.keys_of("aaaabbbbcccc"))
-    index.insert("a", index.keys_of("xxxx"))
-    assert index.matched_chars("a", index.keys_of("aaaabbbbcccc")) == 0   # its first chunk went
-    assert index.matched_chars("a", index.keys_of("xxxxyyyy")) == 4
+def test_a_replicas_report_replaces_what_it_holds_and_routed_prompts_count_until_they_expire():
+    """What a replica reports is the truth (an evicted prefix stops attracting requests);
+    a prompt just routed counts for `routed_ttl_s`, until a report can include it."""
+    from verispec.cache.events import block_keys
+    index, bs, rule = PrefixIndex(routed_ttl_s=10), 4, RoutingRule(min_match_tokens=8)
+    old, new = block_keys(list(range(16)), bs), block_keys(list(range(100, 116)), bs)
+    index.update_cached("a", 1, old)
+    index.note_routed("b", new, now=0.0)
+    assert index.decide(old, bs, {"a": 1, "b": 0}, rule, now=1.0).ranked[0] == "a"
+    assert index.decide(new, bs, {"a": 0, "b": 1}, rule, now=1.0).ranked[0] == "b"   # routed, not reported yet
+    assert index.decide(new, bs, {"a": 0, "b": 1}, rule, now=11.0).reason == "short_match"   # expired
+    index.update_cached("a", 2, new)                                                  # a evicted `old`
+    assert index.matched_blocks("a", old) == 0 and index.matched_blocks("a", new) == 4
+    assert index.version("a") == 2 and index.version("b") is None
+
+
+def test_routed_prompt_notes_are_bounded_oldest_first():
+    index = PrefixIndex(max_routed_keys=3)
+    index.note_routed("a", [1, 2, 3], now=0.0)
+    index.note_routed("a", [4], now=0.0)
+    assert index.matched_blocks("a", [1], now=0.0) == 0 and index.matched_blocks("a", [2, 3, 4], now=0.0) == 3
+
+
+def test_packed_keys_round_trip_every_64_bit_key():
+    from verispec.ray.prefix_index import pack_keys, unpack_keys
+    keys = [0, -1, 2**63 - 1, -2**63, hash((0, (1, 2, 3)))]
+    assert unpack_keys(pack_keys(keys)) == keys
 
 
 def test_aggregate_sums_counters_and_recomputes_ratios_from_their_parts():

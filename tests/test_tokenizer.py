@@ -284,3 +284,11 @@ def test_sentencepiece_space_prefix_and_byte_fallback(spm_tok):
     assert pieces(" hello") == ["<s>", "▁", "▁hello"]
     assert pieces("hé") == ["<s>", "▁h", "<0xC3>", "<0xA9>"]
     assert spm_tok.decode(spm_tok.encode(" hello é")) == " hello é"
+
+
+def test_a_tokenizer_that_rendered_a_chat_pickles_and_renders_the_same_elsewhere(tok):
+    import pickle
+    messages = [{"role": "user", "content": "Hi there"}]
+    text = tok.apply_chat_template(messages)              # compiles the template
+    copy = pickle.loads(pickle.dumps(tok))
+    assert copy.apply_chat_template(messages) == text and copy.encode_chat(messages) == tok.encode_chat(messages)

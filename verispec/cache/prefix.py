@@ -19,6 +19,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Iterable, Sequence
 from typing import NamedTuple
 
+from verispec.cache.events import CacheDelta
 from verispec.cache.kv_pool import BlockPool
 
 
@@ -77,6 +78,10 @@ class PrefixCache(ABC):
     def cached_blocks(self) -> set[int]:
         """Every block the cache holds a reference on."""
 
+    @abstractmethod
+    def drain_events(self) -> CacheDelta:
+        """The block keys (verispec/cache/events.py) stored and evicted since the last call."""
+
     @property
     @abstractmethod
     def num_cached_blocks(self) -> int:
@@ -122,6 +127,9 @@ class NoPrefixCache(PrefixCache):
 
     def cached_blocks(self) -> set[int]:
         return set()
+
+    def drain_events(self) -> CacheDelta:
+        return CacheDelta([], [], reset=True)
 
     @property
     def num_cached_blocks(self) -> int:

@@ -28,6 +28,10 @@ changes what another reader of the block trusts).
 Eviction takes least-recently-used unlocked leaves and trims them from the tail, block by
 block, so it frees exactly what is asked when enough is evictable. Recency is a counter
 bumped by every match and insert, which keeps eviction order deterministic.
+
+Every block also carries its block key (`verispec/cache/events.py`: a hash chained over the
+path's token ids), and the tree logs the keys it stores and evicts in `events`: how a
+replica tells a request router which prefixes it holds (`drain_events`).
 """
 from __future__ import annotations
 
@@ -36,6 +40,7 @@ import itertools
 from collections import Counter
 from collections.abc import Iterable, Iterator, Sequence
 
+from verispec.cache.events import CacheDelta, CacheEventLog, block_keys
 from verispec.cache.kv_pool import BlockPool, _ensure
 from verispec.cache.prefix import PrefixCache, PrefixMatch
 
@@ -43,12 +48,13 @@ from verispec.cache.prefix import PrefixCache, PrefixMatch
 class RadixNode:
     """One run of full blocks in the tree; also the handle that lock/unlock take."""
 
-    __slots__ = ("key", "blocks", "children", "parent", "lock_ref", "last_access", "draft")
+    __slots__ = ("key", "blocks", "hashes", "children", "parent", "lock_ref", "last_access", "draft")
 
     def __init__(self, key: tuple[int, ...], blocks: list[int], parent: RadixNode | None,
-                 last_access: int):
+                 last_access: int, hashes: list[int] | None = None):
         self.key = key
         self.blocks = blocks
+        self.hashes = hashes if hashes is not None else []  # the block key of each block
         self.children: dict[tuple[int, ...], RadixNode] = {}
         self.parent = parent
         self.lock_ref = 0  # locks held on this node or any descendant
@@ -69,6 +75,7 @@ class RadixCache(PrefixCache):
         self._held: set[int] = set()
         self._num_evictable = 0
         self._clock = 0
+        self.events = CacheEventLog()
 
     # --- lookup and insertion -------------------------------------------------------------
 
@@ -138,13 +145,14 @@ class RadixCache(PrefixCache):
         """Cut `node` after `num_blocks` blocks; returns the new upper half."""
         bs = self.block_size
         upper = RadixNode(node.key[:num_blocks * bs], node.blocks[:num_blocks], node.parent,
-                          node.last_access)
+                          node.last_access, node.hashes[:num_blocks])
         # Every lock below or on `node` also pins the new upper half.
         upper.lock_ref = node.lock_ref
         upper.draft = node.draft
         node.parent.children[upper.key[:bs]] = upper
         node.key = node.key[num_blocks * bs:]
         node.blocks = node.blocks[num_blocks:]
+        node.hashes = node.hashes[num_blocks:]
         node.parent = upper
         upper.children[node.key[:bs]] = node
         return upper
@@ -161,7 +169,9 @@ class RadixCache(PrefixCache):
             self.pool.incref(block)
         self._held.update(blocks)
         self._num_evictable += len(blocks)
-        leaf = RadixNode(key, blocks, parent, now)
+        hashes = block_keys(key, self.block_size, parent.hashes[-1] if parent.hashes else 0)
+        leaf = RadixNode(key, blocks, parent, now, hashes)
+        self.events.stored(hashes)
         parent.children[key[:self.block_size]] = leaf
         if draft_blocks > 0:
             (self._split(leaf, draft_blocks) if draft_blocks < len(blocks) else leaf).draft = True
@@ -203,7 +213,9 @@ class RadixCache(PrefixCache):
             first_block_key = leaf.key[:self.block_size]
             take = min(len(leaf.blocks), num_blocks - freed)
             dropped = leaf.blocks[len(leaf.blocks) - take:]
+            self.events.removed(leaf.hashes[len(leaf.blocks) - take:])
             leaf.blocks = leaf.blocks[:len(leaf.blocks) - take]
+            leaf.hashes = leaf.hashes[:len(leaf.blocks)]
             leaf.key = leaf.key[:len(leaf.blocks) * self.block_size]
             self._num_evictable -= take
             for block in dropped:
@@ -244,6 +256,13 @@ class RadixCache(PrefixCache):
         """Every block the tree holds a reference on."""
         return set(self._held)
 
+    def block_keys(self) -> list[int]:
+        """The block key of every cached block."""
+        return [h for node in self._nodes() for h in node.hashes]
+
+    def drain_events(self) -> CacheDelta:
+        return self.events.drain(self.block_keys)
+
     @property
     def num_cached_blocks(self) -> int:
         return len(self._held)
@@ -270,6 +289,9 @@ class RadixCache(PrefixCache):
                     f"{node!r} has fewer locks than its children")
             _ensure(len(node.blocks) >= 1 and len(node.key) == len(node.blocks) * bs,
                     f"{node!r} has {len(node.key)} tokens for {len(node.blocks)} blocks")
+            parent_key = node.parent.hashes[-1] if node.parent.hashes else 0
+            _ensure(node.hashes == block_keys(node.key, bs, parent_key),
+                    f"{node!r} has block keys that do not chain its path's tokens")
             for block in node.blocks:
                 _ensure(block not in seen, f"block {block} appears twice in the tree")
                 _ensure(self.pool.ref_count(block) >= 1, f"cached block {block} is free")

@@ -43,6 +43,11 @@ class Tokenizer:
         self.meta = meta
         self._template = None  # compiled lazily: jinja2 import is only paid by chat users
 
+    def __getstate__(self) -> dict:
+        """Pickled without the compiled template (jinja2 templates do not unpickle): a
+        tokenizer in use can be sent to another process, which compiles its own."""
+        return {**self.__dict__, "_template": None}
+
     # --- construction ---------------------------------------------------------------------
     @classmethod
     def from_file(cls, path: str | Path) -> "Tokenizer":

@@ -31,6 +31,7 @@ APP_NAME = "verispec"
 ROUTINGS = ("prefix", "ray")
 PREFIX_ROUTER = "verispec.ray.router:PrefixAffinityRouter"
 HEALTH_CHECK_PERIOD_S = 2.0   # how soon a replica whose engine died stops getting requests
+ROUTING_STATS_PERIOD_S = 1.0  # how often replicas report their cached block keys to the router
 
 
 @dataclass(frozen=True)
@@ -68,8 +69,10 @@ def resolve_engine(engine: EngineConfig, replicas: int, cluster_gpus: float) -> 
 
 def build_app(engine: EngineConfig, server: ServerConfig, config: ReplicaConfig):
     """The Ray Serve application: the front door bound to N replicas of `engine`."""
-    router = RequestRouterConfig(request_router_class=PREFIX_ROUTER, request_router_kwargs=config.router_kwargs) \
-        if config.routing == "prefix" else RequestRouterConfig()
+    by_prefix = config.routing == "prefix"
+    router = RequestRouterConfig(request_router_class=PREFIX_ROUTER, request_router_kwargs=config.router_kwargs,
+                                 request_routing_stats_period_s=ROUTING_STATS_PERIOD_S) \
+        if by_prefix else RequestRouterConfig()
     replicas = serve.deployment(ReplicaServer).options(
         name="VerispecReplica", num_replicas=config.replicas, ray_actor_options=replica_resources(engine),
         # the engine queues and batches; Ray should not hold requests back from it
@@ -79,7 +82,7 @@ def build_app(engine: EngineConfig, server: ServerConfig, config: ReplicaConfig)
     front = serve.deployment(FrontDoor).options(
         name="VerispecFrontDoor", num_replicas=1, ray_actor_options={"num_cpus": 0},
         max_ongoing_requests=server.max_connections)
-    return front.bind(replicas.bind(engine, server), server)
+    return front.bind(replicas.bind(engine, server), server, by_prefix)
 
 
 def check_fits(engine: EngineConfig, replicas: int) -> None:

@@ -2,24 +2,26 @@
 response carried back, as plain picklable values over a Ray Serve DeploymentHandle.
 
     front door (ASGI, in Ray's HTTP proxy path)         replica (ReplicaServer)
-    HTTPCall(method, path, headers, body, routing_text)  run_asgi(app, call):
+    HTTPCall(method, path, headers, body, routing_keys)  run_asgi(app, call):
         --- handle.options(stream=True) ----------->       the app sees an ordinary HTTP
     <-- ResponseHead(status, headers), then bytes ---      request: body once, then only
                                                            http.disconnect, sent when the
                                                            call is cancelled (client gone)
 
 The front door reads the body before routing because the router needs the prompt: Ray's
-HTTP proxy forwards a body only after a replica is chosen. `routing_text` is that prompt
-as text (the request router's key, `verispec/ray/router.py`); the replica never reads it.
+HTTP proxy forwards a body only after a replica is chosen. `routing_keys` are that
+prompt's block keys, tokenized as the replica will (the request router's key,
+`verispec/ray/router.py`); the replica never reads them.
 """
 from __future__ import annotations
 
 import asyncio
-import json
 from dataclasses import dataclass
 from typing import AsyncIterator
 
-ROUTING_TEXT_CHARS = 1 << 15   # the router hashes no more than this (PrefixIndex.max_text_chars)
+from verispec.server import protocol as P
+
+ROUTING_TOKENS = 1 << 13   # the router keys no more of a prompt than this
 
 
 @dataclass(frozen=True)
@@ -32,7 +34,8 @@ class HTTPCall:
     headers: tuple[tuple[bytes, bytes], ...] = ()
     body: bytes = b""
     client: tuple[str, int] | None = None
-    routing_text: str = ""
+    routing_keys: tuple[int, ...] = ()   # block keys of the prompt (verispec/cache/events.py)
+    routing_block_size: int = 1
 
 
 @dataclass(frozen=True)
@@ -44,39 +47,23 @@ class ResponseHead:
     replica: str
 
 
-def routing_text(path: str, body: bytes) -> str:
-    """The prompt of a generation request as one string ("" for other routes and for bodies
-    that do not parse: the replica answers those). Chat messages are joined with their
-    roles, in order, so two conversations share a prefix exactly where their first
-    messages agree, as their rendered prompts do."""
-    if path not in ("/v1/chat/completions", "/v1/completions"):
-        return ""
+def routing_token_ids(path: str, body: bytes, tokenizer, allow_unknown_fields: bool) -> list[int]:
+    """The first ROUTING_TOKENS token ids of a generation request's prompt, encoded as the
+    replica's server encodes it (the chat template renders messages and tools); [] for
+    other routes and for requests the replica will refuse (it answers those). A batch of
+    completion prompts is routed by its first."""
     try:
-        data = json.loads(body)
-    except (ValueError, RecursionError):
-        return ""
-    if not isinstance(data, dict):
-        return ""
-    if path == "/v1/chat/completions":
-        parts = [json.dumps(data["tools"]) if data.get("tools") else ""]
-        for m in data.get("messages") or ():
-            if isinstance(m, dict):
-                parts.append(f"\x1e{m.get('role')}\x1f{_content_text(m.get('content'))}")
-        return "".join(parts)[:ROUTING_TEXT_CHARS]
-    prompt = data.get("prompt")
-    if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
-        prompt = prompt[0]   # a batch of prompts: route by the first
-    if isinstance(prompt, list):
-        return " ".join(map(str, prompt[:ROUTING_TEXT_CHARS // 4]))[:ROUTING_TEXT_CHARS]
-    return prompt[:ROUTING_TEXT_CHARS] if isinstance(prompt, str) else ""
-
-
-def _content_text(content) -> str:
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list):   # content parts: their text, in order
-        return "".join(p.get("text", "") for p in content if isinstance(p, dict))
-    return ""
+        if path == "/v1/chat/completions":
+            req = P.parse_request(P.ChatCompletionRequest, body, allow_unknown_fields)
+            ids = tokenizer.encode_chat(req.message_dicts(), **req.template_kwargs(tokenizer))
+        elif path == "/v1/completions":
+            prompt = P.parse_request(P.CompletionRequest, body, allow_unknown_fields).prompt[0]
+            ids = tokenizer.encode(prompt) if isinstance(prompt, str) else prompt
+        else:
+            return []
+    except Exception:   # noqa: BLE001 - bad input is the replica's to answer
+        return []
+    return list(ids[:ROUTING_TOKENS])
 
 
 def asgi_scope(call: HTTPCall) -> dict:

@@ -30,7 +30,8 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 
 from verispec.ray import metrics as ray_metrics
-from verispec.ray.bridge import HTTPCall, ResponseHead, routing_text
+from verispec.cache.events import block_keys
+from verispec.ray.bridge import HTTPCall, ResponseHead, routing_token_ids
 from verispec.server import guard
 from verispec.server import protocol as P
 from verispec.server.app import ServerConfig, read_body
@@ -38,6 +39,7 @@ from verispec.server.app import ServerConfig, read_body
 log = logging.getLogger("verispec.ray")
 
 CONTROL_TIMEOUT_S = 5.0   # /health and /metrics wait this long for the replicas
+GENERATION_ROUTES = ("/v1/chat/completions", "/v1/completions")
 CONTROL_ROUTES = {"/health": "health", "/metrics": "metrics", "/metrics/aggregate": "metrics"}  # GET only
 # A replica's process or actor is gone, or Ray has no replica to offer.
 UNAVAILABLE = (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError,
@@ -48,13 +50,14 @@ UNAVAILABLE = (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableErro
 class FrontDoor:
     """The ingress deployment: holds the handle on the replicas, builds the ASGI app."""
 
-    def __init__(self, replicas, server_config: ServerConfig):
+    def __init__(self, replicas, server_config: ServerConfig, route_by_prefix: bool = True):
         self.replicas = replicas
         self.server_config = server_config
+        self.route_by_prefix = route_by_prefix
 
     def __serve_build_asgi_app__(self):
         return guard.RequestGuard(
-            FrontDoorApp(self.replicas, self.server_config),
+            FrontDoorApp(self.replicas, self.server_config, self.route_by_prefix),
             hosts=guard.host_policy(self.server_config.host, self.server_config.api_key,
                                     self.server_config.allowed_hosts),
             body_timeout_s=self.server_config.body_timeout_s)
@@ -69,10 +72,13 @@ class _Relay:
 class FrontDoorApp:
     """Pure ASGI: the control routes answered here, every other request relayed."""
 
-    def __init__(self, replicas, config: ServerConfig):
+    def __init__(self, replicas, config: ServerConfig, route_by_prefix: bool = True):
         self.replicas = replicas
         self.streaming = replicas.options(method_name="handle", stream=True)
         self.config = config
+        self.route_by_prefix = route_by_prefix   # False: Ray's router ignores routing keys
+        self._routing_info = None                # (tokenizer, block size), from a replica
+        self._routing_info_lock = asyncio.Lock()
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] == "lifespan":
@@ -93,8 +99,9 @@ class FrontDoorApp:
             return
         except ClientDisconnect:
             return
+        keys, block_size = await self._routing_keys(scope["path"], body)
         call = HTTPCall(scope["method"], scope["path"], scope.get("query_string", b""),
-                        tuple(scope["headers"]), body, scope.get("client"), routing_text(scope["path"], body))
+                        tuple(scope["headers"]), body, scope.get("client"), keys, block_size)
         response = self.streaming.remote(call)
         relay = _Relay()
         pump = asyncio.ensure_future(_pump(response, send, relay))
@@ -107,6 +114,22 @@ class FrontDoorApp:
                 pump.cancel()
             watcher.cancel()
             await asyncio.gather(pump, watcher, return_exceptions=True)
+
+    async def _routing_keys(self, path: str, body: bytes) -> tuple[tuple[int, ...], int]:
+        """(block keys, block size) of the request's prompt for PrefixAffinityRouter; no
+        keys when routing ignores them or no replica has told the tokenizer yet."""
+        if not self.route_by_prefix or path not in GENERATION_ROUTES:
+            return (), 1
+        async with self._routing_info_lock:   # the first requests ask one replica, once
+            if self._routing_info is None:
+                try:
+                    self._routing_info = await self.replicas.routing_info.remote()
+                except Exception as exc:   # noqa: BLE001 - no replica up yet: route by load
+                    log.warning("no routing info from the replicas yet: %s", exc)
+                    return (), 1
+        tokenizer, block_size = self._routing_info
+        ids = await asyncio.to_thread(routing_token_ids, path, body, tokenizer, self.config.allow_unknown_fields)
+        return tuple(block_keys(ids, block_size)), block_size
 
     async def _broadcast(self, path: str) -> tuple[dict[str, tuple[int, bytes]], list[str]]:
         """{replica: (status, body)} of GET `path` on every replica, and the failures."""

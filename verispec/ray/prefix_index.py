@@ -1,27 +1,30 @@
-"""Which replica probably holds which prompt prefix, and where a request should go.
+"""Which replica holds which prompt prefix in its KV cache, and where a request should go.
 
 Pure Python (no Ray, no model code), so the routing rule is unit-testable alone;
-`verispec/ray/router.py` feeds it Ray's replica set and queue lengths.
+`verispec/ray/router.py` feeds it Ray's replica set, queue lengths and routing stats.
 
-The index is approximate on purpose. A replica's radix cache holds token blocks; the
-router sees the request's text before any tokenizer does. So a prompt's text is cut into
-chunks of `chunk_chars` characters, and chunk i is keyed by a hash chained over chunks
-0..i (a key names a whole prefix, as a radix-tree path does):
+Prefixes are named by block keys (`verispec/cache/events.py`): a hash chained over the
+token ids of every whole KV block, so key j names the first j + 1 blocks. The front door
+tokenizes each request as the replicas will and sends its keys with it. Each replica's
+radix cache logs the keys it stores and evicts; the replica keeps the set they add up to
+and publishes it as its Ray Serve routing stats (`ReplicaServer.record_routing_stats`),
+which reach the router about once a second. A replica's match for a request is the run of
+the request's leading keys it holds, in tokens: the prefix its cache would serve.
 
-    text:   | chunk 0 | chunk 1 | chunk 2 | tail (< chunk_chars, ignored) |
-    keys:     h0        h1=H(h0,c1)  h2=H(h1,c2)
-
-A replica "holds" a key once a prompt with that prefix was routed to it. Its keys live in
-an LRU of at most `max_chunks` entries, a stand-in for the replica's own LRU eviction; a
-replica that leaves (dies, is replaced) takes its keys with it. The match of a replica is
-the number of leading keys of the request it holds, in characters.
+Between two reports the router also counts the prompts it has just sent to a replica
+(`note_routed`): their blocks are cached there a step or two later, and a burst of
+requests sharing a new prefix should not scatter before the next report says so. Such a
+note lasts `routed_ttl_s`; a replica's own report is the truth about everything else,
+evictions included.
 """
 from __future__ import annotations
 
 import random
-from collections import OrderedDict
+import time
+from array import array
+from collections import Counter, OrderedDict
 from dataclasses import dataclass
-from typing import Hashable, Sequence
+from typing import Hashable, Iterable, Sequence
 
 Replica = Hashable
 
@@ -30,19 +33,19 @@ Replica = Hashable
 class RoutingRule:
     """When prefix affinity wins over load balance.
 
-    min_match_chars: a shorter match is no reason to prefer a replica (a chat template's
-      first line or a one-line system prompt would otherwise pin everything to one).
+    min_match_tokens: a shorter match is no reason to prefer a replica (a chat template's
+      header or a one-line system prompt would otherwise pin everything to one).
     max_imbalance: the preferred replica may run at most this many more requests than the
       least loaded one; past it, the request goes to the least loaded (a hot prefix must
       not turn N replicas into one).
     """
 
-    min_match_chars: int = 256
+    min_match_tokens: int = 64
     max_imbalance: int = 4
 
     def __post_init__(self):
-        if self.min_match_chars < 1:
-            raise ValueError(f"min_match_chars must be >= 1, got {self.min_match_chars}")
+        if self.min_match_tokens < 1:
+            raise ValueError(f"min_match_tokens must be >= 1, got {self.min_match_tokens}")
         if self.max_imbalance < 0:
             raise ValueError(f"max_imbalance must be >= 0, got {self.max_imbalance}")
 
@@ -52,78 +55,106 @@ class Decision:
     """Replicas in order of preference, and why the first one leads.
 
     reason: "prefix" (longest match, load within max_imbalance), "short_match" (no
-    replica matched min_match_chars: least loaded), "imbalanced" (the best match was too
+    replica matched min_match_tokens: least loaded), "imbalanced" (the best match was too
     busy: least loaded)."""
 
     ranked: list
     reason: str
-    matched_chars: int
+    matched_tokens: int
 
 
 class PrefixIndex:
-    """Per-replica LRU sets of chained chunk hashes (see the module docstring)."""
+    """Per replica: the block keys its cache reported, and those of prompts just sent."""
 
-    def __init__(self, chunk_chars: int = 64, max_chunks: int = 1 << 16, max_text_chars: int = 1 << 15):
-        if chunk_chars < 1 or max_chunks < 1 or max_text_chars < chunk_chars:
-            raise ValueError("chunk_chars and max_chunks must be >= 1, max_text_chars >= chunk_chars")
-        self.chunk_chars = chunk_chars
-        self.max_chunks = max_chunks
-        self.max_text_chars = max_text_chars  # a prompt's later text decides nothing: bounded work
-        self._keys: dict[Replica, OrderedDict[int, None]] = {}
-        self._routed: dict[Replica, int] = {}
+    def __init__(self, routed_ttl_s: float = 10.0, max_routed_keys: int = 1 << 16):
+        if routed_ttl_s <= 0 or max_routed_keys < 1:
+            raise ValueError("routed_ttl_s must be > 0 and max_routed_keys >= 1")
+        self.routed_ttl_s = routed_ttl_s
+        self.max_routed_keys = max_routed_keys
+        self._cached: dict[Replica, frozenset[int]] = {}
+        self._versions: dict[Replica, object] = {}
+        self._routed: dict[Replica, OrderedDict[int, float]] = {}   # key -> when, oldest first
+        self._requests: Counter = Counter()
 
-    def keys_of(self, text: str) -> list[int]:
-        """The chained hash of every whole chunk of text[:max_text_chars]."""
-        keys, h, c = [], 0, self.chunk_chars
-        for start in range(0, min(len(text), self.max_text_chars) - c + 1, c):
-            h = hash((h, text[start:start + c]))
-            keys.append(h)
-        return keys
+    def version(self, replica: Replica):
+        """The version of the last report applied for `replica` (None: none yet)."""
+        return self._versions.get(replica)
 
-    def insert(self, replica: Replica, keys: Sequence[int]) -> None:
-        """Record that `replica` was sent a prompt with these keys (most recent last)."""
-        held = self._keys.setdefault(replica, OrderedDict())
+    def update_cached(self, replica: Replica, version, keys: Iterable[int]) -> None:
+        """Replace what `replica` holds with its report `keys`, tagged `version`."""
+        self._cached[replica] = frozenset(keys)
+        self._versions[replica] = version
+
+    def note_routed(self, replica: Replica, keys: Sequence[int], now: float | None = None) -> None:
+        """`replica` was just sent a prompt with these keys."""
+        now = time.monotonic() if now is None else now
+        routed = self._routed.setdefault(replica, OrderedDict())
         for k in keys:
-            held[k] = None
-            held.move_to_end(k)
-        while len(held) > self.max_chunks:
-            held.popitem(last=False)
-        self._routed[replica] = self._routed.get(replica, 0) + 1
+            routed[k] = now
+            routed.move_to_end(k)
+        while len(routed) > self.max_routed_keys:
+            routed.popitem(last=False)
+        self._requests[replica] += 1
 
-    def matched_chars(self, replica: Replica, keys: Sequence[int]) -> int:
-        """Characters of the request's leading chunks that `replica` holds."""
-        held = self._keys.get(replica)
+    def _expire(self, replica: Replica, now: float) -> OrderedDict:
+        routed = self._routed.get(replica, OrderedDict())
+        while routed and now - next(iter(routed.values())) > self.routed_ttl_s:
+            routed.popitem(last=False)
+        return routed
+
+    def matched_blocks(self, replica: Replica, keys: Sequence[int], now: float | None = None) -> int:
+        """How many of the request's leading blocks `replica` holds or was just sent."""
+        routed = self._expire(replica, time.monotonic() if now is None else now)
+        cached = self._cached.get(replica, frozenset())
         n = 0
-        if held:
-            for k in keys:
-                if k not in held:
-                    break
-                n += 1
-        return n * self.chunk_chars
+        for k in keys:
+            if k not in cached and k not in routed:
+                break
+            n += 1
+        return n
 
     def remove(self, replica: Replica) -> None:
-        self._keys.pop(replica, None)
-        self._routed.pop(replica, None)
+        for table in (self._cached, self._versions, self._routed, self._requests):
+            table.pop(replica, None)
 
     def retain(self, replicas) -> None:
         """Forget every replica not in `replicas`."""
-        for gone in set(self._keys) - set(replicas):
+        for gone in (set(self._cached) | set(self._routed)) - set(replicas):
             self.remove(gone)
 
     def footprint(self, replica: Replica) -> tuple[int, int]:
-        """(chunks held, requests routed): the tie-break between equally loaded replicas."""
-        return len(self._keys.get(replica, ())), self._routed.get(replica, 0)
+        """(blocks known held, requests routed): the tie-break between equally loaded replicas."""
+        return len(self._cached.get(replica, ())) + len(self._routed.get(replica, ())), self._requests[replica]
 
-    def decide(self, keys: Sequence[int], loads: dict, rule: RoutingRule) -> Decision:
-        """Rank the replicas of `loads` (replica -> requests in flight) for a request."""
+    def decide(self, keys: Sequence[int], block_size: int, loads: dict, rule: RoutingRule,
+               now: float | None = None) -> Decision:
+        """Rank the replicas of `loads` (replica -> requests in flight) for a request whose
+        prompt has these block keys."""
         if not loads:
             return Decision([], "short_match", 0)
+        now = time.monotonic() if now is None else now
         salt = {r: random.random() for r in loads}
         by_load = sorted(loads, key=lambda r: (loads[r], self.footprint(r), salt[r]))
-        matched = {r: self.matched_chars(r, keys) for r in loads}
+        matched = {r: self.matched_blocks(r, keys, now) * block_size for r in loads}
         best = max(by_load, key=lambda r: matched[r])  # max keeps the least loaded of equals
-        if matched[best] < rule.min_match_chars:
+        if matched[best] < rule.min_match_tokens:
             return Decision(by_load, "short_match", matched[best])
         if loads[best] - loads[by_load[0]] > rule.max_imbalance:
             return Decision(by_load, "imbalanced", matched[best])
         return Decision([best] + [r for r in by_load if r != best], "prefix", matched[best])
+
+
+# A replica's routing stats (Ray Serve `record_routing_stats`): {STATS_KEY: {"version": n,
+# "keys": packed}}; the version changes whenever the key set does, so the router unpacks
+# each report once.
+STATS_KEY = "verispec_prefix_cache"
+
+
+def pack_keys(keys: Iterable[int]) -> bytes:
+    return array("q", keys).tobytes()
+
+
+def unpack_keys(packed: bytes) -> list[int]:
+    keys = array("q")
+    keys.frombytes(packed)
+    return keys.tolist()

@@ -22,14 +22,23 @@ import os
 
 from ray import serve
 
+from verispec.cache.events import CacheDelta
 from verispec.engine.core import build_engine
 from verispec.ray.bridge import HTTPCall, fetch, run_asgi
+from verispec.ray.prefix_index import STATS_KEY, pack_keys
 from verispec.server.app import ServerConfig, create_app
 from verispec.server.async_engine import AsyncEngine, EngineStartError
 
 log = logging.getLogger("verispec.ray")
 
 ENGINE_DEATH_GRACE_S = 1.0   # for the in-flight requests' error events to leave a dying replica
+DRAIN_TIMEOUT_S = 5.0        # a routing-stats poll waits this long for the engine core
+
+
+def drain_cache_events(engine) -> CacheDelta:
+    """Run in the engine core: the block keys its prefix cache stored and evicted since the
+    last call."""
+    return engine.kv.prefix_cache.drain_events()
 
 
 class ReplicaServer:
@@ -47,6 +56,9 @@ class ReplicaServer:
         except EngineStartError as exc:
             raise (ValueError if exc.bad_input else RuntimeError)(str(exc)) from None
         self.engine = engine
+        self.block_size = engine_config.cache.block_size
+        self.cached_keys: set[int] = set()   # the block keys the engine's prefix cache holds
+        self.cached_version = 0
         engine.on_death = self._exit_soon
         self.app = create_app(engine, server_config)
         self._lifespan = self.app.router.lifespan_context(self.app)
@@ -65,6 +77,27 @@ class ReplicaServer:
         call = HTTPCall("GET", path, headers=((b"host", b"127.0.0.1"),))
         status, body = await fetch(self.app, call, self.replica)
         return self.replica, status, body
+
+    def routing_info(self) -> tuple:
+        """(tokenizer, KV block size): what the front door needs to compute the block keys
+        of a request's prompt exactly as this replica's cache names them."""
+        return self.engine.tokenizer, self.block_size
+
+    async def record_routing_stats(self) -> dict:
+        """Ray Serve's routing stats, polled by the controller for PrefixAffinityRouter:
+        every block key this replica's prefix cache holds, kept up to date from the cache's
+        own store and evict events. {} when the engine does not answer (the health check
+        deals with that replica)."""
+        try:
+            delta = await self.engine.call(drain_cache_events, timeout_s=DRAIN_TIMEOUT_S)
+        except Exception as exc:   # noqa: BLE001 - a stats poll must not fail the replica
+            log.debug("replica %s: no cache events (%s)", self.replica, exc)
+            return {}
+        if delta.reset or delta.stored or delta.removed:
+            delta.apply(self.cached_keys)
+            self.cached_version += 1
+        return {STATS_KEY: {"replica": self.replica, "version": self.cached_version,
+                            "keys": pack_keys(self.cached_keys)}}
 
     def _exit_soon(self, why: str) -> None:
         """The engine process died (its requests already ended with the cause): end this

@@ -700,7 +700,7 @@ class OpenAIServer:
         req = P.parse_request(P.ChatCompletionRequest, body, self.config.allow_unknown_fields)
         self._check_model(req.model)
         messages = req.message_dicts()
-        kw = self._tools_kwargs(req)
+        kw = req.template_kwargs(self.tokenizer)
         try:
             self._check_length(self.tokenizer.apply_chat_template(messages, **kw), "messages")
             return req, list(self.tokenizer.encode_chat(messages, **kw))
@@ -709,18 +709,6 @@ class OpenAIServer:
         except Exception as exc:  # the template rejecting a conversation is bad input
             raise P.APIError(400, f"messages: the chat template rejected them: {exc}",
                              param="messages", code="invalid_value") from None
-
-    def _tools_kwargs(self, req: P.ChatCompletionRequest) -> dict:
-        """{"tools": [...]} for the chat template, or {} without tools; 400 when the model's
-        template cannot render tools (it never mentions `tools`: see --chat-template)."""
-        tool_defs = req.template_tools()
-        if not tool_defs:
-            return {}
-        if not getattr(self.tokenizer, "supports_tools", False):
-            raise P.APIError(400, "tools: the model's chat template does not support tools (it "
-                             "does not render a `tools` variable); start the server with a "
-                             "--chat-template that does", param="tools", code="invalid_value")
-        return {"tools": tool_defs}
 
     def _check_length(self, text: str, param: str) -> None:
         """400 for a text that cannot fit the context, decided before tokenizing it whole."""

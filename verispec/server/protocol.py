@@ -447,6 +447,18 @@ class ChatCompletionRequest(_GenerationRequest):
             tools = [t for t in tools if t.function.name == self.tool_choice.function.name]
         return [t.model_dump(exclude_none=True) for t in tools]
 
+    def template_kwargs(self, tokenizer) -> dict:
+        """{"tools": [...]} for the chat template, or {} without tools; 400 when the model's
+        template cannot render tools (it never mentions `tools`: see --chat-template)."""
+        tool_defs = self.template_tools()
+        if not tool_defs:
+            return {}
+        if not getattr(tokenizer, "supports_tools", False):
+            raise APIError(400, "tools: the model's chat template does not support tools (it "
+                           "does not render a `tools` variable); start the server with a "
+                           "--chat-template that does", param="tools", code="invalid_value")
+        return {"tools": tool_defs}
+
     def structured_output(self) -> StructuredOutput | None:
         """As for every request, plus: tool_choice "required" or a named function is
         enforced by a grammar of `<tool_call>` blocks (`tools.call_grammar`), which cannot
