@@ -498,6 +498,7 @@ def add_common_args(parser: argparse.ArgumentParser, concurrency: str) -> None:
     g.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
     g.add_argument("--weight-format", default=None,
                    help="EngineConfig.weight_format (default: the engine's default)")
+    g.add_argument("--device", default="auto", help="EngineConfig.device: auto, cpu, cuda or cuda:N")
     g.add_argument("--seed", type=int, default=0, help="prompt selection seed")
     g.add_argument("--split", default="eval", choices=SPLITS,
                    help="measure the evaluation half of every dataset's prompts (default), the "
@@ -511,9 +512,11 @@ def add_common_args(parser: argparse.ArgumentParser, concurrency: str) -> None:
 
 
 def base_config(args: argparse.Namespace, draft_model: str | None = None) -> EngineConfig:
-    """The engine's default config with the run's model, draft model, dtype and weight format."""
+    """The engine's default config with the run's model, draft model, dtype, weight format
+    and device."""
     extra = {"weight_format": args.weight_format} if args.weight_format else {}
-    return EngineConfig(model=args.model, draft_model=draft_model, dtype=args.dtype, **extra)
+    return EngineConfig(model=args.model, draft_model=draft_model, dtype=args.dtype,
+                        device=getattr(args, "device", "auto"), **extra)
 
 
 def start_run(args: argparse.Namespace) -> dict:

@@ -273,8 +273,8 @@ def test_a_size_the_model_cannot_split_is_a_clear_error_before_any_rank_starts(e
         engine_config(dirs["llama"], tp=0)
 
 
-def _descendant_workers(pid: int) -> list[int]:
-    """Pids of tensor-parallel worker processes below `pid`."""
+def _descendants(pid: int) -> list[int]:
+    """Pids of every process below `pid`."""
     children: dict[int, list[int]] = {}
     for entry in os.listdir("/proc"):
         if entry.isdigit():
@@ -287,11 +287,19 @@ def _descendant_workers(pid: int) -> list[int]:
     while todo:
         for child in children.get(todo.pop(), []):
             todo.append(child)
-            try:
-                if b"verispec.distributed.worker" in Path(f"/proc/{child}/cmdline").read_bytes():
-                    found.append(child)
-            except OSError:
-                pass
+            found.append(child)
+    return found
+
+
+def _descendant_workers(pid: int) -> list[int]:
+    """Pids of tensor-parallel worker processes below `pid`."""
+    found = []
+    for child in _descendants(pid):
+        try:
+            if b"verispec.distributed.worker" in Path(f"/proc/{child}/cmdline").read_bytes():
+                found.append(child)
+        except OSError:
+            pass
     return found
 
 
@@ -338,3 +346,74 @@ def test_a_killed_rank_fails_the_http_request_and_the_server_reports_it(dirs, tm
         except subprocess.TimeoutExpired:
             server.kill()
         log.close()
+
+
+# ---------------------------------------------------------------------------- ranks by torchrun
+TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(WORLD)]
+
+
+def _torchrun(args: list[str], env: dict | None = None, **kw) -> subprocess.Popen:
+    """`torchrun --standalone --nproc-per-node 2 -m verispec.cli ARGS`."""
+    from test_server_http import REPO
+    return subprocess.Popen([*TORCHRUN, "-m", "verispec.cli", *args], cwd=REPO, env={**os.environ, **(env or {})},
+                            text=True, **kw)
+
+
+def test_torchrun_ranks_generate_what_one_process_generates(engines, dirs):
+    """`torchrun --nproc-per-node 2 -m verispec.cli generate -tp 2`: rank 0 prints the
+    one-process engine's greedy tokens; rank 1 runs its forwards, then both exit 0."""
+    text = "".join(chr(0x4E00 + t) for t in [1, 2, 3, 4, 5, 1, 2, 3])
+    proc = _torchrun(["generate", "--model", str(dirs["qwen2"]), "--dtype", "float32", "-tp", str(WORLD),
+                      "--threads", "1", "--prompt", text, "--max-tokens", "16", "--spec", "ngram", "--json"],
+                     stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0, err
+    result = json.loads(out.strip().splitlines()[-1])
+    one = LLMEngine.from_config(engine_config(dirs["qwen2"]))
+    ids = list(one.tokenizer.encode(text))
+    params = SamplingParams(temperature=0.0, max_tokens=16)
+    assert result["token_ids"] == run_all(one, [ids], params, SpecOverride("ngram", 2, False))[0].token_ids
+
+
+def test_torchrun_serves_http_from_rank_0_and_every_rank_stops_with_it(engines, dirs):
+    from test_server_http import API_KEY, _free_port
+    port = _free_port()
+    proc = _torchrun(["serve", "--model", str(dirs["qwen2"]), "--dtype", "float32", "-tp", str(WORLD),
+                      "--threads", "1", "--port", str(port), "--no-access-log", "--log-level", "warning",
+                      "--shutdown-timeout", "3", "--spec", "none"], {"VERISPEC_API_KEY": API_KEY},
+                     stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 90
+        while True:
+            assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read()
+            try:
+                if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                    break
+            except httpx.TransportError:
+                time.sleep(0.2)
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key=API_KEY, timeout=30, max_retries=0)
+        got = client.completions.create(model=str(dirs["qwen2"]), prompt=[1, 2, 3, 4], max_tokens=8, temperature=0)
+        one = LLMEngine.from_config(engine_config(dirs["qwen2"]))
+        want = run_all(one, [[1, 2, 3, 4]], SamplingParams(temperature=0.0, max_tokens=8))[0].text
+        assert got.choices[0].text == want
+        ranks = _descendants(proc.pid)
+    finally:
+        proc.send_signal(signal.SIGTERM)   # torchrun stops every rank, and exits
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            raise
+    deadline = time.monotonic() + 10   # rank 0's engine core ends when it sees its parent gone
+    while (left := [p for p in ranks if Path(f"/proc/{p}").exists()]) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert len(ranks) >= WORLD + 1 and not left, [Path(f"/proc/{p}/cmdline").read_bytes()[:200] for p in left]
+
+
+def test_torchrun_with_another_world_size_is_a_clear_error_on_every_rank(dirs):
+    proc = _torchrun(["generate", "--model", str(dirs["qwen2"]), "--dtype", "float32", "--threads", "1", "-tp", "4",
+                      "--prompt", "x", "--max-tokens", "1"], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode != 0
+    assert "torchrun started 2 processes but tensor_parallel_size is 4" in err, err

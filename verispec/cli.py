@@ -169,7 +169,12 @@ def cmd_serve(args) -> int:
     from verispec.server.app import serve
     if args.replicas is not None:  # threads are shared out per replica there, not resolved here
         return _serve_replicas(config_from_args(args), args)
-    return serve(functools.partial(build_engine, config_from_args(args).resolved_for("serve")), args)
+    config = config_from_args(args).resolved_for("serve")
+    from verispec.distributed.torchrun import run_worker, torchrun_rank
+    me = torchrun_rank()
+    if me is not None and me.rank > 0:   # rank 0 serves HTTP; the others run its forwards
+        return run_worker(config, me)
+    return serve(functools.partial(build_engine, config), args)
 
 
 def _serve_replicas(config, args) -> int:

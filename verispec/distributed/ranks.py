@@ -125,12 +125,14 @@ def pin_process(cpus: list[int] | None) -> set[int]:
     return before
 
 
-def init_group(rank: int, world: int, store: dist.Store, device: torch.device) -> None:
-    """Join the group (the default process group): gloo on the CPU, NCCL on CUDA."""
+def init_group(rank: int, world: int, store: dist.Store | None, device: torch.device) -> None:
+    """Join the group (the default process group): gloo on the CPU, NCCL on CUDA; through
+    `store`, or torchrun's rendezvous (env://) when it is None."""
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", store=store, rank=rank,
-                            world_size=world, timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S))
+    meet = {"store": store} if store is not None else {"init_method": "env://"}
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S), **meet)
 
 
 class RankGroup:
@@ -164,6 +166,9 @@ class RankGroup:
                          Connection(reply_read, writable=False))
         worker.commands.send(start)
         return worker
+
+    def joined(self) -> None:
+        """Every rank is in the group (the pipes already carry the steps)."""
 
     def wait_loaded(self) -> None:
         """Block until every worker has loaded its slices; raise naming the first that failed."""

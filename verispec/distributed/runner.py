@@ -18,6 +18,8 @@ import torch
 from verispec.config import EngineConfig, physical_cores
 from verispec.distributed.layers import Collectives
 from verispec.distributed.ranks import RankGroup, TensorParallelError, init_group, rank_devices
+from verispec.distributed.torchrun import (TorchrunGroup, TorchrunRank, check_world, pin_local_rank, rank_device,
+                                           rank_threads, run_worker, torchrun_rank)
 from verispec.engine.runner import ModelRunner, RowInput
 from verispec.model.config import ModelConfig
 from verispec.model.llama import LlamaModel
@@ -84,30 +86,48 @@ class TensorParallelTarget(NamedTuple):
 
 def start(config: EngineConfig) -> TensorParallelTarget:
     """Start `config.tensor_parallel_size` ranks of the target: the workers (processes) and
-    rank 0 here. Bad configurations (heads not divisible, too few devices) are a ValueError
-    before any process starts; a worker that fails to load stops every rank."""
+    rank 0 here; under torchrun, join its ranks instead (a rank > 0 serves rank 0's forwards
+    and then ends the program: torchrun.py). Bad configurations (heads not divisible, too
+    few devices) are a ValueError before any process starts; a worker that fails to load
+    stops every rank."""
     from verispec.distributed.loading import load_rank_model
     from verispec.distributed.sharding import check_divisible, check_int4_split
     from verispec.model.loader import load_config_and_tokenizer, resolve_model
     from verispec.model.quant import INT4_FORMATS
 
     world = config.tensor_parallel_size
+    me = torchrun_rank()
+    if me is not None:
+        check_world(config, me)
     full, _ = load_config_and_tokenizer(resolve_model(config.model))
     check_divisible(full, world)
     if config.weight_format in INT4_FORMATS:
         check_int4_split(full, world)
-    devices = rank_devices(config, world)
-    threads = config.threads or max(1, physical_cores() // world)
-    group = RankGroup(config, world, threads, devices)
+    if me is not None and me.rank > 0:   # this program's engine is rank 0's: serve it, then end
+        raise SystemExit(run_worker(config, me))
+    group, device, threads = _rank_zero_group(config, world, me)
     try:
         torch.set_num_threads(threads)
-        model, full, tokenizer, comm = load_rank_model(config, 0, world, devices[0])
+        model, full, tokenizer, comm = load_rank_model(config, 0, world, device)
         group.wait_loaded()
-        init_group(0, world, group.store, devices[0])
+        init_group(0, world, group.store, device)
+        group.joined()
     except BaseException:
         group.close()
         raise
     return TensorParallelTarget(model, full, tokenizer, group, comm)
+
+
+def _rank_zero_group(config: EngineConfig, world: int, me: TorchrunRank | None):
+    """(the group handle, rank 0's device, its threads): the worker ranks started here, or
+    torchrun's."""
+    if me is not None:
+        threads = rank_threads(config, me)
+        pin_local_rank(me, threads)
+        return TorchrunGroup(me), rank_device(config, me), threads
+    devices = rank_devices(config, world)
+    threads = config.threads or max(1, physical_cores() // world)
+    return RankGroup(config, world, threads, devices), devices[0], threads
 
 
 __all__ = ["TensorParallelError", "TensorParallelRunner", "TensorParallelTarget", "ForwardStats", "start"]

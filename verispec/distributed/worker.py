@@ -1,5 +1,6 @@
 """A worker rank (r >= 1) of a tensor-parallel target: `python -m verispec.distributed.worker
-COMMANDS_FD REPLIES_FD`, started by rank 0 (ranks.RankGroup).
+COMMANDS_FD REPLIES_FD`, started by rank 0 (ranks.RankGroup); under torchrun, the same loop
+over a broadcast channel instead of the pipes (torchrun.run_worker).
 
 It runs the target's forward only: for each message of rows, the same `ModelRunner.forward`
 as rank 0 on its own slices and KV store, whose collectives meet rank 0's. It samples
@@ -24,17 +25,18 @@ def main(argv: list[str]) -> int:
     from verispec.distributed.ranks import pin_process
     pin_process(start.cpus)  # before torch starts its OpenMP threads: they inherit it
     try:
-        runner = _build(start)
+        runner = build_runner(start)
     except Exception:
         replies.send(("failed", traceback.format_exc()))
         return 1
     replies.send(("loaded",))
     from verispec.distributed.ranks import init_group
     init_group(start.rank, start.world, _store(start), runner.device)
-    return _serve(commands, replies, runner)
+    return serve_forwards(lambda: pickle.loads(commands.recv_bytes()), runner,
+                          lambda trace: _report(replies, trace))
 
 
-def _build(start):
+def build_runner(start):
     """This rank's runner: its slices loaded and placed as `LLMEngine.__init__` places the
     target (huge pages, then the kernels), with a KV store the size of rank 0's."""
     import torch
@@ -67,27 +69,33 @@ def _store(start):
                          timeout=datetime.timedelta(seconds=START_TIMEOUT_S))
 
 
-def _serve(commands: Connection, replies: Connection, runner) -> int:
+def serve_forwards(receive, runner, report) -> int:
+    """Run the forward of every batch of rows `receive()` returns until it returns None (rank
+    0 shut down: 0) or fails (rank 0 is gone: 1); a failing forward is `report`ed (its
+    traceback), and ends the rank (1)."""
     import torch.distributed as dist
 
     while True:
         try:
-            payload = commands.recv_bytes()
-        except (EOFError, OSError):
-            log.error("tensor-parallel worker: rank 0 is gone; exiting")
+            rows = receive()
+        except (EOFError, OSError, RuntimeError) as exc:
+            log.error("tensor-parallel worker: rank 0 is gone (%s); exiting", type(exc).__name__)
             return 1
-        rows = pickle.loads(payload)
         if rows is None:
             dist.destroy_process_group()
             return 0
         try:
             runner.forward(rows)
         except Exception:
-            try:
-                replies.send(("failed", traceback.format_exc()))
-            except OSError:  # rank 0 is gone too
-                pass
+            report(traceback.format_exc())
             return 1
+
+
+def _report(replies: Connection, trace: str) -> None:
+    try:
+        replies.send(("failed", trace))
+    except OSError:  # rank 0 is gone too
+        pass
 
 
 if __name__ == "__main__":
