@@ -43,7 +43,7 @@ EDITS = [
     "function in one Python code block.",
 ]
 RETRIES = ["", "Solve this task.\n\n", "Please write the code for the following.\n\n"]
-CONTENDERS = ("none", "ngram", "suffix")
+CONTENDERS = ("none", "ngram", "suffix", "auto")   # "none" (plain) is the reference
 
 
 async def run_chain(client, model: str, first: str, max_tokens: int, workload: str) -> list[dict]:
@@ -103,9 +103,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--concurrency", default="1", help="comma-separated chains in flight")
     ap.add_argument("--max-tokens", type=int, default=256)
     ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--contenders", default=",".join(CONTENDERS), help="--spec values, comma-separated; must include none")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", type=Path)
     args = ap.parse_args(argv)
+    contenders = args.contenders.split(",")
+    if "none" not in contenders:
+        ap.error("--contenders must include none (plain decoding, the reference)")
     problems = load_datasets("humaneval")[0]["humaneval"]
     halves = {h: [p for p in problems if common.prompt_half("humaneval", p.prompt_id) == h] for h in ("eval", "tuning")}
     random.Random(args.seed).shuffle(halves["eval"])
@@ -113,9 +117,9 @@ def main(argv: list[str] | None = None) -> int:
     warm = [halves["tuning"][0].messages[0]["content"]]
     results = {}
     for c in (int(x) for x in args.concurrency.split(",")):
-        runs = {m: [] for m in CONTENDERS}
+        runs = {m: [] for m in contenders}
         for repeat in range(args.repeats):
-            order = list(CONTENDERS)
+            order = list(contenders)
             random.Random(f"{args.seed}:{c}:{repeat}").shuffle(order)
             for mode in order:
                 runs[mode].append(measure(mode, firsts, warm, c, args))
@@ -124,7 +128,7 @@ def main(argv: list[str] | None = None) -> int:
         results[c] = {"runs": runs, "summary": summarise(runs)}
         print(json.dumps({c: results[c]["summary"]}, indent=1))
     out = {"benchmark": f"agentic-{args.workload}", "edits": EDITS, "retries": RETRIES, "args": vars(args) | {"out": str(args.out)},
-           "configs": {m: serve_config(m, args.serve_args).to_dict() for m in CONTENDERS},
+           "configs": {m: serve_config(m, args.serve_args).to_dict() for m in contenders},
            "machine": machine_info(), "software": software_versions(), "results": results}
     if args.out:
         args.out.write_text(json.dumps(out, indent=1) + "\n")
