@@ -43,7 +43,7 @@ EDITS = [
     "function in one Python code block.",
 ]
 RETRIES = ["", "Solve this task.\n\n", "Please write the code for the following.\n\n"]
-CONTENDERS = ("none", "ngram", "suffix", "auto")   # "none" (plain) is the reference
+CONTENDERS = ("none", "ngram", "suffix")   # "none" (plain) is the reference
 
 
 async def run_chain(client, model: str, first: str, max_tokens: int, workload: str) -> list[dict]:

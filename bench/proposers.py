@@ -7,7 +7,6 @@ machine lands on all alike:
     ngram-aa  a second n-gram engine: the A/A control (its ratio to ngram is the spread
               a method's gain must exceed)
     suffix    suffix decoding, adaptive k
-    auto      per row and round, the lookup whose offer promises the most tokens
     eagle     the EAGLE-style head (needs a trained head)
 Outputs must equal plain's (greedy). Evaluation half of each task's prompts by default.
 Results: bench/results/proposers_<model>.json.
@@ -32,14 +31,13 @@ from verispec.sampling import SamplingParams  # noqa: E402
 
 TASKS = {"chat": ["mtbench"], "code": ["humaneval"], "rewrite": ["rewrite-code", "rewrite-essay"],
          "summarisation": ["cnn"], "math": ["gsm8k"]}
-METHODS = {"plain": "none", "ngram": "ngram", "ngram-aa": "ngram", "suffix": "suffix", "auto": "auto",
-           "eagle": "eagle"}
+METHODS = {"plain": "none", "ngram": "ngram", "ngram-aa": "ngram", "suffix": "suffix", "eagle": "eagle"}
 
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="smollm2-135m-instruct")
-    p.add_argument("--contenders", default="ngram,ngram-aa,suffix,auto",
+    p.add_argument("--contenders", default="ngram,ngram-aa,suffix",
                    help=f"comma-separated, from {[m for m in METHODS if m != 'plain']}")
     p.add_argument("--tasks", default=",".join(TASKS))
     p.add_argument("--num-prompts", type=int, default=6, help="measured prompts per task")

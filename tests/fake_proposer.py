@@ -32,11 +32,3 @@ class CountingProposer:
 
     def forget(self, request_id: str) -> None:
         self.calls["forget"] += 1
-
-
-class FreeCountingProposer(CountingProposer):
-    """The same drafts, claimed free (a lookup): a candidate of method "auto" that offers
-    every row its whole budget, nearly always wrong."""
-
-    name = "counting_free"
-    timed = False

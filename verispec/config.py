@@ -12,7 +12,7 @@ from pathlib import Path
 
 import yaml
 
-from verispec.spec.proposer import AUTO, proposer_names
+from verispec.spec.proposer import proposer_names
 
 DTYPES = ("bfloat16", "float32")
 # verispec.model.quant.WEIGHT_FORMATS (repeated here: config must not import torch)
@@ -25,16 +25,15 @@ GENERATION_CONFIGS = ("auto", "vllm")
 
 
 def spec_methods() -> tuple[str, ...]:
-    """Speculation methods: "none", "auto" (the best lookup each round) and every registered
-    proposer (spec/proposer.py)."""
-    return ("none", AUTO, *proposer_names())
+    """Speculation methods: "none" and every registered proposer (spec/proposer.py)."""
+    return ("none", *proposer_names())
 
 
 @dataclass(frozen=True)
 class SpecConfig:
     """Speculation defaults; a request may override method, k and adaptivity."""
 
-    method: str = "ngram"            # "none" | "auto" | "ngram" | "draft" | "suffix" | "eagle"
+    method: str = "ngram"            # "none" | "ngram" | "draft" | "suffix"
     # k_max when adaptive (the k_max the adaptive grid validates: docs/benchmarks.md), k when
     # fixed (there 1-2 is usually best: set it with adaptive off)
     num_spec_tokens: int = 8
@@ -171,7 +170,7 @@ SPECULATIVE_CONFIG_KEYS = ("method", "model", "num_speculative_tokens", "prompt_
                            "prompt_lookup_min", "adaptive", "draft_tensor_parallel_size")
 # vLLM's method names -> verispec's; "none" and verispec's own names are accepted too.
 SPECULATIVE_METHODS = {"ngram": "ngram", "draft_model": "draft", "draft": "draft", "suffix": "suffix",
-                       "auto": AUTO, "none": "none"}
+                       "none": "none"}
 
 
 def spec_from_speculative_config(speculative_config: dict | str | None,
@@ -230,8 +229,8 @@ def spec_from_speculative_config(speculative_config: dict | str | None,
         spec["adaptive"] = cfg["adaptive"]
     lo, hi = cfg.get("prompt_lookup_min"), cfg.get("prompt_lookup_max")
     if lo is not None or hi is not None:
-        if method not in ("ngram", AUTO):
-            raise ValueError("speculative_config prompt_lookup_min/prompt_lookup_max need method 'ngram' or 'auto'")
+        if method != "ngram":
+            raise ValueError("speculative_config prompt_lookup_min/prompt_lookup_max need method 'ngram'")
         hi = _int_key(cfg, "prompt_lookup_max") if hi is not None else max(spec["ngram_max"], lo)
         lo = _int_key(cfg, "prompt_lookup_min") if lo is not None else min(spec["ngram_min"], hi)
         spec["ngram_min"], spec["ngram_max"] = lo, hi

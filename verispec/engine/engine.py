@@ -48,7 +48,7 @@ from verispec.outputs import RequestOutput
 from verispec.request import Request, SpecOverride, Status  # noqa: F401 (SpecOverride: the engine's API)
 from verispec.sampling import SamplingParams, SamplingTensors, noise_key, sample, token_logprobs
 from verispec.spec.policy import RoundReport, RoundTimer, RowOffer, RowResult, SpeculationPolicy
-from verispec.spec.proposer import AUTO, ProposerContext, build_proposers
+from verispec.spec.proposer import ProposerContext, build_proposers
 from verispec.spec.rejection import RejectionResult, greedy_accept, rejection_sample, seeded_verify
 from verispec.structured.grammar import GrammarCompiler
 
@@ -145,7 +145,6 @@ class LLMEngine:
         self.draft_runner = ModelRunner(draft, num_slots, cache.block_size, vocab_limit) if draft else None
         self.proposers, self._unavailable = build_proposers(ProposerContext(
             config, self.draft_runner, self.kv.block_table, self._shared_generator, self.target))
-        self._auto = [name for name, p in self.proposers.items() if not p.timed]   # AUTO's candidates
         self.scheduler = Scheduler(config.scheduler, self.kv, self.max_model_len, OutOfBlocks)
         self.policy = SpeculationPolicy(MAX_SPEC_TOKENS)
         self.step_errors = 0  # requests failed alone by an exception in the engine
@@ -251,8 +250,8 @@ class LLMEngine:
         method = (spec.method if spec and spec.method else None) or cfg.method
         if method in self._unavailable:
             raise ValueError(f"speculative.method {method!r} is not available: {self._unavailable[method]}")
-        if method not in ("none", AUTO) and method not in self.proposers:
-            allowed = ", ".join(repr(m) for m in ("none", AUTO, *self.proposers))
+        if method != "none" and method not in self.proposers:
+            allowed = ", ".join(repr(m) for m in ("none", *self.proposers))
             raise ValueError(f"speculative.method must be one of {allowed}, got {method!r}")
         k = spec.num_tokens if spec and spec.num_tokens is not None else cfg.num_spec_tokens
         if not isinstance(k, int) or not 0 <= k <= MAX_SPEC_TOKENS:
@@ -352,7 +351,8 @@ class LLMEngine:
             if req.request_id in self.kv:
                 self.kv.evict_provisional(req.request_id)
             req.num_computed, req.draft_computed = computed, draft_computed
-            for proposer in self._proposers_of(req):
+            proposer = self.proposers.get(req.spec_method)
+            if proposer is not None:
                 proposer.rollback(req)
         for generator, state in mark.rngs:
             generator.set_state(state)
@@ -407,28 +407,18 @@ class LLMEngine:
             log.exception("policy.observe failed; this round is not learned from")
 
     def _offers(self, rows: list[Request]) -> list[RowOffer]:
-        """What each row's proposer offers now, up to the row's budget (max_tokens, context);
-        a row under AUTO keeps the best of its candidates' offers. Sets each row's drafter."""
+        """What each row's proposer offers now, up to the row's budget (max_tokens, context)."""
         offers = [RowOffer(r.request_id, None, 0, 0) for r in rows]
         for name, proposer in self.proposers.items():
-            members = [i for i, r in enumerate(rows)
-                       if r.spec_method == name or (r.spec_method == AUTO and name in self._auto)]
+            members = [i for i, r in enumerate(rows) if r.spec_method == name]
             if not members:
                 continue
             reqs = [rows[i] for i in members]
             found = proposer.offer(reqs, [self.scheduler.spec_budget(r) for r in reqs])
             for i, r, o in zip(members, reqs, found):
-                offers[i] = self.policy.better(offers[i], RowOffer(
-                    r.request_id, name, o.available, r.num_spec_tokens, r.adaptive, o.catch_up, o.key,
-                    r.remaining_tokens, proposer.timed))
-        for r, o in zip(rows, offers):
-            r.drafter = o.proposer
+                offers[i] = RowOffer(r.request_id, name, o.available, r.num_spec_tokens, r.adaptive,
+                                     o.catch_up, o.key, r.remaining_tokens, proposer.timed)
         return offers
-
-    def _proposers_of(self, req: Request) -> list:
-        """The proposers that may hold state for `req` (its method's, or AUTO's candidates)."""
-        names = self._auto if req.spec_method == AUTO else [req.spec_method]
-        return [self.proposers[n] for n in names if n in self.proposers]
 
     def _compute(self, batch: ScheduledBatch, ks: list[int], timer: RoundTimer) -> "_Verdicts":
         """The batch-wide part: drafts, the target forward, first tokens, verdicts on drafts.
@@ -496,7 +486,7 @@ class LLMEngine:
         passes: dict[str, tuple[int, int, float]] = {}
         caught_up = 0
         for name, proposer in self.proposers.items():
-            members = [(r, k) for r, k in zip(rows, ks) if k and r.drafter == name]
+            members = [(r, k) for r, k in zip(rows, ks) if k and r.spec_method == name]
             if not members:
                 continue
             reqs, row_ks = [r for r, _ in members], [k for _, k in members]
@@ -693,7 +683,8 @@ class LLMEngine:
         is past the row's length, so no mask admits it until a later pass overwrites it.
         """
         req.num_computed = base + 1 + accepted
-        for proposer in self._proposers_of(req):
+        proposer = self.proposers.get(req.spec_method)
+        if proposer is not None:
             proposer.rollback(req)
 
     # ------------------------------------------------------------------ tokens, stops, finish

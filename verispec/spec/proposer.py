@@ -35,14 +35,6 @@ pass the engine asks the target for no hidden states at all.
 
 Adding a proposer is one module that implements `Proposer` and one `register_proposer`
 line (see `tests/fake_proposer.py`).
-
-The method AUTO is not a proposer: a request under it is offered every round by each
-untimed proposer (the lookups), and the policy keeps, per row, the offer whose drafts that
-row accepts more often by its estimates (`SpeculationPolicy.better`). A lookup's
-drafts are a deterministic function of the committed history whichever one drafts, so the
-choice cannot change the output distribution. Timed proposers (a draft model, a head) are
-not candidates: their passes are priced per batch and must catch up on a row they have
-not been drafting for, so they are chosen by name.
 """
 from __future__ import annotations
 
@@ -54,9 +46,6 @@ if TYPE_CHECKING:  # the registry stays importable by pure-Python modules (confi
     import torch
 
     from verispec.request import Request
-
-
-AUTO = "auto"
 
 
 class Offer(NamedTuple):
@@ -113,8 +102,8 @@ _FACTORIES: dict[str, Callable[[ProposerContext], Proposer]] = {}
 
 def register_proposer(name: str, factory: Callable[[ProposerContext], Proposer]) -> None:
     """Make `name` a speculation method; `factory(context)` builds its proposer."""
-    if name in ("none", AUTO) or not name.isidentifier():
-        raise ValueError(f"a proposer name must be an identifier other than 'none' and {AUTO!r}, got {name!r}")
+    if name == "none" or not name.isidentifier():
+        raise ValueError(f"a proposer name must be an identifier other than 'none', got {name!r}")
     _FACTORIES[name] = factory
 
 
