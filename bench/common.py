@@ -20,6 +20,7 @@ import datetime as dt
 import gc
 import hashlib
 import json
+import math
 import os
 import random
 import statistics
@@ -537,6 +538,18 @@ def finish_run(header: dict, t0: float) -> dict:
     header["runtime_s"] = round(time.perf_counter() - t0, 1)
     header["machine_load"] = {**header["machine_load"], "load_at_end": round(load_average(), 2)}
     return header
+
+
+def write_result(benchmark: str, args: argparse.Namespace, header: dict, t0: float, body: dict,
+                 default_out: Path) -> None:
+    """The run's result file: {benchmark, the finished header, the settings, **body}, at
+    --out or `default_out`."""
+    settings = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}
+    write_json(args.out or default_out, {"benchmark": benchmark, **finish_run(header, t0), "settings": settings, **body})
+
+
+def geomean(xs: list[float]) -> float:
+    return math.exp(sum(math.log(x) for x in xs) / len(xs))
 
 
 def now_iso() -> str:

@@ -22,12 +22,10 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import common  # noqa: E402
+import proposers  # noqa: E402
 
 from verispec.config import SpecConfig  # noqa: E402
-from verispec.sampling import SamplingParams  # noqa: E402
 
-TASKS = {"chat": ["mtbench"], "code": ["humaneval"], "rewrite": ["rewrite-code", "rewrite-essay"],
-         "summarisation": ["cnn"], "math": ["gsm8k"]}
 CONTENDERS = {"plain": SpecConfig(method="none"),
               "ngram": SpecConfig(method="ngram", num_spec_tokens=8, adaptive=True),
               "eagle": SpecConfig(method="eagle", num_spec_tokens=8, adaptive=True),
@@ -38,7 +36,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="smollm2-135m-instruct")
     p.add_argument("--draft-head", default=None, help="head folder (default: the model's registered head)")
-    p.add_argument("--tasks", default=",".join(TASKS))
+    p.add_argument("--tasks", default=",".join(proposers.TASKS))
     p.add_argument("--num-prompts", type=int, default=6, help="measured prompts per task")
     p.add_argument("--num-warmup", type=int, default=2)
     p.add_argument("--max-tokens", type=int, default=128)
@@ -79,31 +77,17 @@ class _Watch:
 
 
 def run_task(models, configs, task: str, args) -> dict:
-    measured, warm, sources = common.pick_prompts(TASKS[task], args.num_prompts, args.num_warmup,
-                                                  seed=args.seed, split=args.split)
-    items, warm_items = common.encode(models.tokenizer, measured, task), common.encode(models.tokenizer, warm, task)
-    params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens)
-    loops, watches = {}, {}
-    for name, cfg in configs.items():
-        engine = common.make_engine(models, cfg)
-        common.warm_up(engine, warm_items, 1, 16, f"{name}-{task}")
-        watches[name] = _Watch(engine)
-        loops[name] = common.ClosedLoop(engine, items, 1, params, f"{name}-{task}")
-    results = common.run_lockstep(loops, seed=args.seed)
+    """proposers.run_task, plus the fixed-k head's acceptance per position and pass cost."""
+    watches = {}
+    out, results = proposers.run_task(models, configs, task, args,
+                                      watch=lambda name, engine: watches.__setitem__(name, _Watch(engine)))
     plain = results["plain"]
     step_s = plain.seconds / plain.steps
-    out = {"task": task, "sources": sources, "plain_step_ms": 1000 * step_s, "contenders": {}}
-    for name, r in results.items():
-        w = watches[name]
-        row = {**r.summary(), "speedup": r.tokens_per_s / plain.tokens_per_s,
-               "identical_to_plain": common.same_outputs(r, plain)}
-        if name == "eagle-k4":
-            row["acceptance_per_position"] = [a / d if d else None for a, d in zip(w.accepted, w.drafted)]
-            row["head_pass_ms"] = 1000 * w.draft_s / max(1, 4 * w.draft_calls)
-            row["head_cost"] = (w.draft_s / max(1, 4 * w.draft_calls)) / step_s
-        out["contenders"][name] = row
-        print(f"[eagle] {task:13s} {name:9s} {r.tokens_per_s:7.2f} tok/s x{row['speedup']:.2f} "
-              f"acc={r.acceptance if r.acceptance is None else round(r.acceptance, 3)}", file=sys.stderr, flush=True)
+    out["plain_step_ms"] = 1000 * step_s
+    w, row = watches["eagle-k4"], out["contenders"]["eagle-k4"]
+    row["acceptance_per_position"] = [a / d if d else None for a, d in zip(w.accepted, w.drafted)]
+    row["head_pass_ms"] = 1000 * w.draft_s / max(1, 4 * w.draft_calls)
+    row["head_cost"] = (w.draft_s / max(1, 4 * w.draft_calls)) / step_s
     return out
 
 
@@ -123,23 +107,15 @@ def main(argv=None) -> int:
                      f"{c['eagle']['speedup']:.2f}", f"{c['eagle-k4']['speedup']:.2f}",
                      " / ".join(f"{a:.2f}" for a in k4["acceptance_per_position"] if a is not None),
                      f"{k4['head_cost']:.3f}"])
-    geo = {n: _geomean([t["contenders"][n]["speedup"] for t in tasks]) for n in CONTENDERS}
+    geo = {n: common.geomean([t["contenders"][n]["speedup"] for t in tasks]) for n in CONTENDERS}
     rows.append(["geo. mean", "", f"{geo['ngram']:.2f}", f"{geo['eagle']:.2f}", f"{geo['eagle-k4']:.2f}", "", ""])
     text = common.markdown_table(["task", "plain tok/s", "ngram", "eagle", "eagle k=4",
                                   "acceptance per position (k=4)", "head pass / plain step"], rows)
     print(text)
-    header = common.finish_run(header, t0)
-    settings = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}
-    payload = {"benchmark": "eagle", **header, "settings": settings,
-               "engine_configs": {n: common.resolved(models, cfg).to_dict() for n, cfg in configs.items()},
-               "tasks": tasks, "geomean_speedup": geo, "table_markdown": text}
-    common.write_json(args.out or common.RESULTS_DIR / f"eagle_{args.model}.json", payload)
+    common.write_result("eagle", args, header, t0, {
+        "engine_configs": {n: common.resolved(models, cfg).to_dict() for n, cfg in configs.items()},
+        "tasks": tasks, "geomean_speedup": geo, "table_markdown": text}, common.RESULTS_DIR / f"eagle_{args.model}.json")
     return 0
-
-
-def _geomean(xs: list[float]) -> float:
-    import math
-    return math.exp(sum(math.log(x) for x in xs) / len(xs))
 
 
 if __name__ == "__main__":

@@ -16,7 +16,6 @@ Results: bench/results/proposers_<model>.json.
 from __future__ import annotations
 
 import argparse
-import math
 import sys
 import time
 from dataclasses import replace
@@ -53,7 +52,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
-def run_task(models, configs, task: str, args) -> dict:
+def run_task(models, configs, task: str, args, watch=None) -> tuple[dict, dict]:
+    """(the task's summary, each contender's RunResult); `watch(name, engine)` is called on
+    each engine after its warm-up (to instrument it)."""
     measured, warm, sources = common.pick_prompts(TASKS[task], args.num_prompts, args.num_warmup,
                                                   seed=args.seed, split=args.split)
     items, warm_items = common.encode(models.tokenizer, measured, task), common.encode(models.tokenizer, warm, task)
@@ -62,6 +63,8 @@ def run_task(models, configs, task: str, args) -> dict:
     for name, cfg in configs.items():
         engine = common.make_engine(models, cfg)
         common.warm_up(engine, warm_items, 1, 16, f"{name}-{task}")
+        if watch is not None:
+            watch(name, engine)
         loops[name] = common.ClosedLoop(engine, items, 1, params, f"{name}-{task}")
     results = common.run_lockstep(loops, seed=args.seed)
     plain = results["plain"]
@@ -72,7 +75,7 @@ def run_task(models, configs, task: str, args) -> dict:
         out["contenders"][name] = row
         print(f"[proposers] {task:13s} {name:9s} {r.tokens_per_s:7.2f} tok/s x{row['speedup']:.2f} "
               f"acc={r.acceptance if r.acceptance is None else round(r.acceptance, 3)}", file=sys.stderr, flush=True)
-    return out
+    return out, results
 
 
 def main(argv=None) -> int:
@@ -83,25 +86,19 @@ def main(argv=None) -> int:
     models = common.load_models(base)
     configs = {name: replace(base, spec=SpecConfig(method=METHODS[name], num_spec_tokens=args.k_max, adaptive=True))
                for name in args.contenders}
-    tasks = [run_task(models, configs, task, args) for task in args.tasks]
+    tasks = [run_task(models, configs, task, args)[0] for task in args.tasks]
     names = args.contenders[1:]
     rows = [[t["task"], f"{t['contenders']['plain']['tokens_per_s']:.1f}",
              *[f"{t['contenders'][n]['speedup']:.2f}" for n in names]] for t in tasks]
-    geo = {n: _geomean([t["contenders"][n]["speedup"] for t in tasks]) for n in names}
+    geo = {n: common.geomean([t["contenders"][n]["speedup"] for t in tasks]) for n in names}
     rows.append(["geo. mean", "", *[f"{geo[n]:.2f}" for n in names]])
     text = common.markdown_table(["task", "plain tok/s", *names], rows)
     print(text)
-    header = common.finish_run(header, t0)
-    settings = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}
-    payload = {"benchmark": "proposers", **header, "settings": settings,
-               "engine_configs": {n: common.resolved(models, cfg).to_dict() for n, cfg in configs.items()},
-               "tasks": tasks, "geomean_speedup": geo, "table_markdown": text}
-    common.write_json(args.out or common.RESULTS_DIR / f"proposers_{args.model}.json", payload)
+    common.write_result("proposers", args, header, t0, {
+        "engine_configs": {n: common.resolved(models, cfg).to_dict() for n, cfg in configs.items()},
+        "tasks": tasks, "geomean_speedup": geo, "table_markdown": text},
+        common.RESULTS_DIR / f"proposers_{args.model}.json")
     return 0
-
-
-def _geomean(xs: list[float]) -> float:
-    return math.exp(sum(math.log(x) for x in xs) / len(xs))
 
 
 if __name__ == "__main__":
