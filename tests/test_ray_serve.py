@@ -184,30 +184,31 @@ def test_unrelated_concurrent_requests_spread_over_both_replicas(cluster):
 def test_requests_sharing_a_long_prefix_land_on_the_replica_that_caches_it(cluster):
     """The first request goes where load says; once its routed-prompt note has expired, the
     others follow it only because that replica's own cache report holds the prefix (without
-    the report they would go to the other replica, which holds less)."""
+    the report they would go to the other replica, which holds less). The front door names
+    the prefix by the keys that replica's cache reports."""
     from verispec.ray.app import ROUTING_STATS_PERIOD_S
-
-    async def scenario():
-        c = client(cluster)
-        first = await complete(c, SHARED + "Question 0: who first measured the speed of light?")
-        await asyncio.sleep(ROUTED_TTL_S + 2 * ROUTING_STATS_PERIOD_S)
-        rest = [await complete(c, SHARED + f"Question {i}: who discovered element {i}?") for i in range(1, 5)]
-        return [first, *rest]
     hits_before = per_replica(cluster, "vllm:prefix_cache_hits_total")
     done_before = per_replica(cluster, "vllm:request_success_total")
-    replicas = {replica for replica, _ in asyncio.run(scenario())}
-    assert len(replicas) == 1, replicas
-    (home,) = replicas
+    shared = httpx.post(f"{cluster}/tokenize", json={"prompt": SHARED}, timeout=30).json()["count"]
+    keys = front_door_keys(SHARED + "Question 9: who?")[:shared // 16 - 1]   # whole blocks of SHARED
+    home, _ = asyncio.run(complete(client(cluster), SHARED + "Question 0: who first measured the speed of light?"))
+    deadline = time.monotonic() + 30
+    while not set(keys) <= cached_keys_reported().get(home, set()):   # the cache has reported it
+        assert time.monotonic() < deadline, "the home replica never reported the prefix's keys"
+        time.sleep(0.2)
+    time.sleep(ROUTED_TTL_S + 3 * ROUTING_STATS_PERIOD_S)   # the note expired; the report reached the router
+
+    async def rest():
+        c = client(cluster)
+        return [await complete(c, SHARED + f"Question {i}: who discovered element {i}?") for i in range(1, 5)]
+    assert {replica for replica, _ in asyncio.run(rest())} == {home}
     hits = per_replica(cluster, "vllm:prefix_cache_hits_total")
     done = per_replica(cluster, "vllm:request_success_total")
-    shared = httpx.post(f"{cluster}/tokenize", json={"prompt": SHARED}, timeout=30).json()["count"]
     # hits are whole 16-token blocks; the last shared token may merge with the question's first
     assert hits[home] - hits_before[home] >= 4 * (shared - 2 * 16)
     assert {r: done[r] - done_before[r] for r in done} == {**{r: 0 for r in done}, home: 5}
     reported = cached_keys_reported()
-    keys = front_door_keys(SHARED + "Question 9: who?")[:shared // 16 - 1]
-    assert len(keys) >= 4 and set(keys) <= reported[home]            # named as the cache names them
-    assert not set(keys) & set().union(*(v for r, v in reported.items() if r != home))
+    assert len(keys) >= 4 and not set(keys) & set().union(*(v for r, v in reported.items() if r != home))
 
 
 def test_metrics_are_labelled_per_replica_and_aggregate_to_the_single_server_format(cluster):
