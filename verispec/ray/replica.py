@@ -22,8 +22,7 @@ import os
 
 from ray import serve
 
-from verispec.cache.events import CacheDelta
-from verispec.engine.core import build_engine
+from verispec.engine.core import build_engine, drain_cache_events
 from verispec.ray.bridge import HTTPCall, fetch, run_asgi
 from verispec.ray.prefix_index import STATS_KEY, pack_keys
 from verispec.server.app import ServerConfig, create_app
@@ -33,12 +32,6 @@ log = logging.getLogger("verispec.ray")
 
 ENGINE_DEATH_GRACE_S = 1.0   # for the in-flight requests' error events to leave a dying replica
 DRAIN_TIMEOUT_S = 5.0        # a routing-stats poll waits this long for the engine core
-
-
-def drain_cache_events(engine) -> CacheDelta:
-    """Run in the engine core: the block keys its prefix cache stored and evicted since the
-    last call."""
-    return engine.kv.prefix_cache.drain_events()
 
 
 class ReplicaServer:
