@@ -4,9 +4,10 @@
     torchrun --nproc-per-node 2 -m verispec.cli serve --tensor-parallel-size 2 ...
     torchrun --nnodes 2 --nproc-per-node 1 --rdzv-endpoint HOST:PORT script.py   # LLM(...)
 
-With --tensor-parallel-size 1 (the default) torchrun's processes are independent engines,
-each its own (data parallelism: this module is not involved). With N > 1, torchrun must
-start exactly N processes, and every rank runs the same program. Rank 0 runs it as usual: its engine is the one the
+With --tensor-parallel-size 1 (the default) a script's or `generate`'s processes under
+torchrun are independent engines (this module is not involved; `serve` refuses, as its
+ranks would share one port). With N > 1, torchrun must start exactly N processes, and
+every rank runs the same program. Rank 0 runs it as usual: its engine is the one the
 program talks to (the server's, the CLI's, the script's `LLM`). Every other rank becomes a
 worker where the engine would be built (`verispec serve` before it binds a port; `generate`
 and `LLM(...)` inside the engine's construction): it loads its slices, joins the group and
