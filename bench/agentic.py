@@ -12,7 +12,7 @@ waits for the previous answer); greedy, `--max-tokens` per turn. A fresh server 
 contender and repeat, the order shuffled per repeat; tok/s is completion tokens over the
 requests' own seconds at C = 1 and over the wall time otherwise. Greedy answers are compared
 with plain decoding's, turn by turn. Problems: the evaluation half of HumanEval by id (the
-tuning half warms each server up with one chain).
+tuning half warms each server up with one chain; `--split tuning` swaps them, for tuning).
 
     .venv/bin/python bench/agentic.py --concurrency 1,16 --out bench/results/agentic-<machine>-<commit>.json
 """
@@ -105,6 +105,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--contenders", default=",".join(CONTENDERS), help="--spec values, comma-separated; must include none")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--split", choices=("eval", "tuning"), default="eval",
+                    help="the half measured (the other warms up): tune on tuning, report eval")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args(argv)
     contenders = args.contenders.split(",")
@@ -112,9 +114,10 @@ def main(argv: list[str] | None = None) -> int:
         ap.error("--contenders must include none (plain decoding, the reference)")
     problems = load_datasets("humaneval")[0]["humaneval"]
     halves = {h: [p for p in problems if common.prompt_half("humaneval", p.prompt_id) == h] for h in ("eval", "tuning")}
-    random.Random(args.seed).shuffle(halves["eval"])
-    firsts = [p.messages[0]["content"] for p in halves["eval"][: args.problems]]
-    warm = [halves["tuning"][0].messages[0]["content"]]
+    other = "tuning" if args.split == "eval" else "eval"
+    random.Random(args.seed).shuffle(halves[args.split])
+    firsts = [p.messages[0]["content"] for p in halves[args.split][: args.problems]]
+    warm = [halves[other][0].messages[0]["content"]]
     results = {}
     for c in (int(x) for x in args.concurrency.split(",")):
         runs = {m: [] for m in contenders}
