@@ -46,46 +46,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
-class _Watch:
-    """Per-position counts of finished requests, and the head's draft-call seconds, of one engine."""
-
-    def __init__(self, engine):
-        self.drafted, self.accepted, self.draft_s, self.draft_calls = [], [], 0.0, 0
-        step, proposer = engine.step, engine.proposers.get("eagle")
-
-        def watched_step():
-            outs = step()
-            for o in outs:
-                if o.finished:
-                    for mine, theirs in ((self.drafted, o.spec.drafted_per_position),
-                                         (self.accepted, o.spec.accepted_per_position)):
-                        mine.extend([0] * (len(theirs) - len(mine)))
-                        for i, n in enumerate(theirs):
-                            mine[i] += n
-            return outs
-        engine.step = watched_step
-        if proposer is not None:
-            draft = proposer.draft
-
-            def timed_draft(rows, ks):
-                t0 = time.perf_counter()
-                out = draft(rows, ks)
-                self.draft_s += time.perf_counter() - t0
-                self.draft_calls += 1
-                return out
-            proposer.draft = timed_draft
-
-
 def run_task(models, configs, task: str, args) -> dict:
-    """proposers.run_task, plus the fixed-k head's acceptance per position and pass cost."""
-    watches = {}
-    out, results = proposers.run_task(models, configs, task, args,
-                                      watch=lambda name, engine: watches.__setitem__(name, _Watch(engine)))
-    plain = results["plain"]
-    step_s = plain.seconds / plain.steps
-    out["plain_step_ms"] = 1000 * step_s
+    """proposers.run_task, plus the fixed-k head's pass cost (its draft call / 4 passes)."""
+    out, _, watches = proposers.run_task(models, configs, task, args)
+    step_s = out["plain_step_ms"] / 1000
     w, row = watches["eagle-k4"], out["contenders"]["eagle-k4"]
-    row["acceptance_per_position"] = [a / d if d else None for a, d in zip(w.accepted, w.drafted)]
     row["head_pass_ms"] = 1000 * w.draft_s / max(1, 4 * w.draft_calls)
     row["head_cost"] = (w.draft_s / max(1, 4 * w.draft_calls)) / step_s
     return out

@@ -16,6 +16,7 @@ Results: bench/results/proposers_<model>.json.
 from __future__ import annotations
 
 import argparse
+import statistics
 import sys
 import time
 from dataclasses import replace
@@ -52,30 +53,84 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
-def run_task(models, configs, task: str, args, watch=None) -> tuple[dict, dict]:
-    """(the task's summary, each contender's RunResult); `watch(name, engine)` is called on
-    each engine after its warm-up (to instrument it)."""
+class Watch:
+    """One engine's finished requests' drafts and acceptances per position, and the seconds
+    spent in its proposers' offer and draft calls (lookups, or a model's passes)."""
+
+    def __init__(self, engine):
+        self.drafted, self.accepted, self.draft_s, self.draft_calls, self.proposer_s = [], [], 0.0, 0, 0.0
+        step = engine.step
+
+        def watched_step():
+            outs = step()
+            for o in outs:
+                if o.finished:
+                    for mine, theirs in ((self.drafted, o.spec.drafted_per_position),
+                                         (self.accepted, o.spec.accepted_per_position)):
+                        mine.extend([0] * (len(theirs) - len(mine)))
+                        for i, n in enumerate(theirs):
+                            mine[i] += n
+            return outs
+        engine.step = watched_step
+        for proposer in engine.proposers.values():
+            proposer.offer, proposer.draft = self._timed(proposer.offer, False), self._timed(proposer.draft, True)
+
+    def _timed(self, call, is_draft: bool):
+        def timed(*a):
+            t0 = time.perf_counter()
+            out = call(*a)
+            seconds = time.perf_counter() - t0
+            self.proposer_s += seconds
+            if is_draft:
+                self.draft_s += seconds
+                self.draft_calls += 1
+            return out
+        return timed
+
+    def acceptance_per_position(self) -> list[float | None]:
+        return [a / d if d else None for a, d in zip(self.accepted, self.drafted)]
+
+
+def run_task(models, configs, task: str, args) -> tuple[dict, dict, dict]:
+    """(the task's summary, each contender's RunResult, each contender's Watch)."""
     measured, warm, sources = common.pick_prompts(TASKS[task], args.num_prompts, args.num_warmup,
                                                   seed=args.seed, split=args.split)
     items, warm_items = common.encode(models.tokenizer, measured, task), common.encode(models.tokenizer, warm, task)
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens)
-    loops = {}
+    loops, watches = {}, {}
     for name, cfg in configs.items():
         engine = common.make_engine(models, cfg)
         common.warm_up(engine, warm_items, 1, 16, f"{name}-{task}")
-        if watch is not None:
-            watch(name, engine)
+        watches[name] = Watch(engine)
         loops[name] = common.ClosedLoop(engine, items, 1, params, f"{name}-{task}")
     results = common.run_lockstep(loops, seed=args.seed)
     plain = results["plain"]
-    out = {"task": task, "sources": sources, "contenders": {}}
+    step_s = plain.seconds / plain.steps
+    out = {"task": task, "sources": sources, "plain_step_ms": 1000 * step_s, "contenders": {}}
     for name, r in results.items():
+        w = watches[name]
         row = {**r.summary(), "speedup": r.tokens_per_s / plain.tokens_per_s,
-               "identical_to_plain": common.same_outputs(r, plain)}
+               "identical_to_plain": common.same_outputs(r, plain),
+               "acceptance_per_position": w.acceptance_per_position(),
+               "drafted_per_position": w.drafted, "accepted_per_position": w.accepted,
+               "proposer_ms_per_step": 1000 * w.proposer_s / r.steps,
+               "proposer_cost": w.proposer_s / r.steps / step_s}   # of a plain step
         out["contenders"][name] = row
         print(f"[proposers] {task:13s} {name:9s} {r.tokens_per_s:7.2f} tok/s x{row['speedup']:.2f} "
               f"acc={r.acceptance if r.acceptance is None else round(r.acceptance, 3)}", file=sys.stderr, flush=True)
-    return out, results
+    return out, results, watches
+
+
+def _positions(tasks: list[dict], name: str, n: int = 4) -> str:
+    """Acceptance at positions 1..n, pooled over the tasks' requests (drafted-weighted)."""
+    pooled = []
+    for j in range(n):
+        drafted = sum(t["contenders"][name]["drafted_per_position"][j] for t in tasks
+                      if len(t["contenders"][name]["drafted_per_position"]) > j)
+        accepted = sum(t["contenders"][name]["accepted_per_position"][j] for t in tasks
+                       if len(t["contenders"][name]["accepted_per_position"]) > j)
+        pooled.append(f"{accepted / drafted:.2f}" if drafted else "n/a")
+    return " / ".join(pooled)
 
 
 def main(argv=None) -> int:
@@ -92,6 +147,9 @@ def main(argv=None) -> int:
              *[f"{t['contenders'][n]['speedup']:.2f}" for n in names]] for t in tasks]
     geo = {n: common.geomean([t["contenders"][n]["speedup"] for t in tasks]) for n in names}
     rows.append(["geo. mean", "", *[f"{geo[n]:.2f}" for n in names]])
+    rows.append(["acceptance at positions 1-4", "", *[_positions(tasks, n) for n in names]])
+    rows.append(["proposer time / plain step", "",
+                 *[f"{statistics.median(t['contenders'][n]['proposer_cost'] for t in tasks):.3f}" for n in names]])
     text = common.markdown_table(["task", "plain tok/s", *names], rows)
     print(text)
     common.write_result("proposers", args, header, t0, {
