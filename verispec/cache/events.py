@@ -69,20 +69,18 @@ class CacheEventLog:
         self._overflowed = True
 
     def stored(self, keys: Iterable[int]) -> None:
-        if not self._overflowed:
-            for k in keys:
-                self._removed.discard(k)
-                self._stored.add(k)
-            self._check_size()
+        self._record(keys, self._stored, self._removed)
 
     def removed(self, keys: Iterable[int]) -> None:
-        if not self._overflowed:
-            for k in keys:
-                self._stored.discard(k)
-                self._removed.add(k)
-            self._check_size()
+        self._record(keys, self._removed, self._stored)
 
-    def _check_size(self) -> None:
+    def _record(self, keys: Iterable[int], into: set[int], out_of: set[int]) -> None:
+        """The keys' latest state is `into`'s; past max_pending the log gives up until drained."""
+        if self._overflowed:
+            return
+        for k in keys:
+            out_of.discard(k)
+            into.add(k)
         if len(self._stored) + len(self._removed) > self.max_pending:
             self._overflowed = True
             self._stored.clear()
