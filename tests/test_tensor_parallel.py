@@ -417,3 +417,24 @@ def test_torchrun_with_another_world_size_is_a_clear_error_on_every_rank(dirs):
     _, err = proc.communicate(timeout=60)
     assert proc.returncode != 0
     assert "torchrun started 2 processes but tensor_parallel_size is 4" in err, err
+
+
+def test_torchrun_runs_a_script_whose_llm_is_rank_0s(engines, dirs, tmp_path):
+    """A user script under torchrun: `LLM(..., tensor_parallel_size=2)` on every rank; rank 0
+    gets the outputs (one process's), rank 1 ends inside the constructor after serving it."""
+    script = tmp_path / "script.py"
+    script.write_text(
+        "import json, sys\n"
+        "from verispec import LLM, SamplingParams\n"
+        f"llm = LLM(model={str(dirs['qwen2'])!r}, tensor_parallel_size=2, dtype='float32', threads=1,\n"
+        "          speculative_config={'method': 'none'})\n"
+        "out = llm.generate([{'prompt_token_ids': [1, 2, 3, 4]}], SamplingParams(temperature=0, max_tokens=8))\n"
+        "print('TOKENS', json.dumps(list(out[0].outputs[0].token_ids)))\n"
+        "print('RANK 0 DONE')\n")
+    from test_server_http import REPO
+    proc = subprocess.run([*TORCHRUN, str(script)], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.count("RANK 0 DONE") == 1, proc.stdout   # rank 1 never got past LLM(...)
+    got = json.loads(proc.stdout.split("TOKENS", 1)[1].splitlines()[0])
+    one = LLMEngine.from_config(engine_config(dirs["qwen2"]))
+    assert got == run_all(one, [[1, 2, 3, 4]], SamplingParams(temperature=0.0, max_tokens=8))[0].token_ids
