@@ -2,7 +2,7 @@
 
     torchrun --nproc-per-node 2 -m verispec.cli generate --tensor-parallel-size 2 ...
     torchrun --nproc-per-node 2 -m verispec.cli serve --tensor-parallel-size 2 ...
-    torchrun --nnodes 2 --nproc-per-node 1 --rdzv-endpoint HOST:PORT script.py   # LLM(...)
+    torchrun --nnodes 2 --nproc-per-node 1 --rdzv-backend c10d --rdzv-endpoint HOST:PORT script.py  # LLM(...)
 
 With --tensor-parallel-size 1 (the default) a script's or `generate`'s processes under
 torchrun are independent engines (this module is not involved; `serve` refuses, as its
