@@ -1,6 +1,7 @@
-"""Suffix decoding: the tries count exactly the substrings they should, hold only committed
-tokens of their own request, evict whole outputs, and propose the most frequent
-continuation. Losslessness is G1/G2 (tests/test_gate_lossless.py, tests/test_gate_greedy.py).
+"""Suffix decoding: the global trie counts exactly the substrings it should and evicts whole
+outputs; a request's own history proposes exactly what a trie of it would, and holds only
+its own committed tokens. Losslessness is G1/G2 (tests/test_gate_lossless.py,
+tests/test_gate_greedy.py).
 """
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import pytest
 import verispec.spec.suffix as suffix_mod
 from tiny import tiny_engine, tiny_pair
 from verispec.sampling import SamplingParams
-from verispec.spec.suffix import MAX_DEPTH, SuffixProposer, SuffixTrie, continuation
+from verispec.spec.suffix import MAX_DEPTH, OwnHistory, SuffixProposer, SuffixTrie, continuation
 
 VOCAB = 12
 
@@ -72,6 +73,36 @@ def test_continuation_follows_the_most_frequent_child_of_the_longest_match():
     assert continuation(frontier, budget=1) == ([4], 3)
 
 
+@pytest.mark.parametrize("broken", [False, True])
+def test_own_history_proposes_what_a_trie_of_the_sequence_proposes(monkeypatch, broken):
+    """On random sequences over 3 tokens (many ties and repeats), at every length and
+    budget, OwnHistory's continuation equals the trie's. Broken: ties going to the token
+    seen last instead of first differ somewhere."""
+    if broken:
+        real = OwnHistory._walk
+
+        def last_wins(self, ends, limit):
+            real_counter = suffix_mod.Counter
+            monkeypatch.setattr(suffix_mod, "Counter", lambda it: real_counter(list(it)[::-1]))
+            try:
+                return real(self, ends, limit)
+            finally:
+                monkeypatch.setattr(suffix_mod, "Counter", real_counter)
+        monkeypatch.setattr(OwnHistory, "_walk", last_wins)
+    rng = random.Random(5)
+    mismatches = 0
+    for _ in range(60):
+        seq = [rng.randrange(3) for _ in range(rng.randint(1, 60))]
+        trie, frontier, own = SuffixTrie(), None, OwnHistory()
+        frontier = [trie.root]
+        for t in seq:
+            frontier = trie.extend(frontier, t)
+            own.extend(t)
+            for budget in (1, 3, 16):
+                mismatches += own.continuation(budget) != continuation(frontier, budget)
+    assert (mismatches == 0) != broken, mismatches
+
+
 # ---------------------------------------------------------------------------- in the engine
 PAIR = tiny_pair(vocab=VOCAB, noise=0.3, seed=4)
 GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
@@ -87,14 +118,16 @@ def _prompts(n: int, seed: int) -> list[list[int]]:
     return out
 
 
-def own_trie_problems(engine) -> list[str]:
-    """Each running request's own trie must count exactly the substrings of its committed
-    tokens seen so far: nothing of another request, no draft."""
+def own_history_problems(engine) -> list[str]:
+    """Each running request's own history must hold exactly its committed tokens seen so
+    far, with every n-gram's end positions: nothing of another request, no draft."""
     proposer = engine.proposers["suffix"]
     problems = []
     for rid, state in proposer._rows.items():
-        want = substring_counts([state.req.all_ids[: state.seen]])
-        if trie_counts(state.trie) != want:
+        want = OwnHistory()
+        for t in state.req.all_ids[: state.seen]:
+            want.extend(t)
+        if (state.own.tokens, state.own.ends) != (want.tokens, want.ends):
             problems.append(rid)
     return problems
 
@@ -107,11 +140,11 @@ def run_checked(engine, prompts, params) -> list:
         for out in engine.step():
             if out.finished:
                 done[out.request_id] = out
-        problems += own_trie_problems(engine)
+        problems += own_history_problems(engine)
     return problems, [done[f"r{i}"] for i in range(len(prompts))]
 
 
-def test_own_tries_hold_only_their_own_committed_tokens():
+def test_own_histories_hold_only_their_own_committed_tokens():
     engine = tiny_engine(PAIR[0], method="suffix", k=4)
     problems, outs = run_checked(engine, _prompts(6, 1), SAMPLED)
     assert problems == []
@@ -120,19 +153,19 @@ def test_own_tries_hold_only_their_own_committed_tokens():
     assert drafted > 0 and accepted < drafted  # rejections happened: the check covered them
 
 
-def test_the_check_catches_a_trie_shared_between_requests(monkeypatch):
-    shared = SuffixTrie()
+def test_the_check_catches_a_history_shared_between_requests(monkeypatch):
+    shared = OwnHistory()
     real_init = suffix_mod._RowState.__init__
 
-    def leaky(self, req, global_trie):  # the bug: every request extends one own trie
+    def leaky(self, req, global_trie):  # the bug: every request extends one own history
         real_init(self, req, global_trie)
-        self.trie, self.own = shared, [shared.root]
+        self.own = shared
     monkeypatch.setattr(suffix_mod._RowState, "__init__", leaky)
     problems, _ = run_checked(tiny_engine(PAIR[0], method="suffix", k=4), _prompts(6, 1), SAMPLED)
     assert problems
 
 
-def test_the_check_catches_drafts_left_in_the_trie(monkeypatch):
+def test_the_check_catches_drafts_left_in_the_history(monkeypatch):
     real_draft = SuffixProposer.draft
 
     def stale(self, rows, ks):  # the bug: drafted tokens are counted before verification
@@ -140,7 +173,7 @@ def test_the_check_catches_drafts_left_in_the_trie(monkeypatch):
         for r, (tokens, _) in zip(rows, out):
             state = self._rows[r.request_id]
             for t in tokens:
-                state.own = state.trie.extend(state.own, t)
+                state.own.extend(t)
         return out
     monkeypatch.setattr(SuffixProposer, "draft", stale)
     problems, _ = run_checked(tiny_engine(PAIR[0], method="suffix", k=4), _prompts(6, 1), SAMPLED)

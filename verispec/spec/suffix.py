@@ -2,30 +2,33 @@
 in the row's own history and in the outputs of earlier requests.
 
 After SuffixDecoding (Oliaro et al.) and Arctic Inference's implementation, written anew.
-Two kinds of depth-bounded suffix trie hold every substring of at most MAX_DEPTH tokens
-with its count (MAX_DEPTH = MAX_MATCH + MAX_DRAFT, so a matched suffix has room below it
-for a whole draft):
+Both sources count every substring of at most MAX_DEPTH tokens (MAX_DEPTH = MAX_MATCH +
+MAX_DRAFT, so a matched suffix has room below it for a whole draft):
 
-* one per request, over its prompt and output so far (committed tokens only: the trie is
-  extended from `req.all_ids` when the row is offered, never with drafts);
-* one global trie over the outputs of finished requests, bounded by GLOBAL_NODES nodes:
-  whole outputs are evicted oldest first (their counts replayed off) to stay under it.
+* per request, its prompt and output so far (committed tokens only: extended from
+  `req.all_ids` when the row is offered, never with drafts), as an `OwnHistory`: the end
+  positions of its n-grams, from which a lookup reads the counts a suffix trie of the one
+  sequence would hold (building that trie cost MAX_DEPTH nodes a token, most of the
+  proposer's time on long prompts);
+* one global depth-bounded suffix trie over the outputs of finished requests, bounded by
+  GLOBAL_NODES nodes: whole outputs are evicted oldest first (their counts replayed off).
 
-A lookup walks the row's current suffixes (kept as a frontier: the trie node of each
+A lookup takes the longest suffix of the row of at most MAX_MATCH tokens that has been
+followed by something (in the global trie: through a frontier, the trie node of each
 suffix length, extended by one step per appended token, so nothing is rebuilt per step),
-takes the longest one of at most MAX_MATCH tokens that has been followed by something, and
-follows the most frequent child while the path's probability (the product of child count /
-sibling total) stays at least MIN_PATH_PROB, for at most ceil(MATCH_FACTOR * match length)
-tokens. The longer match of the two tries is offered (the own trie's on a tie; choosing by
-the path probabilities instead measured no different). Drafts are deterministic in the
-row's history and the global trie's state at the round's start, so one-hot q is exact for
-the rejection sampler. A row's global frontier sees outputs added after it was built only
-through the suffixes it extends (it catches up within MAX_MATCH tokens).
+and follows the most frequent continuation while the path's probability (the product of
+count / total of the alternatives) stays at least MIN_PATH_PROB, for at most
+ceil(MATCH_FACTOR * match length) tokens. The longer match of the two sources is offered
+(the own history's on a tie; choosing by the path probabilities instead measured no
+different). Drafts are deterministic in the row's history and the global trie's state at
+the round's start, so one-hot q is exact for the rejection sampler. A row's global frontier
+sees outputs added after it was built only through the suffixes it extends (it catches up
+within MAX_MATCH tokens).
 """
 from __future__ import annotations
 
 import math
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import Sequence
 
 from verispec.spec.proposer import Offer
@@ -118,16 +121,68 @@ def _walk(node: _Node, limit: int) -> list[int]:
     return tokens
 
 
+class OwnHistory:
+    """One request's committed tokens with the end positions of every n-gram of at most
+    MAX_MATCH tokens, in order: what a depth-bounded suffix trie of the one sequence counts,
+    read from the positions when a lookup walks them instead of stored node by node (a trie
+    builds up to MAX_DEPTH nodes a token; this, MAX_MATCH short keys).
+
+    `continuation` returns exactly what `continuation` on that trie's frontier returns: a
+    child's count is the number of occurrences followed by it, the children's total the
+    number followed by anything, and ties go to the token whose first such occurrence ends
+    first (the trie's insertion order)."""
+
+    __slots__ = ("tokens", "ends")
+
+    def __init__(self):
+        self.tokens: list[int] = []
+        self.ends: dict[tuple[int, ...], list[int]] = {}
+
+    def extend(self, token: int) -> None:
+        tokens = self.tokens
+        tokens.append(token)
+        end = len(tokens) - 1
+        for n in range(1, min(MAX_MATCH, len(tokens)) + 1):
+            self.ends.setdefault(tuple(tokens[end - n + 1:]), []).append(end)
+
+    def continuation(self, budget: int) -> tuple[list[int], int]:
+        """(the most frequent continuation of the longest suffix of at most MAX_MATCH tokens
+        that has one, its match length)."""
+        tokens = self.tokens
+        last = len(tokens) - 1
+        for m in range(min(MAX_MATCH, len(tokens)), 0, -1):
+            followed = [p for p in self.ends.get(tuple(tokens[last - m + 1:]), ()) if p < last]
+            if followed:
+                return self._walk(followed, min(budget, MAX_DRAFT, math.ceil(MATCH_FACTOR * m))), m
+        return [], 0
+
+    def _walk(self, ends: list[int], limit: int) -> list[int]:
+        tokens, n = self.tokens, len(self.tokens)
+        out: list[int] = []
+        prob = 1.0
+        while len(out) < limit:
+            step = len(out) + 1
+            followers = Counter(tokens[p + step] for p in ends if p + step < n)
+            if not followers:
+                break
+            token, count = max(followers.items(), key=lambda kv: kv[1])
+            prob *= count / sum(followers.values())
+            if prob < MIN_PATH_PROB:
+                break
+            out.append(token)
+            ends = [p for p in ends if p + step < n and tokens[p + step] == token]
+        return out
+
+
 class _RowState:
-    """One request's own trie, its frontier there and in the global trie, and how many of
+    """One request's own history index, its frontier in the global trie, and how many of
     its tokens both have seen."""
 
-    __slots__ = ("req", "trie", "own", "shared", "seen")
+    __slots__ = ("req", "own", "shared", "seen")
 
     def __init__(self, req, global_trie: SuffixTrie):
         self.req = req
-        self.trie = SuffixTrie()
-        self.own = [self.trie.root]
+        self.own = OwnHistory()
         self.shared = [global_trie.root]
         self.seen = 0
 
@@ -193,7 +248,7 @@ class SuffixProposer:
         if state is None or len(tokens) < state.seen:  # new, or its history shrank: rebuild
             state = self._rows[req.request_id] = _RowState(req, self.global_trie)
         for t in tokens[state.seen:]:
-            state.own = state.trie.extend(state.own, t)
+            state.own.extend(t)
             state.shared = self.global_trie.follow(state.shared, t)
         state.seen = len(tokens)
         return state
@@ -202,7 +257,7 @@ class SuffixProposer:
         if budget <= 0:
             return [], 0
         self._counts["lookups"] += 1
-        own, own_len = continuation(state.own, budget)
+        own, own_len = state.own.continuation(budget)
         shared_frontier = [n for n in state.shared if n is self.global_trie.root or n.count > 0]
         shared, shared_len = continuation(shared_frontier, budget)
         if shared_len > own_len and shared:
