@@ -260,7 +260,7 @@ def test_the_tree_reports_the_keys_a_consumer_must_hold_through_splits_and_evict
     delta.apply(held)
     tree.evict(1)                                       # the least recently used leaf: [5 6]
     tree.drain_events().apply(held)
-    assert held == set(tree.block_keys()) == set(block_keys([1, 2, 3, 4, 7, 8], BS))
+    assert held == set(tree.all_block_keys()) == set(block_keys([1, 2, 3, 4, 7, 8], BS))
     tree.check_integrity()
 
 

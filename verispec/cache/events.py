@@ -86,10 +86,11 @@ class CacheEventLog:
             self._stored.clear()
             self._removed.clear()
 
-    def drain(self, snapshot: Callable[[], list[int]]) -> CacheDelta:
+    def drain(self, snapshot: Callable[[], list[int]], reset: bool = False) -> CacheDelta:
         """The changes since the last drain, or `snapshot()` (every key the cache holds) as
-        a reset when the log overflowed or was never drained; then starts a new log."""
-        if self._overflowed:
+        a reset when asked (the consumer lost a delta), or when the log overflowed or was
+        never drained; then starts a new log."""
+        if reset or self._overflowed:
             delta = CacheDelta(snapshot(), [], reset=True)
         else:
             delta = CacheDelta(list(self._stored), list(self._removed))

@@ -79,8 +79,9 @@ class PrefixCache(ABC):
         """Every block the cache holds a reference on."""
 
     @abstractmethod
-    def drain_events(self) -> CacheDelta:
-        """The block keys (verispec/cache/events.py) stored and evicted since the last call."""
+    def drain_events(self, reset: bool = False) -> CacheDelta:
+        """The block keys (verispec/cache/events.py) stored and evicted since the last call;
+        with `reset`, all the keys held, as a snapshot."""
 
     @property
     @abstractmethod
@@ -128,7 +129,7 @@ class NoPrefixCache(PrefixCache):
     def cached_blocks(self) -> set[int]:
         return set()
 
-    def drain_events(self) -> CacheDelta:
+    def drain_events(self, reset: bool = False) -> CacheDelta:
         return CacheDelta([], [], reset=True)
 
     @property

@@ -256,12 +256,12 @@ class RadixCache(PrefixCache):
         """Every block the tree holds a reference on."""
         return set(self._held)
 
-    def block_keys(self) -> list[int]:
+    def all_block_keys(self) -> list[int]:
         """The block key of every cached block."""
         return [h for node in self._nodes() for h in node.hashes]
 
-    def drain_events(self) -> CacheDelta:
-        return self.events.drain(self.block_keys)
+    def drain_events(self, reset: bool = False) -> CacheDelta:
+        return self.events.drain(self.all_block_keys, reset)
 
     @property
     def num_cached_blocks(self) -> int:

@@ -242,11 +242,12 @@ def build_engine(config):
     return LLMEngine.from_config(config)
 
 
-def drain_cache_events(engine):
+def drain_cache_events(engine, reset: bool = False):
     """For AsyncEngine.call: the block keys (verispec/cache/events.py) the engine's prefix
-    cache stored and evicted since the last call, as a CacheDelta (module-level, so the
-    call pickles by reference without importing its caller, e.g. Ray, into the core)."""
-    return engine.kv.prefix_cache.drain_events()
+    cache stored and evicted since the last call, as a CacheDelta; with `reset`, a snapshot
+    of them all (module-level, so the call pickles by reference without importing its
+    caller, e.g. Ray, into the core)."""
+    return engine.kv.prefix_cache.drain_events(reset)
 
 
 def run_core_process(factory: Callable[[], Any], addresses: CoreAddresses, ready, parent_pid: int,

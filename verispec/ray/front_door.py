@@ -2,8 +2,8 @@
 
 Ray's proxy hands a request to an ingress replica before anything has read its body, so a
 router at the proxy cannot see the prompt. The front door reads the body (bounded by
---max-body-bytes), takes the prompt's text for the router and sends the request through
-a DeploymentHandle to a ReplicaServer; Ray Serve's request router (PrefixAffinityRouter,
+--max-body-bytes), computes the prompt's block keys for the router (tokenized as a replica
+will) and sends the request through a DeploymentHandle to a ReplicaServer; Ray Serve's request router (PrefixAffinityRouter,
 or Ray's default) picks the replica. Ray Serve LLM is built the same way (an OpenAI
 ingress deployment over LLM server deployments).
 
@@ -26,6 +26,7 @@ from dataclasses import dataclass
 
 import ray
 from ray import serve
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 
@@ -160,7 +161,7 @@ class FrontDoorApp:
             log.warning("/metrics: %d replica(s) did not answer: %s", len(failures), failures)
         texts = {rid: body.decode() for rid, (status, body) in answers.items() if status == 200}
         merge = ray_metrics.aggregate if path.endswith("/aggregate") else ray_metrics.per_replica
-        return Response(merge(texts), headers={"content-type": "text/plain; version=0.0.4; charset=utf-8"})
+        return Response(merge(texts), headers={"content-type": CONTENT_TYPE_LATEST})
 
 
 async def _pump(response, send, relay: _Relay) -> None:

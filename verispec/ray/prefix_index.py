@@ -133,9 +133,9 @@ class PrefixIndex:
         if not loads:
             return Decision([], "short_match", 0)
         now = time.monotonic() if now is None else now
+        matched = {r: self.matched_blocks(r, keys, now) * block_size for r in loads}  # expires old notes first
         salt = {r: random.random() for r in loads}
         by_load = sorted(loads, key=lambda r: (loads[r], self.footprint(r), salt[r]))
-        matched = {r: self.matched_blocks(r, keys, now) * block_size for r in loads}
         best = max(by_load, key=lambda r: matched[r])  # max keeps the least loaded of equals
         if matched[best] < rule.min_match_tokens:
             return Decision(by_load, "short_match", matched[best])
@@ -158,3 +158,32 @@ def unpack_keys(packed: bytes) -> list[int]:
     keys = array("q")
     keys.frombytes(packed)
     return keys.tolist()
+
+
+class CacheReport:
+    """A replica's copy of its prefix cache's block keys, kept from the cache's drained
+    events, and the routing stats that report it (packed once per change).
+
+    A drain whose answer never arrived (a timed-out call the core still ran) lost a delta:
+    `lost()` makes the next drain a snapshot (`resync`)."""
+
+    def __init__(self):
+        self.keys: set[int] = set()
+        self.version = 0               # bumped whenever `keys` changes
+        self.resync = False            # the next drain must be a snapshot
+        self._packed = pack_keys(())
+
+    def lost(self) -> None:
+        self.resync = True
+
+    def apply(self, delta) -> None:
+        """Take in a drained CacheDelta (verispec/cache/events.py)."""
+        before = set(self.keys)
+        delta.apply(self.keys)
+        self.resync = False
+        if self.keys != before:
+            self.version += 1
+            self._packed = pack_keys(self.keys)
+
+    def stats(self, replica: str) -> dict:
+        return {STATS_KEY: {"replica": replica, "version": self.version, "keys": self._packed}}

@@ -24,7 +24,7 @@ from ray import serve
 
 from verispec.engine.core import build_engine, drain_cache_events
 from verispec.ray.bridge import HTTPCall, fetch, run_asgi
-from verispec.ray.prefix_index import STATS_KEY, pack_keys
+from verispec.ray.prefix_index import CacheReport
 from verispec.server.app import ServerConfig, create_app
 from verispec.server.async_engine import AsyncEngine, EngineStartError
 
@@ -50,8 +50,7 @@ class ReplicaServer:
             raise (ValueError if exc.bad_input else RuntimeError)(str(exc)) from None
         self.engine = engine
         self.block_size = engine_config.cache.block_size
-        self.cached_keys: set[int] = set()   # the block keys the engine's prefix cache holds
-        self.cached_version = 0
+        self.cache = CacheReport()   # the block keys the engine's prefix cache holds
         engine.on_death = self._exit_soon
         self.app = create_app(engine, server_config)
         self._lifespan = self.app.router.lifespan_context(self.app)
@@ -82,15 +81,14 @@ class ReplicaServer:
         own store and evict events. {} when the engine does not answer (the health check
         deals with that replica)."""
         try:
-            delta = await self.engine.call(drain_cache_events, timeout_s=DRAIN_TIMEOUT_S)
+            delta = await self.engine.call(functools.partial(drain_cache_events, reset=self.cache.resync),
+                                           timeout_s=DRAIN_TIMEOUT_S)
         except Exception as exc:   # noqa: BLE001 - a stats poll must not fail the replica
             log.debug("replica %s: no cache events (%s)", self.replica, exc)
+            self.cache.lost()
             return {}
-        if delta.reset or delta.stored or delta.removed:
-            delta.apply(self.cached_keys)
-            self.cached_version += 1
-        return {STATS_KEY: {"replica": self.replica, "version": self.cached_version,
-                            "keys": pack_keys(self.cached_keys)}}
+        self.cache.apply(delta)
+        return self.cache.stats(self.replica)
 
     def _exit_soon(self, why: str) -> None:
         """The engine process died (its requests already ended with the cause): end this
