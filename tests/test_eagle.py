@@ -196,13 +196,27 @@ def test_the_training_stages_raise_agreement_skip_when_done_and_export_a_loadabl
     vocab = read_json(tmp_path / "features" / "vocab.json")["vocab_ids"]
     teacher = teacher_rows(target, vocab)
     half = EagleConfig(**{**cfg.to_dict(), "steps": 30})
-    with pytest.raises(ValueError, match="different settings"):  # a changed config is refused, not mixed in
-        run_train(cfg, tmp_path / "features", tmp_path / "train", init_head(target, vocab), "tiny", teacher, False)
-        run_train(half, tmp_path / "features", tmp_path / "train", init_head(target, vocab), "tiny", teacher, False)
+    run_train(cfg, tmp_path / "features", tmp_path / "train", init_head(target, vocab), "tiny", teacher, False)
     done = read_json(tmp_path / "train" / "done.json")
     assert done["eval_last"]["greedy_agree"] > done["eval_first"]["greedy_agree"]
+    files = {p.name: p.read_bytes() for p in (tmp_path / "train").iterdir()}
     again = run_train(cfg, tmp_path / "features", tmp_path / "train", init_head(target, vocab), "tiny", teacher, False)
-    assert again == done
+    assert again == done and {p.name: p.read_bytes() for p in (tmp_path / "train").iterdir()} == files
+    with pytest.raises(ValueError, match="different settings"):  # a changed config is refused, not mixed in
+        run_train(half, tmp_path / "features", tmp_path / "train", init_head(target, vocab), "tiny", teacher, False)
     head = init_head(target, vocab)
     save_head(head, tmp_path / "head", {"target": "tiny"})
     assert load_head(tmp_path / "head").vocab_ids.tolist() == vocab
+
+
+def test_a_packed_linear_is_copied_into_the_head_without_its_bias():
+    """The head starts from the target's last layer; a packed (bf16-kernel-layout) linear
+    is read back through its forward, whose bias must not end up inside the weight."""
+    from verispec.model.quant import make_bf16_linear
+    from verispec.train.eagle import _dense_weight
+    torch.manual_seed(0)
+    dense = torch.nn.Linear(32, 16, bias=True)
+    with torch.no_grad():
+        dense.bias.mul_(10)   # a bias far above bf16 rounding of the weight
+    copied = _dense_weight(make_bf16_linear(dense), "weight")
+    assert torch.allclose(copied, dense.weight, atol=0.05)

@@ -68,19 +68,21 @@ def plan_steps(num_tokens: list[int], cfg: TrainConfig) -> list[list[int]]:
     return steps
 
 
-def lr_at(step: int, cfg: TrainConfig) -> float:
-    """Linear warm-up, then cosine decay to a tenth of the peak."""
+def lr_at(step: int, cfg, floor: float = 0.1) -> float:
+    """Linear warm-up over cfg.warmup_steps, then cosine decay to `floor` x the peak cfg.lr."""
     if step < cfg.warmup_steps:
         return cfg.lr * (step + 1) / cfg.warmup_steps
     progress = (step - cfg.warmup_steps) / max(1, cfg.steps - cfg.warmup_steps)
-    return cfg.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, progress))))
+    return cfg.lr * (floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * min(1.0, progress))))
 
 
-def _micro_batches(examples: list[dict]) -> list[list[dict]]:
-    ordered = sorted(examples, key=lambda e: -e["inputs"].numel())
+def micro_batches(items: list[dict], key: str, budget: int) -> list[list[dict]]:
+    """Items grouped longest first so that a group, padded to its longest `item[key]`,
+    holds at most `budget` tokens (one item alone may exceed it)."""
+    ordered = sorted(items, key=lambda e: -e[key].numel())
     batches, current = [], []
     for e in ordered:
-        if current and (len(current) + 1) * current[0]["inputs"].numel() > MICRO_BATCH_TOKENS:
+        if current and (len(current) + 1) * current[0][key].numel() > budget:
             batches.append(current)
             current = []
         current.append(e)
@@ -109,7 +111,7 @@ def train_step(model: LlamaModel, optimizer, examples: list[dict], cfg: TrainCon
     optimizer.zero_grad(set_to_none=True)
     total = sum(e["n"] for e in examples)
     sums = {"loss": 0.0, "kl": 0.0, "ce": 0.0}
-    for batch in _micro_batches(examples):
+    for batch in micro_batches(examples, "inputs", MICRO_BATCH_TOKENS):
         logits, topk_ids, topk_lp, targets = forward_supervised(model, batch)
         loss, parts = distill_loss(logits, topk_ids, topk_lp, targets, cfg.ce_weight)
         weight = logits.shape[0] / total
@@ -125,7 +127,7 @@ def train_step(model: LlamaModel, optimizer, examples: list[dict], cfg: TrainCon
 def evaluate(model: LlamaModel, examples: list[dict], cfg: TrainConfig) -> dict:
     """Held-out loss, greedy agreement with the target and top-k overlap (see agreement_stats)."""
     totals = {"positions": 0.0, "greedy_agree": 0.0, "overlap": 0.0, "loss": 0.0}
-    for batch in _micro_batches(examples):
+    for batch in micro_batches(examples, "inputs", MICRO_BATCH_TOKENS):
         logits, topk_ids, topk_lp, targets = forward_supervised(model, batch)
         _, parts = distill_loss(logits, topk_ids, topk_lp, targets, cfg.ce_weight)
         stats = agreement_stats(logits, topk_ids, topk_lp)

@@ -7,7 +7,7 @@ every generated position) and runs in three resumable steps under `<work>/eagle/
                 trace (bf16), from the same model the engine runs (weight format included:
                 the head must read at serving time what it was trained on); vocab.json,
                 the N most frequent output tokens of the training traces (the head's vocabulary)
-    train/      settings.json, checkpoint.pt, losses.jsonl, done.json (as the draft's stage)
+    train/      settings.json, checkpoint.pt, losses.jsonl, done.json
     export      `save_head` into <cache>/heads/<target>/ (or --out)
 
 Head entry i reads (t_{i+1}, h_i) and is supervised where t_{i+2} is a generated token:
@@ -16,14 +16,13 @@ Head entry i reads (t_{i+1}, h_i) and is supervised where t_{i+2} is a generated
                subset, where the traces' top-k would truncate it), q the head's softmax
     + ce_weight * CE of t_{i+2} (when inside the vocabulary)
     + feature_weight * smooth-L1(g_i, h_{i+1})  (g_i: the head's output feature)
-Teacher forcing: every entry reads the target's h_i, never the head's own g (at serving
-time drafts past the first read g); EAGLE's training with its own outputs is not done.
+Teacher forcing: an entry reads the target's h_i; with `own_feature_prob` > 0 that share of
+entries reads the head's own g_{i-1} instead, as drafts past the first do at serving time
+(EAGLE's training on its own features).
 """
 from __future__ import annotations
 
 import json
-import math
-import random
 import time
 from collections import Counter
 from dataclasses import asdict, dataclass, replace
@@ -35,6 +34,7 @@ from tqdm import tqdm
 
 from verispec.model.eagle import EagleHead
 from verispec.model.llama import LlamaModel
+from verispec.train.distill import lr_at, micro_batches, plan_steps
 from verispec.train.draft import _dense_attention, causal_forward, rope_tables
 from verispec.train.store import ensure_same_settings, load_torch, read_json, save_torch, write_json
 
@@ -149,8 +149,10 @@ def init_head(target: LlamaModel, vocab_ids: list[int], init_layer: int = -1) ->
 def _dense_weight(module: torch.nn.Module, name: str) -> torch.Tensor:
     """A float32 copy of a (possibly packed or quantized) linear's or norm's parameter."""
     if name == "weight" and not isinstance(getattr(module, "weight", None), torch.Tensor):
-        eye = torch.eye(module.in_features)
-        return module.forward(eye.to(torch.bfloat16) if _wants_bf16(module) else eye).float().T.contiguous()
+        eye = torch.eye(module.in_features)   # rows of I @ W^T + b: the weight, plus the bias
+        out = module.forward(eye.to(torch.bfloat16) if _wants_bf16(module) else eye).float()
+        bias = getattr(module, "bias", None)
+        return (out - bias.float() if bias is not None else out).T.contiguous()
     return getattr(module, name).detach().float().clone()
 
 
@@ -232,59 +234,24 @@ def _loss_terms(logits, g, target_next, sampled, top1_sub, teacher, cfg: EagleCo
 
 
 # ---------------------------------------------------------------------- training loop
-MICRO_BATCH_TOKENS = 4096
-
-
-def _micro_batches(records: list[dict]) -> list[list[dict]]:
-    ordered = sorted(records, key=lambda r: -r["ids"].numel())
-    out, cur = [], []
-    for r in ordered:
-        if cur and (len(cur) + 1) * cur[0]["ids"].numel() > MICRO_BATCH_TOKENS:
-            out.append(cur)
-            cur = []
-        cur.append(r)
-    return out + ([cur] if cur else [])
-
-
-def _plan(records: list[dict], cfg: EagleConfig) -> list[list[int]]:
-    steps, epoch = [], 0
-    while len(steps) < cfg.steps:
-        order = list(range(len(records)))
-        random.Random(f"{cfg.seed}:eagle:{epoch}").shuffle(order)
-        cur, tokens = [], 0
-        for i in order:
-            cur.append(i)
-            tokens += records[i]["ids"].numel() - records[i]["first"]
-            if tokens >= cfg.tokens_per_step:
-                steps.append(cur)
-                cur, tokens = [], 0
-                if len(steps) == cfg.steps:
-                    break
-        epoch += 1
-    return steps
-
-
-def _lr(step: int, cfg: EagleConfig) -> float:
-    if step < cfg.warmup_steps:
-        return cfg.lr * (step + 1) / cfg.warmup_steps
-    progress = (step - cfg.warmup_steps) / max(1, cfg.steps - cfg.warmup_steps)
-    return cfg.lr * (0.05 + 0.95 * 0.5 * (1 + math.cos(math.pi * min(1.0, progress))))
+MICRO_BATCH_TOKENS = 4096   # a micro-batch's padded tokens (the head's activations are small)
+LR_FLOOR = 0.05             # the cosine decays to this fraction of the peak rate
 
 
 def train_steps(head: EagleHead, records: list[dict], cfg: EagleConfig, optimizer, teacher: torch.Tensor,
                 start: int = 0, on_step=None) -> None:
     """Steps start..cfg.steps of the seeded plan; `on_step(step, stats)` after each."""
     remap = _remap(head)
-    plan = _plan(records, cfg)
+    plan = plan_steps([r["ids"].numel() - r["first"] for r in records], cfg)
     params = [p for p in head.parameters() if p.requires_grad]
     for step in range(start, cfg.steps):
         for group in optimizer.param_groups:
-            group["lr"] = _lr(step, cfg)
+            group["lr"] = lr_at(step, cfg, LR_FLOOR)
         optimizer.zero_grad(set_to_none=True)
         chosen = [records[i] for i in plan[step]]
         total = sum(r["ids"].numel() for r in chosen)
         sums: dict[str, float] = {}
-        for batch in _micro_batches(chosen):
+        for batch in micro_batches(chosen, "ids", MICRO_BATCH_TOKENS):
             loss, parts = head_loss(head, batch, cfg, remap, teacher)
             weight = sum(r["ids"].numel() for r in batch) / total
             (loss * weight).backward()
@@ -293,7 +260,7 @@ def train_steps(head: EagleHead, records: list[dict], cfg: EagleConfig, optimize
         torch.nn.utils.clip_grad_norm_(params, 1.0)
         optimizer.step()
         if on_step is not None:
-            on_step(step, {**sums, "lr": _lr(step, cfg)})
+            on_step(step, {**sums, "lr": lr_at(step, cfg, LR_FLOOR)})
 
 
 def _remap(head: EagleHead) -> torch.Tensor:
@@ -309,7 +276,7 @@ def evaluate(head: EagleHead, records: list[dict], cfg: EagleConfig, teacher: to
     draft: teacher-forced, every input feature the target's)."""
     cfg = replace(cfg, own_feature_prob=0.0)
     remap, sums = _remap(head), {"loss": 0.0, "agree": 0.0, "positions": 0.0}
-    for batch in _micro_batches(records):
+    for batch in micro_batches(records, "ids", MICRO_BATCH_TOKENS):
         _, parts = head_loss(head, batch, cfg, remap, teacher)
         sums["loss"] += parts["loss"] * parts["positions"]
         sums["agree"] += parts["agree"]
