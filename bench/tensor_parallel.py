@@ -4,8 +4,8 @@ Two layouts of the same cores: one process with --threads-total threads, and --t
 with threads-total / tp threads each (verispec.distributed, gloo). Under each, the same
 prompts run one request at a time, greedy, plain and speculative; per layout and mode:
 decode tokens/s, engine steps, seconds per step, and under TP the step's split into
-compute and collectives (rank 0's target forwards, ForwardStats; waiting for the slower
-rank counts as collectives). The ratio speculative / plain under each layout answers the
+collectives (rank 0's, ForwardStats; waiting for the slower rank counts) and the rest
+(compute, sampling, drafting, bookkeeping). The ratio speculative / plain under each layout answers the
 question: a verify step carries the same collectives as a plain one (one all-reduce per
 o_proj and down_proj, one gather of the logits) for up to k + 1 tokens.
 
@@ -40,32 +40,30 @@ def run_one(engine: LLMEngine, rid: str, prompt: tuple[int, ...], params: Sampli
     while engine.has_unfinished_requests():
         for o in engine.step():
             if first is None and o.token_ids:
-                first, at_first = time.perf_counter(), _forward_stats(engine)
+                first, at_first = time.perf_counter(), _collective_seconds(engine)
             out = o if o.finished else out
         steps += first is not None
-    end = _forward_stats(engine)
+    end = _collective_seconds(engine)
     return {"tokens": out.token_ids, "decode_tokens": len(out.token_ids) - 1,
             "decode_s": time.perf_counter() - first, "steps": steps - 1,
-            "forward_s": end[0] - at_first[0], "collective_s": end[1] - at_first[1],
+            "collective_s": end - at_first,
             "drafted": out.spec.num_draft_tokens, "accepted": out.spec.num_accepted_tokens}
 
 
-def _forward_stats(engine: LLMEngine) -> tuple[float, float]:
+def _collective_seconds(engine: LLMEngine) -> float:
+    """Rank 0's seconds in collectives so far (0 in one process)."""
     stats = getattr(engine.target, "stats", None)
-    if stats is None:
-        return 0.0, 0.0
-    s = stats()
-    return s.seconds, s.collective_seconds
+    return stats().collective_seconds if stats is not None else 0.0
 
 
 def summarise(runs: list[dict]) -> dict:
-    total = {k: sum(r[k] for r in runs) for k in ("decode_tokens", "decode_s", "steps", "forward_s",
-                                                  "collective_s", "drafted", "accepted")}
+    total = {k: sum(r[k] for r in runs) for k in ("decode_tokens", "decode_s", "steps", "collective_s",
+                                                  "drafted", "accepted")}
     steps = max(total["steps"], 1)
     return {"decode_tokens_per_s": total["decode_tokens"] / total["decode_s"],
             "steps": total["steps"], "ms_per_step": 1e3 * total["decode_s"] / steps,
             "collective_ms_per_step": 1e3 * total["collective_s"] / steps,
-            "compute_ms_per_step": 1e3 * (total["decode_s"] - total["collective_s"]) / steps,
+            "non_collective_ms_per_step": 1e3 * (total["decode_s"] - total["collective_s"]) / steps,
             "tokens_per_step": total["decode_tokens"] / steps,
             "acceptance_rate": total["accepted"] / total["drafted"] if total["drafted"] else None}
 
@@ -132,15 +130,14 @@ def main(argv=None) -> None:
     for name, config in layouts.items():  # one at a time: a process holds one tensor-parallel group
         results[name], configs[name], tokens[name] = run_layout(config, items, args, method)
     identical = {m: sum(a == b for a, b in zip(*(tokens[n][m] for n in layouts))) for m in MODES}
-    report = {"run": common.finish_run(header, t0), "configs": configs, "sources": sources,
-              "max_tokens": args.max_tokens, "prompts": len(measured), "layouts": results,
-              "identical_greedy_outputs": {m: f"{identical[m]}/{len(measured)}" for m in MODES}}
-    out = args.out or common.RESULTS_DIR / f"tensor-parallel-tp{args.tp}{'-quick' if args.quick else ''}.json"
-    common.write_json(out, report)
-    columns = ("decode_tokens_per_s", "ms_per_step", "compute_ms_per_step", "collective_ms_per_step",
+    common.write_result("tensor-parallel", args, header, t0, {
+        "configs": configs, "sources": sources, "max_tokens": args.max_tokens, "prompts": len(measured),
+        "layouts": results, "identical_greedy_outputs": {m: f"{identical[m]}/{len(measured)}" for m in MODES}},
+        common.RESULTS_DIR / f"tensor-parallel-tp{args.tp}{'-quick' if args.quick else ''}.json")
+    columns = ("decode_tokens_per_s", "ms_per_step", "non_collective_ms_per_step", "collective_ms_per_step",
                "tokens_per_step")
     print(common.markdown_table(
-        ["layout", "mode", "tok/s", "ms/step", "compute ms", "collective ms", "tok/step", "spec/plain"],
+        ["layout", "mode", "tok/s", "ms/step", "other ms", "collective ms", "tok/step", "spec/plain"],
         [[n, m, *(r[m][c] for c in columns), r["speculative_over_plain"] if m != "plain" else None]
          for n, r in results.items() for m in MODES]))
 

@@ -90,3 +90,18 @@ def test_resolved_for_fills_threads_only_when_unset():
     from verispec.config import auto_threads
     assert EngineConfig().resolved_for("serve").threads == auto_threads("serve")
     assert EngineConfig(threads=3).resolved_for("serve").threads == 3
+
+
+def test_tensor_parallel_ranks_share_this_machines_cores_not_the_whole_jobs(monkeypatch):
+    """Ranks the engine starts share its cores; under torchrun only LOCAL_WORLD_SIZE ranks
+    do (the others are on other machines); OMP_NUM_THREADS is already one process's."""
+    from verispec import config as C
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.setattr(C, "physical_cores", lambda: 16)
+    assert EngineConfig(tensor_parallel_size=4).resolved_for("generate").threads == 4
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")             # 4 ranks on 2 machines
+    assert EngineConfig(tensor_parallel_size=4).resolved_for("generate").threads == 8
+    assert EngineConfig().resolved_for("generate").threads == 16   # torchrun's -tp 1: independent engines
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")
+    assert EngineConfig(tensor_parallel_size=4).resolved_for("generate").threads == 3

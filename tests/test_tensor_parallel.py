@@ -263,12 +263,15 @@ def test_a_killed_rank_stops_the_engine_naming_the_rank(engines):
     assert not dist.is_initialized()
 
 
-def test_a_size_the_model_cannot_split_is_a_clear_error_before_any_rank_starts(engines, dirs):
+def test_a_size_the_model_cannot_split_is_a_clear_error_before_any_rank_starts(engines, dirs, monkeypatch):
+    from verispec.distributed import ranks
     engines.close()
+    started = []
+    monkeypatch.setattr(ranks.subprocess, "Popen", lambda *a, **k: started.append(a))
     with pytest.raises(ValueError, match=r"tensor_parallel_size 3 must divide the model's num_heads \(4\) "
                                          r"and num_kv_heads \(2\).*allowed values for .*: \[1, 2\]"):
         LLMEngine.from_config(engine_config(dirs["llama"], tp=3))
-    assert not dist.is_initialized()
+    assert started == [] and not dist.is_initialized()
     with pytest.raises(ValueError, match="tensor_parallel_size must be an integer >= 1"):
         engine_config(dirs["llama"], tp=0)
 
@@ -359,7 +362,7 @@ def _torchrun(args: list[str], env: dict | None = None, **kw) -> subprocess.Pope
                             text=True, **kw)
 
 
-def test_torchrun_ranks_generate_what_one_process_generates(engines, dirs):
+def test_torchrun_ranks_generate_what_one_process_generates(dirs):
     """`torchrun --nproc-per-node 2 -m verispec.cli generate -tp 2`: rank 0 prints the
     one-process engine's greedy tokens; rank 1 runs its forwards, then both exit 0."""
     text = "".join(chr(0x4E00 + t) for t in [1, 2, 3, 4, 5, 1, 2, 3])
@@ -375,7 +378,7 @@ def test_torchrun_ranks_generate_what_one_process_generates(engines, dirs):
     assert result["token_ids"] == run_all(one, [ids], params, SpecOverride("ngram", 2, False))[0].token_ids
 
 
-def test_torchrun_serves_http_from_rank_0_and_every_rank_stops_with_it(engines, dirs):
+def test_torchrun_serves_http_from_rank_0_and_every_rank_stops_with_it(dirs):
     from test_server_http import API_KEY, _free_port
     port = _free_port()
     proc = _torchrun(["serve", "--model", str(dirs["qwen2"]), "--dtype", "float32", "-tp", str(WORLD),
@@ -419,7 +422,7 @@ def test_torchrun_with_another_world_size_is_a_clear_error_on_every_rank(dirs):
     assert "torchrun started 2 processes but tensor_parallel_size is 4" in err, err
 
 
-def test_torchrun_runs_a_script_whose_llm_is_rank_0s(engines, dirs, tmp_path):
+def test_torchrun_runs_a_script_whose_llm_is_rank_0s(dirs, tmp_path):
     """A user script under torchrun: `LLM(..., tensor_parallel_size=2)` on every rank; rank 0
     gets the outputs (one process's), rank 1 ends inside the constructor after serving it."""
     script = tmp_path / "script.py"

@@ -143,11 +143,14 @@ class EngineConfig:
         return replace(self, **kw)
 
     def resolved_for(self, mode: str) -> "EngineConfig":
-        """This config with `threads` chosen for `mode` ("serve" or "generate") if unset
-        (per rank under tensor parallelism: the cores shared among the ranks)."""
+        """This config with `threads` chosen for `mode` ("serve" or "generate") if unset:
+        per rank under tensor parallelism, the cores shared among the ranks on this machine
+        (OMP_NUM_THREADS, when set, is already a process's, so a rank's)."""
         if self.threads is not None:
             return self
-        return replace(self, threads=max(1, auto_threads(mode) // self.tensor_parallel_size))
+        if os.environ.get("OMP_NUM_THREADS", "").strip():
+            return replace(self, threads=auto_threads(mode))
+        return replace(self, threads=max(1, auto_threads(mode) // local_ranks(self.tensor_parallel_size)))
 
 
 def load_chat_template(value: str) -> str:
@@ -267,6 +270,14 @@ def auto_threads(mode: str) -> int:
         return int(omp)
     cores = physical_cores()
     return cores - 1 if mode == "serve" and cores > SERVE_SPARE_CORE_ABOVE else cores
+
+
+def local_ranks(tensor_parallel_size: int) -> int:
+    """The engine's ranks that share this machine's cores: all of them when the engine
+    starts them; torchrun's LOCAL_WORLD_SIZE when torchrun does (ranks may span machines)."""
+    if tensor_parallel_size > 1 and "TORCHELASTIC_RUN_ID" in os.environ:
+        return int(os.environ.get("LOCAL_WORLD_SIZE", tensor_parallel_size))
+    return tensor_parallel_size
 
 
 def physical_cores() -> int:

@@ -167,8 +167,10 @@ class RankGroup:
         worker.commands.send(start)
         return worker
 
-    def joined(self) -> None:
-        """Every rank is in the group (the pipes already carry the steps)."""
+    def join(self, device: torch.device) -> None:
+        """Rank 0 joins the group once every worker has loaded its slices."""
+        self.wait_loaded()
+        init_group(0, self.world, self.store, device)
 
     def wait_loaded(self) -> None:
         """Block until every worker has loaded its slices; raise naming the first that failed."""
@@ -227,7 +229,7 @@ class RankGroup:
         if self.failure is not None:
             raise TensorParallelError(self.failure)
         if any(w.process.poll() is not None for w in self.workers):
-            raise self.lost("while idle")
+            raise self.lost("before a forward")
 
     def close(self) -> None:
         """Stop every worker (asked, then killed after STOP_GRACE_S) and leave the group."""

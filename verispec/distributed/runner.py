@@ -15,11 +15,11 @@ from typing import NamedTuple
 
 import torch
 
-from verispec.config import EngineConfig, physical_cores
+from verispec.config import EngineConfig
 from verispec.distributed.layers import Collectives
-from verispec.distributed.ranks import RankGroup, TensorParallelError, init_group, rank_devices
+from verispec.distributed.ranks import RankGroup, TensorParallelError, rank_devices
 from verispec.distributed.torchrun import (TorchrunGroup, TorchrunRank, check_world, pin_local_rank, rank_device,
-                                           rank_threads, run_worker, torchrun_rank)
+                                           run_worker, torchrun_rank)
 from verispec.engine.runner import ModelRunner, RowInput
 from verispec.model.config import ModelConfig
 from verispec.model.llama import LlamaModel
@@ -33,7 +33,6 @@ class ForwardStats(NamedTuple):
     forwards: int
     seconds: float
     collective_seconds: float
-    collective_calls: int
 
 
 class TensorParallelRunner(ModelRunner):
@@ -64,7 +63,7 @@ class TensorParallelRunner(ModelRunner):
         return out
 
     def stats(self) -> ForwardStats:
-        return ForwardStats(self.forwards, self.seconds, self.comm.seconds, self.comm.calls)
+        return ForwardStats(self.forwards, self.seconds, self.comm.seconds)
 
     def close(self) -> None:
         self.group.close()
@@ -109,9 +108,7 @@ def start(config: EngineConfig) -> TensorParallelTarget:
     try:
         torch.set_num_threads(threads)
         model, full, tokenizer, comm = load_rank_model(config, 0, world, device)
-        group.wait_loaded()
-        init_group(0, world, group.store, device)
-        group.joined()
+        group.join(device)
     except BaseException:
         group.close()
         raise
@@ -121,12 +118,11 @@ def start(config: EngineConfig) -> TensorParallelTarget:
 def _rank_zero_group(config: EngineConfig, world: int, me: TorchrunRank | None):
     """(the group handle, rank 0's device, its threads): the worker ranks started here, or
     torchrun's."""
+    threads = config.resolved_for("generate").threads
     if me is not None:
-        threads = rank_threads(config, me)
         pin_local_rank(me, threads)
         return TorchrunGroup(me), rank_device(config, me), threads
     devices = rank_devices(config, world)
-    threads = config.threads or max(1, physical_cores() // world)
     return RankGroup(config, world, threads, devices), devices[0], threads
 
 

@@ -114,14 +114,6 @@ class RankShard:
                 return (slice(None),) * dim + (slice(start, stop),) + (slice(None),) * (ndim - dim - 1)
         return None
 
-    def state_dict(self, hf_state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """The rank's slices of a whole HF state dict (contiguous copies of what is sliced)."""
-        out = {}
-        for name, t in hf_state.items():
-            index = self.index(name, t.dim())
-            out[name] = t if index is None else t[index].contiguous()
-        return out
-
     def int4_groups(self, groups: dict[str, Int4Groups]) -> dict[str, Int4Groups]:
         """A GGUF's Q4 groups (HF names) sliced like the weights they quantize: rows as
         they are; columns in whole groups of 32 (a slice that cuts a group is an error)."""

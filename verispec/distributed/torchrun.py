@@ -32,7 +32,9 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from verispec.config import EngineConfig, physical_cores
+from verispec.config import EngineConfig
+from verispec.distributed.ranks import TensorParallelError, init_group, pin_process, rank_cpus
+from verispec.distributed.worker import build_runner, serve_forwards
 
 log = logging.getLogger("verispec")
 
@@ -77,13 +79,8 @@ def rank_device(config: EngineConfig, me: TorchrunRank) -> torch.device:
     return torch.device("cpu")
 
 
-def rank_threads(config: EngineConfig, me: TorchrunRank) -> int:
-    return config.threads or max(1, physical_cores() // me.local_world)
-
-
 def pin_local_rank(me: TorchrunRank, threads: int) -> None:
     """Pin this process to its share of the node's cores (not pinned when they are too few)."""
-    from verispec.distributed.ranks import pin_process, rank_cpus
     cpus = rank_cpus(me.local_world, threads)
     pin_process(cpus[me.local_rank] if cpus else None)
 
@@ -108,20 +105,17 @@ class TorchrunGroup:
     """Rank 0's handle on a torchrun job's other ranks (the interface of ranks.RankGroup):
     nothing to spawn or wait for; a lost rank shows as a failed collective."""
 
-    store = None   # init_group rendezvous through torchrun's env://
-
     def __init__(self, me: TorchrunRank):
         self.world, self.closed, self.failure = me.world, False, None
         self.channel: StepChannel | None = None
 
-    def wait_loaded(self) -> None:
-        """Joining the group waits for every rank (each loads its slices first)."""
-
-    def joined(self) -> None:
+    def join(self, device: torch.device) -> None:
+        """Rank 0 joins through torchrun's rendezvous (env://), which waits for every rank
+        (each loads its slices first), then opens the step channel."""
+        init_group(0, self.world, None, device)
         self.channel = StepChannel()
 
     def broadcast(self, rows) -> None:
-        from verispec.distributed.ranks import TensorParallelError
         if self.failure is not None:
             raise TensorParallelError(self.failure)
         try:
@@ -130,17 +124,15 @@ class TorchrunGroup:
             raise self.lost(f"before a forward ({exc})") from None
 
     def check(self) -> None:
-        from verispec.distributed.ranks import TensorParallelError
         if self.failure is not None:
             raise TensorParallelError(self.failure)
 
-    def lost(self, when: str, kind: type | None = None) -> BaseException:
-        from verispec.distributed.ranks import TensorParallelError
+    def lost(self, when: str) -> BaseException:
         self.failure = (f"tensor-parallel group of {self.world} torchrun ranks failed {when}; torchrun "
                         "stops the other ranks. Restart the job.")
         log.error("%s", self.failure)
         self.closed = True   # no stop message: the ranks are out of step
-        return (kind or TensorParallelError)(self.failure)
+        return TensorParallelError(self.failure)
 
     def close(self) -> None:
         """Tell every rank to stop (their programs then end), and leave the group."""
@@ -158,14 +150,11 @@ class TorchrunGroup:
 def run_worker(config: EngineConfig, me: TorchrunRank) -> int:
     """Rank me.rank >= 1: load this rank's slices, join, run rank 0's forwards until it
     stops; the exit status (0 after rank 0's clean shutdown)."""
-    from verispec.distributed.ranks import WorkerStart, init_group
-    from verispec.distributed.worker import build_runner, serve_forwards
-
     check_world(config, me)
-    threads = rank_threads(config, me)
+    threads = config.resolved_for("generate").threads
     pin_local_rank(me, threads)
     device = rank_device(config, me)
-    runner = build_runner(WorkerStart(config, me.rank, me.world, 0, threads, None, str(device)))
+    runner = build_runner(config, me.rank, me.world, threads, str(device))
     init_group(me.rank, me.world, None, device)
     channel = StepChannel()
     return serve_forwards(channel.receive, runner, lambda trace: log.error("rank %d failed:\n%s", me.rank, trace))

@@ -25,7 +25,7 @@ def main(argv: list[str]) -> int:
     from verispec.distributed.ranks import pin_process
     pin_process(start.cpus)  # before torch starts its OpenMP threads: they inherit it
     try:
-        runner = build_runner(start)
+        runner = build_runner(start.config, start.rank, start.world, start.threads, start.device)
     except Exception:
         replies.send(("failed", traceback.format_exc()))
         return 1
@@ -36,8 +36,8 @@ def main(argv: list[str]) -> int:
                           lambda trace: _report(replies, trace))
 
 
-def build_runner(start):
-    """This rank's runner: its slices loaded and placed as `LLMEngine.__init__` places the
+def build_runner(config, rank: int, world: int, threads: int, device: str):
+    """Rank `rank`'s runner: its slices loaded and placed as `LLMEngine.__init__` places the
     target (huge pages, then the kernels), with a KV store the size of rank 0's."""
     import torch
 
@@ -45,9 +45,8 @@ def build_runner(start):
     from verispec.engine.runner import ModelRunner
     from verispec.model import kernels, memory
 
-    torch.set_num_threads(start.threads)
-    config = start.config
-    model, _, _, _ = load_rank_model(config, start.rank, start.world, torch.device(start.device))
+    torch.set_num_threads(threads)
+    model, _, _, _ = load_rank_model(config, rank, world, torch.device(device))
     on_cpu = model.embed_tokens.weight.device.type == "cpu"
     if config.huge_pages and on_cpu and memory.huge_pages_available():
         memory.move_to_huge_pages(model)
