@@ -137,7 +137,7 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     t0 = time.perf_counter()
     header = common.start_run(args)
-    base = replace(common.base_config(args), model=args.model)
+    base = common.base_config(args)
     models = common.load_models(base)
     configs = {name: replace(base, spec=SpecConfig(method=METHODS[name], num_spec_tokens=args.k_max, adaptive=True))
                for name in args.contenders}
