@@ -47,17 +47,12 @@ from verispec.model.tokenizer import IncrementalDetokenizer, Tokenizer
 from verispec.outputs import RequestOutput
 from verispec.request import Request, SpecOverride, Status  # noqa: F401 (SpecOverride: the engine's API)
 from verispec.sampling import SamplingParams, SamplingTensors, noise_key, sample, token_logprobs
-from verispec.spec.policy import RoundReport, RoundTimer, RowOffer, RowResult, SpeculationPolicy
+from verispec.spec.policy import MAX_SPEC_TOKENS, RoundReport, RoundTimer, RowOffer, RowResult, SpeculationPolicy
 from verispec.spec.proposer import ProposerContext, build_proposers
 from verispec.spec.rejection import RejectionResult, greedy_accept, rejection_sample, seeded_verify
 from verispec.structured.grammar import GrammarCompiler
 
 log = logging.getLogger("verispec")
-
-
-# The most draft tokens a request may ask for: a verify row is 1 + k tokens, and past 16
-# the chance that every draft is accepted is too small to pay for the pass.
-MAX_SPEC_TOKENS = 16
 
 
 class _Mark:

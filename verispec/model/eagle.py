@@ -142,5 +142,4 @@ def load_head(directory: str | Path, device="cpu") -> EagleHead:
     state = load_file(str(directory / WEIGHTS))
     head = EagleHead(cfg, state["vocab_ids"])
     head.load_state_dict({k: v if k == "vocab_ids" else v.float() for k, v in state.items()})
-    head.meta = meta
     return head.to(device).eval()

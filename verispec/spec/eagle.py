@@ -40,6 +40,7 @@ from verispec.model.eagle import EagleHead, load_head
 from verispec.request import Request
 from verispec.sampling import SamplingTensors, noise_key, sample
 from verispec.spec.draft_model import draft_sampling_tensors
+from verispec.spec.policy import MAX_SPEC_TOKENS
 from verispec.spec.proposer import Offer, ProposerContext, ProposerUnavailable
 
 
@@ -48,9 +49,9 @@ def heads_root() -> Path:
     <VERISPEC_CACHE>/heads/<target registry name>/ (beside the registered drafts)."""
     from verispec.model.fetch import cache_root
     return cache_root() / "heads"
-# A round leaves at most this many exact entries to compute (pending + 16 accepted drafts);
+# A round leaves at most this many exact entries to compute (pending + every accepted draft);
 # more is a one-off catch-up (`prepare`), timed apart from drafting.
-ROUND_ENTRIES = 17
+ROUND_ENTRIES = MAX_SPEC_TOKENS + 1
 
 
 def registered_head(model: str) -> Path | None:

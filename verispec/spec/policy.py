@@ -32,6 +32,11 @@ from verispec.spec.acceptance import AcceptanceModel, expected_tokens
 from verispec.spec.costs import CostCells, PerToken, size_bucket
 
 
+# The most draft tokens a request may ask for: a verify row is 1 + k tokens, and past 16
+# the chance that every draft is accepted is too small to pay for the pass.
+MAX_SPEC_TOKENS = 16
+
+
 class RowOffer(NamedTuple):
     """One decode row as the policy sees it (no model, no tensors). A tuple: the engine
     builds one per row per step."""
