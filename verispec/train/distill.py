@@ -158,20 +158,20 @@ def run_train(cfg: TrainConfig, filtered_dir: Path, train_dir: Path, model: Llam
     plan = plan_steps([e["n"] for e in train], cfg)
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=cfg.lr,
                                   weight_decay=cfg.weight_decay)
-    start = _resume(train_dir, model, optimizer)
+    start = resume(train_dir, model, optimizer, "model")
     log_path = train_dir / "losses.jsonl"
     t0 = time.perf_counter()
     if start == 0 and heldout:
-        _log(log_path, {"step": 0, "eval": evaluate(model, heldout, cfg)})
+        log_entry(log_path, {"step": 0, "eval": evaluate(model, heldout, cfg)})
     bar = tqdm(total=cfg.steps, initial=start, desc="train draft", disable=not progress, unit="step")
     for step in range(start, cfg.steps):
         stats = train_step(model, optimizer, [train[i] for i in plan[step]], cfg, lr_at(step, cfg))
-        _log(log_path, {"step": step + 1, **stats})
+        log_entry(log_path, {"step": step + 1, **stats})
         bar.set_postfix(loss=f"{stats['loss']:.3f}", kl=f"{stats['kl']:.3f}")
         bar.update(1)
         done_now = step + 1 == cfg.steps
         if heldout and ((step + 1) % cfg.eval_every == 0 or done_now):
-            _log(log_path, {"step": step + 1, "eval": evaluate(model, heldout, cfg)})
+            log_entry(log_path, {"step": step + 1, "eval": evaluate(model, heldout, cfg)})
         if (step + 1) % cfg.checkpoint_every == 0 or done_now:
             save_torch(train_dir / "checkpoint.pt", {"step": step + 1, "model": model.state_dict(),
                                                      "optimizer": optimizer.state_dict()})
@@ -184,15 +184,17 @@ def run_train(cfg: TrainConfig, filtered_dir: Path, train_dir: Path, model: Llam
     return done, True
 
 
-def _resume(train_dir: Path, model: LlamaModel, optimizer) -> int:
-    """Load checkpoint.pt if there is one; drop log lines written after it. Returns its step."""
+def resume(train_dir: Path, module: torch.nn.Module, optimizer, key: str) -> int:
+    """Load checkpoint.pt's `key` state into `module` (and the optimizer's) if there is one;
+    drop losses.jsonl lines written after it, so a resumed log has each step once. Returns
+    its step (0 with no checkpoint: the log starts afresh)."""
     path = train_dir / "checkpoint.pt"
     log_path = train_dir / "losses.jsonl"
     if not path.exists():
         log_path.unlink(missing_ok=True)
         return 0
     ckpt = load_torch(path)
-    model.load_state_dict(ckpt["model"])
+    module.load_state_dict(ckpt[key])
     optimizer.load_state_dict(ckpt["optimizer"])
     kept = [e for e in read_losses(log_path) if e["step"] <= ckpt["step"]]
     log_path.write_text("".join(json.dumps(e) + "\n" for e in kept))
@@ -207,7 +209,7 @@ def load_trained(train_dir: Path, model: LlamaModel) -> LlamaModel:
     return model
 
 
-def _log(path: Path, entry: dict) -> None:
+def log_entry(path: Path, entry: dict) -> None:
     with open(path, "a") as f:
         f.write(json.dumps(entry) + "\n")
 

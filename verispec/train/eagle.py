@@ -22,7 +22,6 @@ entries reads the head's own g_{i-1} instead, as drafts past the first do at ser
 """
 from __future__ import annotations
 
-import json
 import time
 from collections import Counter
 from dataclasses import asdict, dataclass, replace
@@ -34,7 +33,7 @@ from tqdm import tqdm
 
 from verispec.model.eagle import EagleHead
 from verispec.model.llama import LlamaModel
-from verispec.train.distill import lr_at, micro_batches, plan_steps
+from verispec.train.distill import log_entry, lr_at, micro_batches, plan_steps, read_losses, resume
 from verispec.train.draft import _dense_attention, causal_forward, rope_tables
 from verispec.train.store import ensure_same_settings, load_torch, read_json, save_torch, write_json
 
@@ -77,16 +76,29 @@ def sequence(record: dict, max_seq_len: int) -> tuple[torch.Tensor, int]:
     return ids[cut:], max(1, prompt.numel() - cut)
 
 
+FEATURE_BATCH_TOKENS = 8192  # padded tokens per target pass of the features stage
+
+
 @torch.inference_mode()
-def target_features(model: LlamaModel, records: list[dict], max_seq_len: int) -> list[dict]:
-    """Per record: ids (T,), first output index, h (T, H) bf16, and the top-k of the outputs."""
-    out = []
-    for r in records:
+def target_features(model: LlamaModel, records: list[dict], max_seq_len: int, progress: str | None = None) -> list[dict]:
+    """Per record, in order: ids (T,), first output index, h (T, H) bf16, and the top-k of the
+    outputs. Records are batched by length, right-padded (a causal pass: padding after a
+    position never changes its state); `progress` names a progress bar (None: none)."""
+    items = []
+    for index, r in enumerate(records):
         ids, first = sequence(r, max_seq_len)
-        h = causal_forward(model, ids[None])[0]  # (T, H) float32
-        n_out = ids.numel() - first
-        out.append({"ids": ids.to(torch.int32), "first": first, "h": h.to(torch.bfloat16),
-                    "topk_ids": r["topk_ids"][-n_out:], "topk_logprobs": r["topk_logprobs"][-n_out:]})
+        items.append({"ids": ids, "first": first, "index": index})
+    out: list[dict] = [{} for _ in records]
+    for batch in tqdm(micro_batches(items, "ids", FEATURE_BATCH_TOKENS), desc=progress, disable=progress is None):
+        padded = torch.zeros(len(batch), batch[0]["ids"].numel(), dtype=torch.long)  # longest first
+        for b, e in enumerate(batch):
+            padded[b, : e["ids"].numel()] = e["ids"]
+        h = causal_forward(model, padded)                             # (B, T, H) float32
+        for b, e in enumerate(batch):
+            r, n = records[e["index"]], e["ids"].numel()
+            n_out = n - e["first"]
+            out[e["index"]] = {"ids": e["ids"].to(torch.int32), "first": e["first"], "h": h[b, :n].to(torch.bfloat16),
+                               "topk_ids": r["topk_ids"][-n_out:], "topk_logprobs": r["topk_logprobs"][-n_out:]}
     return out
 
 
@@ -113,8 +125,7 @@ def run_features(cfg: EagleConfig, filtered_dir: Path, out_dir: Path, model: Lla
     covered = _coverage(train, vocab)
     write_json(out_dir / "vocab.json", {"vocab_ids": vocab, "train_output_coverage": covered})
     for name, records in (("heldout", heldout), ("train", train)):
-        feats = [f for r in tqdm(records, desc=f"features ({name})", disable=not progress)
-                 for f in target_features(model, [r], cfg.max_seq_len)]
+        feats = target_features(model, records, cfg.max_seq_len, f"features ({name})" if progress else None)
         save_torch(out_dir / f"{name}.pt", {"records": feats})
     done = {"train": len(train), "heldout": len(heldout), "vocab": len(vocab),
             "train_output_coverage": covered, "seconds": round(time.perf_counter() - t0, 1)}
@@ -296,44 +307,29 @@ def run_train(cfg: EagleConfig, features_dir: Path, train_dir: Path, head: Eagle
     records = load_torch(features_dir / "train.pt")["records"]
     heldout = load_torch(features_dir / "heldout.pt")["records"]
     optimizer = torch.optim.AdamW([p for p in head.parameters() if p.requires_grad], lr=cfg.lr, weight_decay=0.0)
-    start = 0
-    if (train_dir / "checkpoint.pt").exists():
-        ckpt = load_torch(train_dir / "checkpoint.pt")
-        head.load_state_dict(ckpt["head"])
-        optimizer.load_state_dict(ckpt["optimizer"])
-        start = int(ckpt["step"])
+    start = resume(train_dir, head, optimizer, "head")
     log_path, t0 = train_dir / "losses.jsonl", time.perf_counter()
     bar = tqdm(total=cfg.steps, initial=start, desc="train head", disable=not progress, unit="step")
     if start == 0:
-        log_path.unlink(missing_ok=True)
-        _log(log_path, {"step": 0, "eval": evaluate(head, heldout, cfg, teacher)})
+        log_entry(log_path, {"step": 0, "eval": evaluate(head, heldout, cfg, teacher)})
 
     def on_step(step: int, stats: dict) -> None:
-        _log(log_path, {"step": step + 1, **stats})
+        log_entry(log_path, {"step": step + 1, **stats})
         bar.update(1)
         bar.set_postfix(loss=f"{stats['loss']:.3f}", agree=f"{stats['agree'] / max(1, stats['positions']):.3f}")
         last = step + 1 == cfg.steps
         if (step + 1) % cfg.eval_every == 0 or last:
-            _log(log_path, {"step": step + 1, "eval": evaluate(head, heldout, cfg, teacher)})
+            log_entry(log_path, {"step": step + 1, "eval": evaluate(head, heldout, cfg, teacher)})
         if (step + 1) % cfg.checkpoint_every == 0 or last:
             save_torch(train_dir / "checkpoint.pt", {"step": step + 1, "head": head.state_dict(),
                                                      "optimizer": optimizer.state_dict()})
     train_steps(head, records, cfg, optimizer, teacher, start, on_step)
     bar.close()
-    evals = [e["eval"] for e in _read(log_path) if "eval" in e]
+    evals = [e["eval"] for e in read_losses(log_path) if "eval" in e]
     done = {"steps": cfg.steps, "seconds_this_run": round(time.perf_counter() - t0, 1),
             "eval_first": evals[0] if evals else None, "eval_last": evals[-1] if evals else None}
     write_json(train_dir / "done.json", done)
     return done
-
-
-def _log(path: Path, entry: dict) -> None:
-    with open(path, "a") as f:
-        f.write(json.dumps(entry) + "\n")
-
-
-def _read(path: Path) -> list[dict]:
-    return [json.loads(x) for x in path.read_text().splitlines() if x.strip()] if path.exists() else []
 
 
 # ---------------------------------------------------------------------- the CLI stage
