@@ -18,10 +18,10 @@ from bugs import inject
 from eagle_heads import random_head_dir, trained_head_dir
 from test_gate_lossless import BUG_SAMPLES, PAIR, exact_joint, run_gate
 from tiny import run_all, tiny_config, tiny_engine, tiny_pair
-from verispec.engine.runner import ModelRunner, RowInput
+from verispec.engine.runner import ModelRunner, RowInput, row_metadata
 from verispec.model import kernels
-from verispec.model.attention import AttentionMetadata
-from verispec.model.eagle import load_head
+from verispec.model.attention import KERNEL_QUERY_LIMIT, AttentionMetadata
+from verispec.model.eagle import EagleHead, load_head
 from verispec.model.llama import LlamaModel
 from verispec.sampling import SamplingParams
 from verispec.spec.eagle import EagleProposer
@@ -169,46 +169,6 @@ def test_q_renormalised_over_the_full_vocabulary_is_caught_by_g1(monkeypatch):
     assert not missed, ("q over the full vocabulary went unnoticed by", missed, verdict.measured)
 
 
-def test_the_training_stages_raise_agreement_skip_when_done_and_export_a_loadable_head(tmp_path):
-    """Features, training and export on a tiny target: the held-out agreement rises, a
-    rerun with the same settings does no work, one with other settings is refused."""
-    from verispec.model.eagle import save_head
-    from verispec.train.eagle import EagleConfig, init_head, run_features, run_train, teacher_rows
-    from verispec.train.store import read_json, save_torch, write_json
-    from verispec.train.traces import score_topk
-
-    target, _ = tiny_pair(vocab=48, noise=0.1, seed=3)
-    g = torch.Generator().manual_seed(1)
-    prompts = [torch.randint(0, 48, (6,), generator=g).tolist() for _ in range(40)]
-    outs = run_all(tiny_engine(target, method="none"), prompts, GREEDY)
-    records = [{"prompt_ids": torch.tensor(p, dtype=torch.int32),
-                "output_ids": torch.tensor(o.token_ids, dtype=torch.int32)} for p, o in zip(prompts, outs)]
-    score_topk(target, records, 8)
-    filtered = tmp_path / "filtered"
-    filtered.mkdir()
-    save_torch(filtered / "train.pt", {"records": records[8:]})
-    save_torch(filtered / "heldout.pt", {"records": records[:8]})
-    write_json(filtered / "report.json", {"fingerprint": "tiny"})
-    cfg = EagleConfig(num_draft_vocab=24, steps=60, tokens_per_step=256, lr=3e-3, warmup_steps=5,
-                      checkpoint_every=30, eval_every=30)
-    feats = run_features(cfg, filtered, tmp_path / "features", target, progress=False)
-    assert feats["vocab"] == 24 and 0.5 < feats["train_output_coverage"] <= 1.0
-    vocab = read_json(tmp_path / "features" / "vocab.json")["vocab_ids"]
-    teacher = teacher_rows(target, vocab)
-    half = EagleConfig(**{**cfg.to_dict(), "steps": 30})
-    run_train(cfg, tmp_path / "features", tmp_path / "train", init_head(target, vocab), "tiny", teacher, False)
-    done = read_json(tmp_path / "train" / "done.json")
-    assert done["eval_last"]["greedy_agree"] > done["eval_first"]["greedy_agree"]
-    files = {p.name: p.read_bytes() for p in (tmp_path / "train").iterdir()}
-    again = run_train(cfg, tmp_path / "features", tmp_path / "train", init_head(target, vocab), "tiny", teacher, False)
-    assert again == done and {p.name: p.read_bytes() for p in (tmp_path / "train").iterdir()} == files
-    with pytest.raises(ValueError, match="different settings"):  # a changed config is refused, not mixed in
-        run_train(half, tmp_path / "features", tmp_path / "train", init_head(target, vocab), "tiny", teacher, False)
-    head = init_head(target, vocab)
-    save_head(head, tmp_path / "head", {"target": "tiny"})
-    assert load_head(tmp_path / "head").vocab_ids.tolist() == vocab
-
-
 def test_a_packed_linear_is_copied_into_the_head_without_its_bias():
     """The head starts from the target's last layer; a packed (bf16-kernel-layout) linear
     is read back through its forward, whose bias must not end up inside the weight."""
@@ -220,3 +180,76 @@ def test_a_packed_linear_is_copied_into_the_head_without_its_bias():
         dense.bias.mul_(10)   # a bias far above bf16 rounding of the weight
     copied = _dense_weight(make_bf16_linear(dense), "weight")
     assert torch.allclose(copied, dense.weight, atol=0.05)
+
+
+def test_a_tensor_parallel_target_is_refused_for_want_of_a_whole_embedding():
+    from types import SimpleNamespace
+
+    from verispec.distributed.runner import TensorParallelRunner
+    from verispec.spec.eagle import build_eagle
+    from verispec.spec.proposer import ProposerContext, ProposerUnavailable
+    assert ModelRunner.returns_hidden and not TensorParallelRunner.returns_hidden
+    tp = TensorParallelRunner.__new__(TensorParallelRunner)  # the class's answer; no ranks started
+    context = ProposerContext(SimpleNamespace(draft_head="unused", model="tiny"), target=tp)
+    with pytest.raises(ProposerUnavailable, match="hidden states.*tensor parallelism"):
+        build_eagle(context)
+
+
+def _packed_head(hidden: int):
+    """A random head packed on the kernels over a tiny bf16 target (head size hidden / 4)."""
+    torch.manual_seed(0)
+    target = LlamaModel(tiny_config(vocab=64, hidden=hidden)).eval()
+    target.embed_tokens.to(torch.bfloat16)
+    head = EagleHead(target.cfg, torch.arange(0, 64, 2))
+    with torch.no_grad():
+        for name, p in head.named_parameters():
+            p.normal_(0, 0.2) if "norm" not in name else p.fill_(1.0)
+    return head.bind(target.embed_tokens).pack(kernels.load(required=True))
+
+
+def _head_pass(head, rows: list[tuple[int, int]], kernel_limit: int | None = None, stack: bool = True):
+    """(logits, output features) of one pass over rows of (start, tokens) after a random
+    context: through `EagleProposer._pass`, or with kernel_limit, the head on
+    `row_metadata(..., kernel_limit)`."""
+    from types import SimpleNamespace
+    target = SimpleNamespace(kv=SimpleNamespace(num_slots=64 * len(rows)), device=torch.device("cpu"),
+                             block_size=4, vocab_limit=64, model=None)
+    tables = [list(range(b * 16, b * 16 + 16)) for b in range(len(rows))]  # 16 blocks of 4 a row
+    proposer = EagleProposer(head, target, lambda request_id: tables[int(request_id)])
+    g = torch.Generator().manual_seed(4)
+    proposer.kv.k.copy_(torch.randn(proposer.kv.k.shape, generator=g))
+    proposer.kv.v.copy_(torch.randn(proposer.kv.v.shape, generator=g))
+    starts, tokens = [s for s, _ in rows], [[i % 64 for i in range(n)] for _, n in rows]
+    features = torch.randn(sum(n for _, n in rows), head.cfg.hidden_size, generator=g)
+    saved, head.stack = head.stack, head.stack if stack else None
+    try:
+        if kernel_limit is None:
+            return proposer._pass([SimpleNamespace(request_id=str(b)) for b in range(len(rows))], starts, tokens,
+                                  features)
+        meta = row_metadata(starts, [n for _, n in rows], tables, 4, "cpu", kernel_limit)
+        last = torch.tensor([n for _, n in rows]).cumsum(0) - 1
+        return head(torch.tensor([t for row in tokens for t in row]), features, meta, proposer.kv, last)
+    finally:
+        head.stack = saved
+
+
+def test_a_packed_heads_rows_go_where_a_targets_runner_sends_them():
+    """Head size 64 (the kernel's vector form): every row, a 40-token catch-up included, in
+    the kernel, on the stack or the per-layer path bit for bit. Head size 32: rows over
+    KERNEL_QUERY_LIMIT go to SDPA, the rest stay in the kernel (bit for bit as the stack)."""
+    ops = kernels.load(required=False)
+    if ops is None or not ops.bf16_vector:
+        pytest.skip("verispec's kernels (vector bf16) are not available here")
+    rows = [(10, 20), (0, 40), (20, 1)]
+    head = _packed_head(256)
+    logits, g = _head_pass(head, rows)
+    for stack in (True, False):
+        in_kernel, in_kernel_g = _head_pass(head, rows, sys.maxsize, stack)
+        assert torch.equal(logits, in_kernel) and torch.equal(g, in_kernel_g)
+    head = _packed_head(128)
+    assert head.kernel_queries == KERNEL_QUERY_LIMIT
+    logits, _ = _head_pass(head, rows)
+    in_kernel, _ = _head_pass(head, rows, sys.maxsize)
+    assert torch.equal(logits[[0, 2]], in_kernel[[0, 2]])
+    assert not torch.equal(logits[1], in_kernel[1])  # the 40-token row: SDPA's bf16 rounding
+    assert torch.allclose(logits[1], in_kernel[1], atol=0.1)

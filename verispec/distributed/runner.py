@@ -40,6 +40,10 @@ class TensorParallelRunner(ModelRunner):
     first. Any exception inside a forward is fatal to the group (`TensorParallelError`):
     the ranks' collectives can no longer be matched up."""
 
+    # No EAGLE-style head: rank 0 holds only its vocabulary run of the embedding, and a
+    # lookup is an all-reduce that the workers join only inside a forward.
+    returns_hidden = False
+
     def __init__(self, model: LlamaModel, num_slots: int, block_size: int, vocab_limit: int | None,
                  group: RankGroup, comm: Collectives):
         super().__init__(model, num_slots, block_size, vocab_limit)

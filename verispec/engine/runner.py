@@ -29,6 +29,11 @@ class RowInput:
 
 
 class ModelRunner:
+    # Whether an EAGLE-style head (verispec.spec.eagle) can draft over this runner: its
+    # `forward(rows, hidden=True)` returns the target's final hidden states, and the head
+    # can look tokens up in `model.embed_tokens` on its own.
+    returns_hidden: bool = True
+
     def __init__(self, model: LlamaModel, num_slots: int, block_size: int, vocab_limit: int | None = None):
         self.model = model
         self.kv = model.new_kv_store(num_slots)
@@ -39,8 +44,7 @@ class ModelRunner:
         self.device = model.embed_tokens.weight.device
 
     def slots(self, block_table: list[int], start: int, end: int) -> list[int]:
-        bs = self.block_size
-        return [block_table[p // bs] * bs + p % bs for p in range(start, end)]
+        return block_slots(block_table, start, end, self.block_size)
 
     def forward(self, rows: list[RowInput], hidden: bool = False):
         """Run all rows in one pass; returns per-row logits (n_i, V) float32. `hidden`:
@@ -54,15 +58,8 @@ class ModelRunner:
             logits_index.extend(range(offset + r.logits_from, offset + n))
             offset += n
         limit = kernel_query_limit(self.model.kernels, self.model.embed_tokens.weight.dtype, self.model.cfg.head_dim)
-        if self.model.kernels is not None and max(q_lens) <= limit:  # every row in the attention kernel
-            meta = AttentionMetadata.kernel_only([r.start for r in rows], q_lens, [r.block_table for r in rows],
-                                                 self.block_size, self.device)
-        else:
-            positions = [list(range(r.start, r.end)) for r in rows]
-            ctx_slots = [self.slots(r.block_table, 0, r.end) for r in rows]
-            meta = AttentionMetadata.build(q_lens, [r.end for r in rows], positions,
-                                           [c[r.start:] for c, r in zip(ctx_slots, rows)], ctx_slots, self.device,
-                                           limit)
+        meta = row_metadata([r.start for r in rows], q_lens, [r.block_table for r in rows], self.block_size,
+                            self.device, limit)
         every = len(logits_index) == offset  # every position's logits (decoding): no gather
         # return_hidden only when asked: a model stand-in without the option still runs plain passes
         out = self.model(_on(self.device, ids), meta, self.kv, None if every else _on(self.device, logits_index),
@@ -72,6 +69,25 @@ class ModelRunner:
             logits = logits[:, : self.vocab_limit]
         per_row = list(logits.split([len(r.token_ids) - r.logits_from for r in rows]))
         return (per_row, list(states.split(q_lens))) if hidden else per_row
+
+
+def block_slots(block_table: list[int], start: int, end: int, block_size: int) -> list[int]:
+    """The KV slots of positions start..end-1 of a row with this block table."""
+    return [block_table[p // block_size] * block_size + p % block_size for p in range(start, end)]
+
+
+def row_metadata(starts: list[int], query_lens: list[int], block_tables: list[list[int]], block_size: int,
+                 device: torch.device, kernel_limit: int) -> AttentionMetadata:
+    """A pass's attention metadata: row b has query_lens[b] tokens at positions starts[b]..
+    over block_tables[b]. Every row goes to the fused kernel when none is longer than
+    `kernel_limit` (`kernel_query_limit`; 0: the kernels are off), else `build` sends the
+    rows over it to SDPA groups (the others still to the kernel)."""
+    if kernel_limit and max(query_lens) <= kernel_limit:
+        return AttentionMetadata.kernel_only(starts, query_lens, block_tables, block_size, device)
+    ends = [s + q for s, q in zip(starts, query_lens)]
+    ctx_slots = [block_slots(t, 0, e, block_size) for t, e in zip(block_tables, ends)]
+    return AttentionMetadata.build(query_lens, ends, [list(range(s, e)) for s, e in zip(starts, ends)],
+                                   [c[s:] for c, s in zip(ctx_slots, starts)], ctx_slots, device, kernel_limit)
 
 
 def _on(device: torch.device, values: list[int]) -> torch.Tensor:

@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 import torch.nn as nn
 
-from verispec.model.attention import AttentionMetadata, KVStore
+from verispec.model.attention import AttentionMetadata, KVStore, kernel_query_limit
 from verispec.model.config import ModelConfig
 from verispec.model.llama import Block, RMSNorm, Rotary
 
@@ -36,7 +36,7 @@ WEIGHTS, META = "head.safetensors", "head.json"
 
 
 class EagleHead(nn.Module):
-    """forward(token_ids (T,), features (T, H), meta, kv, last (B,)) -> (logits (B, N), g (B, H))."""
+    """forward(token_ids (T,), features (T, H), meta, kv, last (B,) or None) -> (logits (B, N), g (B, H))."""
 
     def __init__(self, cfg: ModelConfig, vocab_ids: torch.Tensor):
         super().__init__()
@@ -50,6 +50,7 @@ class EagleHead(nn.Module):
         self.rotary = Rotary(cfg)
         self._embed: list[nn.Embedding] = []  # the target's, outside the module tree (not saved)
         self.dtype = torch.float32  # of the body's activations and KV (bf16 once packed)
+        self.ops = None             # verispec's kernels once packed: the attention kernel too
         self.stack = None           # the layer + final norm as one kernels.DecoderStack call (`pack`)
 
     def pack(self, ops) -> "EagleHead":
@@ -62,7 +63,7 @@ class EagleHead(nn.Module):
             setattr(parent, name, packed)
         for norm in (self.layer.input_layernorm, self.layer.post_attention_layernorm):
             norm.weight.data = norm.weight.data.to(torch.bfloat16)
-        self.dtype = torch.bfloat16
+        self.dtype, self.ops = torch.bfloat16, ops
         from types import SimpleNamespace
 
         from verispec.model.fused import build_stack
@@ -85,11 +86,18 @@ class EagleHead(nn.Module):
         """x = fc([embed(t_{i+1}); f_i]): (..., ) ids and (..., H) features -> (..., H)."""
         return self.fc(torch.cat([self.embed(token_ids), features.to(self.dtype)], dim=-1))
 
+    @property
+    def kernel_queries(self) -> int:
+        """Rows of at most this many tokens go to the attention kernel, as a target's with the
+        same kernels, dtype and head size would (`kernel_query_limit`; 0 until packed)."""
+        return kernel_query_limit(self.ops, self.dtype, self.cfg.head_dim)
+
     @torch.inference_mode()
     def forward(self, token_ids: torch.Tensor, features: torch.Tensor, meta: AttentionMetadata, kv: KVStore,
-                last: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+                last: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
         """One paged pass writing the layer's K/V at meta's slots; logits and output
-        features only at the flat indices `last` (each row's final entry)."""
+        features only at the flat indices `last` (each row's final entry; None when every
+        row has one entry)."""
         x = self.inputs(token_ids, features)                          # (T, H)
         cos, sin = self.rotary.cos_sin(meta.positions, meta.max_position, x.dtype)
         kq = meta.kernel
@@ -97,11 +105,24 @@ class EagleHead(nn.Module):
             # the layer and the norm in one C++ call, as the target's decoder stack
             g = self.stack.forward(x, cos, sin, kv.k_layers, kv.v_layers, meta.slot_mapping, kq.context_slots,
                                    kq.rows, kq.lens, self.cfg.head_dim ** -0.5,
-                                   final_norm=self.norm.weight.float())[last]  # (B, H) float32
+                                   final_norm=self.norm.weight.float())   # (T, H) float32
+            g = g if last is None else g[last]                        # (B, H)
         else:
-            x = self.layer.forward(x, cos, sin, meta, kv)             # (T, H)
-            g = self.norm.forward(x[last].float())                    # (B, H) float32
+            g = self._layer_and_norm(x, cos, sin, meta, kv, last)    # (B, H) float32
         return self.lm_head(g.to(self.dtype)).float(), g              # (B, N), (B, H)
+
+    def _layer_and_norm(self, x, cos, sin, meta: AttentionMetadata, kv: KVStore, last) -> torch.Tensor:
+        """`forward`'s layer and final norm at `last` without the stack: (B, H) float32. Once
+        packed, on the kernels' per-layer path as a packed target's layers (the attention
+        kernel takes meta's kernel queries, SDPA its groups; the stack's result bit for bit)."""
+        if self.ops is None:
+            x = self.layer.forward(x, cos, sin, meta, kv)                          # (T, H)
+            return self.norm.forward((x if last is None else x[last]).float())
+        from verispec.model.fused import kernel_block
+        x, mlp_out = kernel_block(self.layer, x, None, cos, sin, meta, kv, kv.context_views(meta), self.ops)
+        if last is not None:
+            x, mlp_out = x[last], mlp_out[last]                                    # (B, H) each
+        return self.ops.rms_norm(x, self.norm.weight.float(), self.norm.eps, mlp_out)  # the residual add fused
 
     def new_kv_store(self, num_slots: int, device) -> KVStore:
         cfg = self.cfg

@@ -56,7 +56,7 @@ def _per_layer_forward(model: LlamaModel, x, cos, sin, meta, kv, logits_index, r
     context = kv.context_views(meta)  # every layer's K/V context as views, or None (gather)
     delta = None
     for block in model.layers:
-        x, delta = _block(block, x, delta, cos, sin, meta, kv, context, ops)
+        x, delta = kernel_block(block, x, delta, cos, sin, meta, kv, context, ops)
     if logits_index is not None and not return_hidden:  # only the positions we sample from
         x, delta = x[logits_index], delta[logits_index]
     # the last residual add and the final norm in one kernel (float32 out: the head's input)
@@ -66,7 +66,7 @@ def _per_layer_forward(model: LlamaModel, x, cos, sin, meta, kv, logits_index, r
     return model.lm_head(h if logits_index is None else h[logits_index]), h
 
 
-def _block(block: Block, x, delta, cos, sin, meta, kv, context, ops):
+def kernel_block(block: Block, x, delta, cos, sin, meta, kv, context, ops):
     """`Block.forward` on the kernels: the residual add of the previous layer's MLP
     (`delta`, None for the first layer) and of this attention each fused with the norm
     after it. Returns (x, this MLP's output), the caller adding the last one."""

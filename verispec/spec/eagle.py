@@ -29,13 +29,13 @@ tokens and verification stays exact.
 """
 from __future__ import annotations
 
-import inspect
 from dataclasses import dataclass, field
+from itertools import accumulate
 from pathlib import Path
 
 import torch
 
-from verispec.model.attention import AttentionMetadata
+from verispec.engine.runner import row_metadata
 from verispec.model.eagle import EagleHead, load_head
 from verispec.request import Request
 from verispec.sampling import SamplingTensors, noise_key, sample
@@ -69,7 +69,7 @@ def build_eagle(context: ProposerContext) -> "EagleProposer":
                                   f"(none is registered for {cfg.model!r}; `verispec train-draft eagle` "
                                   "trains one)")
     target = context.target
-    if target is None or "hidden" not in inspect.signature(target.forward).parameters:
+    if target is None or not getattr(target, "returns_hidden", False):
         raise ProposerUnavailable("speculative method 'eagle' needs the target's hidden states, which "
                                   "this target runner does not return (tensor parallelism)")
     head = load_head(path, target.device)
@@ -164,24 +164,29 @@ class EagleProposer:
         todo = [(r, self._row(r)) for r in reqs if self.missing(r)]
         if not todo:
             return 0
-        entries = [(r, row, row.computed, r.num_tokens - 2) for r, row in todo]
-        self._pass([(r, lo, r.all_ids[lo + 1: hi + 1], self._features(row, lo, hi)) for r, row, lo, hi in entries])
-        for _, row, _, hi in entries:
+        spans = [(row, row.computed, r.num_tokens - 2) for r, row in todo]
+        self._pass([r for r, _ in todo], [lo for _, lo, _ in spans],
+                   [r.all_ids[lo + 1: hi + 1] for (r, _), (_, lo, hi) in zip(todo, spans)], self._features(spans))
+        for row, _, hi in spans:
             row.computed = hi
             _consume(row, hi - 1)
-        done = sum(hi - lo for *_, lo, hi in entries)
+        done = sum(hi - lo for _, lo, hi in spans)
         self.catch_up_tokens += done
         return done
 
-    def _features(self, row: _Row, lo: int, hi: int) -> torch.Tensor:
-        """(hi - lo, H) features of positions lo..hi-1: the target's where kept, zeros where not."""
-        out = torch.zeros(hi - lo, self.head.cfg.hidden_size, device=self.target.device)
-        pos = row.start
-        for c in row.chunks:
-            a, b = max(lo, pos), min(hi, pos + c.shape[0])
-            if a < b:
-                out[a - lo: b - lo] = c[a - pos: b - pos]
-            pos += c.shape[0]
+    def _features(self, spans: list[tuple[_Row, int, int]]) -> torch.Tensor:
+        """(sum of hi - lo, H): the features of positions lo..hi-1 of each (row, lo, hi) in
+        turn, the target's where kept, zeros where not."""
+        out = torch.zeros(sum(hi - lo for _, lo, hi in spans), self.head.cfg.hidden_size, device=self.target.device)
+        offset = 0
+        for row, lo, hi in spans:
+            pos = row.start
+            for c in row.chunks:
+                a, b = max(lo, pos), min(hi, pos + c.shape[0])
+                if a < b:
+                    out[offset + a - lo: offset + b - lo] = c[a - pos: b - pos]
+                pos += c.shape[0]
+            offset += hi - lo
         return out
 
     # ------------------------------------------------------------------ drafting
@@ -192,48 +197,54 @@ class EagleProposer:
         probs_out: list[list[torch.Tensor]] | None = None if greedy else [[] for _ in reqs]
         tokens_out: list[list[int]] = [[] for _ in reqs]
         limits = list(ks)
-        rows = [self._row(r) for r in reqs]
-        # The round's exact entries, the last (N-2) predicting d1. It is recomputed if a
-        # failed attempt of this step already computed it (same inputs, same KV).
-        starts = [min(row.computed, r.num_tokens - 2) for r, row in zip(reqs, rows)]
-        work = [(r, lo, r.all_ids[lo + 1:], self._features(row, lo, r.num_tokens - 1))
-                for r, row, lo in zip(reqs, rows, starts)]
-        for r, row in zip(reqs, rows):
-            row.computed = r.num_tokens - 1
-            _consume(row, row.computed - 1)  # the last exact entry's feature stays for a rerun
         active = list(range(len(reqs)))
-        while active:
-            logits, feats = self._pass([work[i] for i in active])          # (B, N), (B, H)
+        logits, feats = self._pass(reqs, *self._round_entries(reqs))            # (B, N), (B, H)
+        while True:
             drawn = self._choose(reqs, active, tokens_out, logits, probs_out)
+            going = []  # indices into this pass of the rows that draft on
             for j, i in enumerate(active):
                 if drawn[j] is None:  # no admissible token in the head's vocabulary: stop here
                     limits[i] = len(tokens_out[i])
                     continue
                 tokens_out[i].append(drawn[j])
-                pos = reqs[i].num_tokens - 2 + len(tokens_out[i])  # the next entry's position
-                work[i] = (reqs[i], pos, [drawn[j]], feats[j: j + 1])
-            active = [i for i in active if len(tokens_out[i]) < limits[i]]
+                if len(tokens_out[i]) < limits[i]:
+                    going.append(j)
+            if not going:
+                break
+            # one token a row from now on: the last pass's output features are the next inputs
+            feats = feats if len(going) == len(active) else feats[going]       # (B', H)
+            active = [active[j] for j in going]
+            nexts = [reqs[i].num_tokens - 2 + len(tokens_out[i]) for i in active]  # the next entries' positions
+            logits, feats = self._pass([reqs[i] for i in active], nexts, [[drawn[j]] for j in going], feats)
         if probs_out is None:
             return [(t, None) for t in tokens_out]
         return [(t, torch.stack(p) if p else None) for t, p in zip(tokens_out, probs_out)]
 
-    def _pass(self, work: list[tuple[Request, int, list[int], torch.Tensor]]):
-        """One head pass over rows (req, first position, tokens, features (n, H)); returns the
-        logits (B, N) and output features (B, H) of each row's last entry."""
-        ids = [t for _, _, tokens, _ in work for t in tokens]
-        starts, q_lens = [start for _, start, _, _ in work], [len(tokens) for _, _, tokens, _ in work]
-        tables = [self.block_table(req.request_id) for req, *_ in work]
+    def _round_entries(self, reqs: list[Request]) -> tuple[list[int], list[list[int]], torch.Tensor]:
+        """`_pass`'s starts, tokens and features for the round's exact entries, the last (N-2)
+        predicting d1; marks them computed. That one is recomputed if a failed attempt of this
+        step already computed it (same inputs, same KV)."""
+        rows = [self._row(r) for r in reqs]
+        starts = [min(row.computed, r.num_tokens - 2) for r, row in zip(reqs, rows)]
+        features = self._features([(row, lo, r.num_tokens - 1) for r, row, lo in zip(reqs, rows, starts)])
+        for r, row in zip(reqs, rows):
+            row.computed = r.num_tokens - 1
+            _consume(row, row.computed - 1)  # the last exact entry's feature stays for a rerun
+        return starts, [r.all_ids[lo + 1:] for r, lo in zip(reqs, starts)], features
+
+    def _pass(self, reqs: list[Request], starts: list[int], tokens: list[list[int]], features: torch.Tensor):
+        """One head pass: row b reads tokens[b] at positions starts[b].. and their rows of
+        `features` (T, H), flat in row order; returns the logits (B, N) and output features
+        (B, H) of each row's last entry."""
+        q_lens = [len(t) for t in tokens]
+        tables = [self.block_table(r.request_id) for r in reqs]
         device = self.target.device
-        if self.head.stack is not None:  # every row in the attention kernel, the layer in the stack
-            meta = AttentionMetadata.kernel_only(starts, q_lens, tables, self.target.block_size, device)
-        else:
-            ends = [s + n for s, n in zip(starts, q_lens)]
-            ctx = [self.target.slots(t, 0, e) for t, e in zip(tables, ends)]
-            meta = AttentionMetadata.build(q_lens, ends, [list(range(s, e)) for s, e in zip(starts, ends)],
-                                           [c[s:] for c, s in zip(ctx, starts)], ctx, device)
-        last = torch.tensor(q_lens).cumsum(0) - 1
-        features = torch.cat([f for *_, f in work]) if len(work) > 1 else work[0][3]
-        return self.head(torch.tensor(ids, device=device), features, meta, self.kv, last.to(device))
+        # Rows go where a target's runner sends them: with a vector attention kernel every row,
+        # a catch-up's included, is in the kernel (measured faster than SDPA: kernel_query_limit).
+        meta = row_metadata(starts, q_lens, tables, self.target.block_size, device, self.head.kernel_queries)
+        ids = torch.tensor([t for row in tokens for t in row], device=device)
+        last = None if len(ids) == len(reqs) else torch.tensor([end - 1 for end in accumulate(q_lens)], device=device)
+        return self.head(ids, features, meta, self.kv, last)
 
     def _choose(self, reqs, active, tokens_out, logits: torch.Tensor, probs_out) -> list[int | None]:
         """The next draft token of each active row from the head's logits (B, N) over its subset."""
@@ -249,8 +260,9 @@ class EagleProposer:
             return [t if good else None for t, good in zip(processed.argmax(-1).tolist(), ok)]
         probs = self.to_probs(st, full)                                            # (B, V)
         mass = probs.sum(-1)
-        ok = (torch.isfinite(mass) & (mass > 0)).tolist()
-        safe = torch.where(torch.tensor(ok, device=probs.device)[:, None], probs, probs.new_full((), 1.0))
+        good = torch.isfinite(mass) & (mass > 0)                                   # (B,)
+        safe = torch.where(good[:, None], probs, probs.new_full((), 1.0))
+        ok = good.tolist()
         keys = [noise_key(reqs[i].params, len(reqs[i].output_ids) + len(tokens_out[i])) for i in active]
         drawn = sample(safe, keys, shared_generator=self.shared_generator).tolist()
         for j, i in enumerate(active):
