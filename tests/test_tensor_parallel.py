@@ -193,12 +193,9 @@ def test_g1_catches_vocabulary_runs_gathered_in_the_wrong_rank_order(engines, mo
     """Bug: rank 0 puts the ranks' logits together in reverse rank order (tokens of one run
     get the other run's logits). Every position's distribution is wrong from x1 on, so the
     first checked cell, x2, must fail both its checks; sampling itself still runs cleanly."""
-    def reversed_gather(self, x):
-        local = self.head(x)
-        parts = self.comm.gather_to_first(torch.nn.functional.pad(local, (0, self.width - local.shape[1])))
-        return local if parts is None else torch.cat(parts[::-1], dim=1)[:, : self.vocab_size]
+    join = GatheredHead.join
     tp, _ = engines.get("llama")
-    monkeypatch.setattr(GatheredHead, "forward", reversed_gather)
+    monkeypatch.setattr(GatheredHead, "join", lambda self, parts: join(self, parts[::-1]))
     verdict = gate_run(tp, "draft", 2, SamplingParams(temperature=1.0), BUG_SAMPLES)
     assert verdict["acceptance"]
     assert not verdict["x2 TV"] and not verdict["x2 chi2"], verdict

@@ -282,16 +282,23 @@ def local_ranks(tensor_parallel_size: int) -> int:
 
 def physical_cores() -> int:
     """Cores in this process's CPU affinity, hyperthread siblings counted once."""
+    return max(1, len(core_cpus()))
+
+
+def core_cpus() -> list[list[int]]:
+    """The CPUs of this process's affinity grouped by physical core (hyperthread siblings
+    together), cores in the order of their first CPU; a CPU without topology is its own core."""
     cpus = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else range(os.cpu_count() or 1)
-    cores = set()
-    for cpu in cpus:
+    cores: dict[tuple[str, str], list[int]] = {}
+    for cpu in sorted(cpus):
         topo = Path(f"/sys/devices/system/cpu/cpu{cpu}/topology")
         try:
-            cores.add((topo.joinpath("physical_package_id").read_text().strip(),
-                       topo.joinpath("core_id").read_text().strip()))
+            key = (topo.joinpath("physical_package_id").read_text().strip(),
+                   topo.joinpath("core_id").read_text().strip())
         except OSError:
-            cores.add(("cpu", str(cpu)))
-    return max(1, len(cores))
+            key = ("cpu", str(cpu))
+        cores.setdefault(key, []).append(cpu)
+    return list(cores.values())
 
 
 def _build(klass, values: dict, where: str):

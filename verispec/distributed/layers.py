@@ -98,15 +98,19 @@ class GatheredHead(nn.Module):
     def __init__(self, head: nn.Module, shard: RankShard, comm: Collectives):
         super().__init__()
         self.head, self.comm = head, comm
-        self.vocab_size, self.width = shard.full.vocab_size, shard.vocab_width
+        self.vocab_size = shard.full.vocab_size
+        start, stop = shard.vocab_range
+        # Equal widths for the gather: a shorter last run pads per forward (N varies; the head allocates its output).
+        self.padding = shard.vocab_width - (stop - start)                   # 0 on every other rank
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         local = self.head(x)                                                # (N, rows) float32
-        padded = F.pad(local, (0, self.width - local.shape[1]))             # (N, width)
-        parts = self.comm.gather_to_first(padded)
-        if parts is None:
-            return local
-        return torch.cat(parts, dim=1)[:, : self.vocab_size]                # (N, V)
+        parts = self.comm.gather_to_first(F.pad(local, (0, self.padding)) if self.padding else local)
+        return local if parts is None else self.join(parts)
+
+    def join(self, parts: list[torch.Tensor]) -> torch.Tensor:
+        """Rank 0: the ranks' (N, width) logits, in rank order, as the (N, V) row."""
+        return torch.cat(parts, dim=1)[:, : self.vocab_size]
 
 
 def parallelize(model: nn.Module, shard: RankShard, comm: Collectives) -> nn.Module:

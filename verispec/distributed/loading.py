@@ -7,8 +7,6 @@ weights differ, and every rank converts its slices at start-up.
 """
 from __future__ import annotations
 
-from pathlib import Path
-
 import torch
 
 from verispec.config import EngineConfig
@@ -16,7 +14,7 @@ from verispec.distributed.layers import Collectives, parallelize
 from verispec.distributed.sharding import RankShard
 from verispec.model.config import ModelConfig
 from verispec.model.llama import LlamaModel
-from verispec.model.loader import ensure_cached, load_config_and_tokenizer, resolve_model
+from verispec.model.loader import ensure_cached, load_config_and_tokenizer, load_safetensors_dir, resolve_model
 from verispec.model.tokenizer import Tokenizer
 
 
@@ -28,24 +26,8 @@ def load_rank_model(config: EngineConfig, rank: int, world: int, device: torch.d
     directory = ensure_cached(source) if gguf_path is not None else source.path
     full, tokenizer = load_config_and_tokenizer(source)
     shard = RankShard(full, rank, world)
-    state = read_slices(directory, shard)
+    state = load_safetensors_dir(directory, full, shard.index)  # only the rank's slices are read
     model = LlamaModel.from_state_dict(shard.config(), state, dtype=getattr(torch, config.dtype), device=device,
                                        weight_format=config.weight_format, gguf_path=gguf_path, shard=shard)
     comm = Collectives(shard)
     return parallelize(model, shard, comm), full, tokenizer, comm
-
-
-def read_slices(directory: Path, shard: RankShard) -> dict[str, torch.Tensor]:
-    """The rank's slices of every tensor in the folder's safetensors files (HF names)."""
-    from safetensors import safe_open
-
-    state: dict[str, torch.Tensor] = {}
-    for path in sorted(Path(directory).glob("*.safetensors")):
-        with safe_open(str(path), framework="pt") as f:
-            for name in f.keys():
-                part = f.get_slice(name)
-                index = shard.index(name, len(part.get_shape()))
-                state[name] = f.get_tensor(name) if index is None else part[index].contiguous()
-    if shard.full.tie_word_embeddings:
-        state.pop("lm_head.weight", None)  # tied: the embedding's run is the head's (loader's rule)
-    return state

@@ -35,7 +35,7 @@ from multiprocessing.connection import Connection
 import torch
 import torch.distributed as dist
 
-from verispec.config import EngineConfig, physical_cores
+from verispec.config import EngineConfig, core_cpus, physical_cores
 
 log = logging.getLogger("verispec")
 
@@ -98,15 +98,7 @@ def rank_cpus(world: int, threads: int) -> list[list[int]] | None:
     """CPUs for each rank: `threads` whole physical cores each (hyperthread siblings
     together), in CPU order, so ranks on a multi-socket server fill one node before the
     next; None when this process may use fewer than world * threads cores."""
-    cores: dict[tuple[str, str], list[int]] = {}
-    for cpu in sorted(os.sched_getaffinity(0)):
-        topo = f"/sys/devices/system/cpu/cpu{cpu}/topology"
-        try:
-            key = tuple(open(f"{topo}/{f}").read().strip() for f in ("physical_package_id", "core_id"))
-        except OSError:
-            key = ("cpu", str(cpu))
-        cores.setdefault(key, []).append(cpu)
-    groups = list(cores.values())
+    groups = core_cpus()
     if len(groups) < world * threads:
         return None
     return [[c for g in groups[r * threads: (r + 1) * threads] for c in g] for r in range(world)]

@@ -37,23 +37,17 @@ def main(argv: list[str]) -> int:
 
 
 def build_runner(config, rank: int, world: int, threads: int, device: str):
-    """Rank `rank`'s runner: its slices loaded and placed as `LLMEngine.__init__` places the
-    target (huge pages, then the kernels), with a KV store the size of rank 0's."""
+    """Rank `rank`'s runner: its slices loaded and placed as `LLMEngine` places the target
+    (loader.place_models), with a KV store the size of rank 0's."""
     import torch
 
     from verispec.distributed.loading import load_rank_model
     from verispec.engine.runner import ModelRunner
-    from verispec.model import kernels, memory
+    from verispec.model.loader import place_models
 
     torch.set_num_threads(threads)
     model, _, _, _ = load_rank_model(config, rank, world, torch.device(device))
-    on_cpu = model.embed_tokens.weight.device.type == "cpu"
-    if config.huge_pages and on_cpu and memory.huge_pages_available():
-        memory.move_to_huge_pages(model)
-    ops = kernels.load(required=config.kernels == "on") if config.kernels != "off" and on_cpu else None
-    if ops is None and model.weight_format == "int4a8":
-        raise ValueError("weight format 'int4a8' runs on verispec's kernels only; they are off or could not be built")
-    model.kernels = ops
+    place_models([model], config.kernels, config.huge_pages)
     cache = config.cache
     return ModelRunner(model, cache.num_blocks * cache.block_size, cache.block_size)
 

@@ -40,9 +40,10 @@ from verispec.config import EngineConfig
 from verispec.engine.messages import EngineStats
 from verispec.engine.runner import ModelRunner, RowInput
 from verispec.engine.scheduler import ScheduledBatch, Scheduler
-from verispec.model import kernels, memory
+from verispec.model import kernels
 from verispec.model.device import resolve_device
 from verispec.model.llama import LlamaModel
+from verispec.model.loader import place_models
 from verispec.model.tokenizer import IncrementalDetokenizer, Tokenizer
 from verispec.outputs import RequestOutput
 from verispec.request import Request, SpecOverride, Status  # noqa: F401 (SpecOverride: the engine's API)
@@ -103,22 +104,8 @@ class LLMEngine:
                  draft: LlamaModel | None = None, vocab_limit: int | None = None, tensor_parallel=None):
         """`tensor_parallel`: verispec.distributed.runner.start's result, whose model is
         `target` (rank 0's slices); its runner then feeds the other ranks every forward."""
-        ops = None
-        on_cpu = target.embed_tokens.weight.device.type == "cpu"
-        if config.kernels != "off" and on_cpu:
-            ops = kernels.load(required=config.kernels == "on")
-        huge_pages = False
-        if config.huge_pages and on_cpu and memory.huge_pages_available():
-            for model in (target, draft):
-                if model is not None:  # before the kernels: the decoder stack is built from these
-                    huge_pages = memory.move_to_huge_pages(model) > 0 or huge_pages
-        for model in (target, draft):
-            if model is not None:
-                if ops is None and model.weight_format == "int4a8":
-                    raise ValueError("weight format 'int4a8' (int4 on the 8-bit activation grid) runs on "
-                                     "verispec's kernels only; they are off (kernels: off, or a device "
-                                     "other than the CPU) or could not be built")
-                model.kernels = ops
+        ops, huge_pages = place_models([m for m in (target, draft) if m is not None],
+                                       config.kernels, config.huge_pages)
         # The config as run: "auto" weight formats and kernels replaced by what resolved.
         self.config = config = replace(
             config, weight_format=target.weight_format, kernels="on" if ops is not None else "off",

@@ -1,4 +1,4 @@
-"""Find a model, and load its config, weights (HF names) and tokenizer.
+"""Find a model, load its config, weights (HF names) and tokenizer, and place its weights.
 
 A model is a registry name, a `.gguf` file, or a Hugging Face-format directory. GGUF files
 are converted ONCE into a cache folder that is itself an HF-format directory, so every warm
@@ -22,7 +22,7 @@ import os
 import shutil
 import struct
 from pathlib import Path
-from typing import Iterable
+from typing import Callable, Iterable, Iterator
 
 import torch
 
@@ -31,8 +31,8 @@ from verispec.model.fetch import cache_root, cached_sha256
 from verispec.model.registry import ModelNotFound, ModelSource, lookup, model_names
 from verispec.model.tokenizer import Tokenizer, meta_from_configs
 
-__all__ = ["ModelNotFound", "ModelSource", "resolve_model", "load_model_files",
-           "load_config_and_tokenizer", "ensure_cached", "cache_dir_for"]
+__all__ = ["ModelNotFound", "ModelSource", "resolve_model", "load_model_files", "load_safetensors_dir",
+           "load_config_and_tokenizer", "ensure_cached", "cache_dir_for", "place_models"]
 
 log = logging.getLogger("verispec")
 
@@ -73,7 +73,7 @@ def load_model_files(source: ModelSource) -> tuple[ModelConfig, dict[str, torch.
     """Config, state dict (HF names; float32 for GGUF, file dtype for safetensors), tokenizer."""
     directory = ensure_cached(source) if source.kind == "gguf" else source.path
     config, tokenizer = _load_hf_config_and_tokenizer(directory, source.name)
-    return config, _load_safetensors_dir(directory, config), tokenizer
+    return config, load_safetensors_dir(directory, config), tokenizer
 
 
 def load_config_and_tokenizer(source: ModelSource) -> tuple[ModelConfig, Tokenizer]:
@@ -98,15 +98,53 @@ def _load_hf_config_and_tokenizer(directory: Path, name: str) -> tuple[ModelConf
     return ModelConfig.from_hf(cfg, name=name), tokenizer
 
 
-def _load_safetensors_dir(directory: Path, config: ModelConfig) -> dict[str, torch.Tensor]:
-    from safetensors.torch import load_file
+# index(HF name, ndim) -> the part of that tensor to read (an index), or None: all of it
+SliceIndex = Callable[[str, int], tuple[slice, ...] | None]
 
-    state: dict[str, torch.Tensor] = {}
-    for shard in sorted(directory.glob("*.safetensors")):
-        state.update(load_file(str(shard)))
+
+def load_safetensors_dir(directory: Path, config: ModelConfig, index: SliceIndex | None = None
+                         ) -> dict[str, torch.Tensor]:
+    """The state dict (HF names) of the folder's safetensors files; with `index`, only the
+    part of each tensor it names is read (a tensor-parallel rank's slices)."""
+    state = dict(_read_safetensors(Path(directory), index))
     if config.tie_word_embeddings:
-        state.pop("lm_head.weight", None)  # tied: the engine reuses model.embed_tokens.weight
+        state.pop("lm_head.weight", None)  # tied: the model reuses (its run of) embed_tokens.weight
     return state
+
+
+def _read_safetensors(directory: Path, index: SliceIndex | None) -> Iterator[tuple[str, torch.Tensor]]:
+    from safetensors import safe_open
+
+    for path in sorted(directory.glob("*.safetensors")):
+        with safe_open(str(path), framework="pt") as f:
+            for name in f.keys():
+                part = f.get_slice(name)  # a handle: reads nothing yet
+                where = None if index is None else index(name, len(part.get_shape()))
+                yield name, f.get_tensor(name) if where is None else part[where].contiguous()
+
+
+# --- placement ---------------------------------------------------------------------------------
+
+def place_models(models: list, kernels_mode: str, huge_pages: bool):
+    """Place loaded models (all on one device) for running: their weights into huge pages
+    (when asked, on the CPU, and the OS gives them), then verispec's kernels attached per
+    `kernels_mode` ("on": required, "auto", "off"; CPU only). Returns (the kernels or None,
+    whether any weights moved). ValueError for an int4a8 model left without kernels."""
+    from verispec.model import kernels, memory
+
+    on_cpu = models[0].embed_tokens.weight.device.type == "cpu"
+    ops = kernels.load(required=kernels_mode == "on") if kernels_mode != "off" and on_cpu else None
+    moved = False
+    if huge_pages and on_cpu and memory.huge_pages_available():
+        for model in models:  # before the kernels: the decoder stack is built from these
+            moved = memory.move_to_huge_pages(model) > 0 or moved
+    for model in models:
+        if ops is None and model.weight_format == "int4a8":
+            raise ValueError("weight format 'int4a8' (int4 on the 8-bit activation grid) runs on "
+                             "verispec's kernels only; they are off (kernels: off, or a device "
+                             "other than the CPU) or could not be built")
+        model.kernels = ops
+    return ops, moved
 
 
 # --- GGUF cache --------------------------------------------------------------------------------
