@@ -36,7 +36,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "bench"))
 import common  # noqa: E402
 from verispec.bench.client import ChatRequest, OpenAIHTTPBackend  # noqa: E402
-from verispec.bench.metrics_scrape import parse_metrics  # noqa: E402
+from verispec.bench.metrics_scrape import Sample, counter_delta, parse_metrics  # noqa: E402
 from verispec.config import EngineConfig  # noqa: E402
 
 CONTENDERS = {"prefix": (2, 1, "prefix"), "ray": (2, 1, "ray"), "single": (1, 2, "prefix")}  # replicas, threads, routing
@@ -87,9 +87,9 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def counters(url: str) -> dict[str, float]:
-    samples = parse_metrics(httpx.get(f"{url}/metrics/aggregate", timeout=30).text)
-    return {name: sum(s.value for s in samples if s.name == name) for name in COUNTERS}
+def scrape(url: str) -> list[Sample]:
+    """The samples of the replicas' summed /metrics (one server's format)."""
+    return parse_metrics(httpx.get(f"{url}/metrics/aggregate", timeout=30).text)
 
 
 def run_contender(name: str, port: int, measured, warm, args) -> dict:
@@ -106,15 +106,16 @@ def run_contender(name: str, port: int, measured, warm, args) -> dict:
     try:
         described = serve.get_deployment_handle("VerispecReplica", APP_NAME).broadcast("describe").results(timeout_s=60)
         asyncio.run(run_conversations(url, args.model, warm, args.concurrency, min(16, args.max_tokens)))
-        before, cpu0, t0 = counters(url), common.cpu_sample(), time.perf_counter()
+        before, cpu0, t0 = scrape(url), common.cpu_sample(), time.perf_counter()
         turns = asyncio.run(run_conversations(url, args.model, measured, args.concurrency, args.max_tokens))
         wall, others = time.perf_counter() - t0, common.others_cpu_share(cpu0, common.cpu_sample())
-        after = counters(url)
+        after = scrape(url)
     finally:
         serve.delete(APP_NAME)
     return {"replicas": replicas, "threads_per_replica": threads, "routing": routing,
             "engine_config": described[0]["config"], "wall_s": wall, "others_cpu_share": others,
-            "metrics_delta": {k: after[k] - before[k] for k in COUNTERS},
+            # a counter missing from the scrape, or reset during the run, is None, never 0
+            "metrics_delta": {k: counter_delta(before, after, k).total for k in COUNTERS},
             "summary": summarise(turns, wall), "turns": [t.__dict__ for t in turns]}
 
 
@@ -187,8 +188,7 @@ def main(argv=None) -> int:
         ray.shutdown()
     text = table(runs)
     print(text)
-    header["finished"], header["runtime_s"] = common.now_iso(), round(time.perf_counter() - t0, 1)
-    payload = {"benchmark": "ray_serve", "schema": "verispec.bench.ray-serve/v1", **header,
+    payload = {"benchmark": "ray_serve", "schema": "verispec.bench.ray-serve/v1", **common.finish_run(header, t0),
                "settings": {"model": args.model, "temperature": 0.0, "max_tokens": args.max_tokens,
                             "concurrency": args.concurrency, "num_prompts": args.num_prompts,
                             "num_warmup": args.num_warmup, "repeats": args.repeats, "quick": args.quick,

@@ -6,9 +6,9 @@ merged with prometheus_client's parser and writer.
   data-parallel engines over `engine` does. This is `/metrics`.
 - `aggregate`: the sum over replicas, in exactly the single server's format (no `replica`
   label), for tools that read one server (`verispec bench`). Counters, histograms and the
-  count-like gauges add up; the two ratio gauges are recomputed from their parts; counters'
-  `_created` timestamps are dropped (a sum of them means nothing). This is
-  `/metrics/aggregate`.
+  count-like gauges add up; the ratio gauges (the server's RATIOS) are recomputed from their
+  summed parts by the server's own `ratio`; counters' `_created` timestamps are dropped (a
+  sum of them means nothing). This is `/metrics/aggregate`.
 """
 from __future__ import annotations
 
@@ -17,10 +17,9 @@ from collections import defaultdict
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
+from verispec.server.metrics import RATIOS, ratio
+
 REPLICA_LABEL = "replica"
-# ratio gauge suffix -> (numerator, denominator) metric suffixes it is recomputed from
-RATIOS = {"kv_cache_usage_perc": ("kv_blocks_used", "kv_blocks_total"),
-          "prefix_cache_hit_rate": ("prefix_cache_hits_total", "prefix_cache_queries_total")}
 
 
 class _Families:
@@ -76,14 +75,13 @@ def aggregate(texts: dict[str, str]) -> bytes:
 
 
 def _recompute_ratios(sums: dict[str, dict[tuple, float]]) -> None:
+    """Replace each summed ratio gauge in `sums` (name -> labels -> value) by its parts' ratio."""
     for name in list(sums):
-        for ratio, (num, den) in RATIOS.items():
-            if name.endswith(ratio):
-                prefix = name[: -len(ratio)]
+        for gauge in RATIOS:
+            if name.endswith(gauge):
+                prefix = name[: -len(gauge)]
                 for labels in sums[name]:
-                    n = _find(sums, num, prefix, labels)
-                    d = _find(sums, den, prefix, labels)
-                    sums[name][labels] = n / d if d else 0.0
+                    sums[name][labels] = ratio(gauge, lambda part: _find(sums, part, prefix, labels))
 
 
 def _find(sums, suffix: str, prefix: str, labels: tuple) -> float:

@@ -47,6 +47,18 @@ REQUEST_LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 2
 REJECT_REASONS = {400: "invalid_request", 401: "unauthorized", 404: "not_found",
                   405: "method_not_allowed", 413: "body_too_large", 429: "queue_full",
                   503: "unavailable"}
+# The ratio gauges: name -> (numerator, denominator), each a sample name less its prefix.
+# A sum of servers (verispec/ray/metrics.py) recomputes them from the summed parts, since a
+# sum of ratios means nothing; both sides read this table and divide with `ratio`.
+RATIOS = {"kv_cache_usage_perc": ("kv_blocks_used", "kv_blocks_total"),
+          "prefix_cache_hit_rate": ("prefix_cache_hits_total", "prefix_cache_queries_total")}
+
+
+def ratio(name: str, part: Callable[[str], float]) -> float:
+    """RATIOS[name] from `part` (a part's name -> its value); 0 while the denominator is 0."""
+    numerator, denominator = RATIOS[name]
+    d = part(denominator)
+    return part(numerator) / d if d else 0.0
 
 
 def token_buckets(max_model_len: int) -> tuple[float, ...]:
@@ -232,26 +244,28 @@ class _EngineStateCollector:
             return float(getattr(stats, name, 0) or 0) if stats is not None else 0.0
 
         p = self.prefix
-        total = value("kv_blocks_total")
-        queries = value("prefix_query_tokens")
-        hits = value("prefix_hit_tokens")
+        # RATIOS' parts, by the names they are exported under
+        parts = {"kv_blocks_used": value("kv_blocks_used"), "kv_blocks_total": value("kv_blocks_total"),
+                 "prefix_cache_hits_total": value("prefix_hit_tokens"),
+                 "prefix_cache_queries_total": value("prefix_query_tokens")}
         gauges = [
             (p + "num_requests_running", "Requests the engine is running.", value("num_running")),
             (p + "num_requests_waiting", "Requests waiting in the engine's queue.", value("num_waiting")),
             (p + "kv_cache_usage_perc", "Fraction of KV blocks in use (0..1).",
-             value("kv_blocks_used") / total if total else 0.0),
-            (OWN + "kv_blocks_used", "KV blocks held by requests.", value("kv_blocks_used")),
-            (OWN + "kv_blocks_total", "KV blocks in the pool.", total),
+             ratio("kv_cache_usage_perc", parts.__getitem__)),
+            (OWN + "kv_blocks_used", "KV blocks held by requests.", parts["kv_blocks_used"]),
+            (OWN + "kv_blocks_total", "KV blocks in the pool.", parts["kv_blocks_total"]),
             (OWN + "prefix_cache_hit_rate", "Prefix-cache hit tokens / query tokens since start.",
-             hits / queries if queries else 0.0),
+             ratio("prefix_cache_hit_rate", parts.__getitem__)),
         ]
         for name, doc, v in gauges:
             g = GaugeMetricFamily(name, doc, labels=["model_name"])
             g.add_metric([self.model_name], v)
             yield g
         for name, doc, v in ((p + "prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
-                              queries),
-                             (p + "prefix_cache_hits", "Prompt tokens found in the prefix cache.", hits),
+                              parts["prefix_cache_queries_total"]),
+                             (p + "prefix_cache_hits", "Prompt tokens found in the prefix cache.",
+                              parts["prefix_cache_hits_total"]),
                              (p + "num_preemptions", "Requests the engine preempted (to recompute "
                               "later) since start.", value("num_preemptions"))):
             c = CounterMetricFamily(name, doc, labels=["model_name"])
