@@ -108,9 +108,8 @@ def eagle_stale_head_kv(monkeypatch) -> None:
     """After verification the head keeps its provisional entries (drafted positions, read
     from its own features and the drafted tokens) as if they were exact."""
     def rollback(self, req):
-        row = self.rows.get(req.request_id)
-        if row is not None:
-            row.computed = req.num_computed
+        if req.request_id in self.computed:
+            self.computed[req.request_id] = req.num_computed
     monkeypatch.setattr(EagleProposer, "rollback", rollback)
 
 

@@ -158,6 +158,27 @@ def test_a_stale_head_entry_after_verification_is_caught_by_the_reference_check(
     assert wrong > 0, "provisional head entries kept as exact went unnoticed"
 
 
+@pytest.mark.parametrize("keep_features", [True, False])
+def test_a_cached_prefix_keeps_its_features_for_the_next_request(greedy_pair, monkeypatch, keep_features):
+    """A request whose prompt prefix another request computed (served by the prefix cache)
+    drafts what the from-scratch reference drafts: the prefix's features come from the
+    slot store. Zeroing the store between the requests (a store that does not outlive a
+    request) makes its drafts differ."""
+    target = greedy_pair[0]
+    path = trained_head_dir(target, 32)
+    head = load_head(path).bind(target.embed_tokens)
+    engine = tiny_engine(target, method="eagle", k=3, draft_head=path, prefix_cache=True)
+    shared = [(7 * i) % 48 for i in range(24)]
+    run_all(engine, [shared + [1, 2]], GREEDY)
+    if not keep_features:
+        engine.proposers["eagle"].features.zero_()
+    seen = _recorded_drafts(engine, monkeypatch)
+    (out,) = run_all(engine, [shared + [5, 6, 7]], GREEDY)
+    assert out.num_cached_tokens >= 20 and len(seen) > 3
+    wrong = sum(d != reference_drafts(target, head, ids, len(d)) for ids, d in seen)
+    assert (wrong == 0) == keep_features, (wrong, len(seen))
+
+
 def test_q_renormalised_over_the_full_vocabulary_is_caught_by_g1(monkeypatch):
     """Bug (a): the drafts come from the head's subset distribution, the verifier is handed
     q over the whole vocabulary. x2 (the first draft) is where it acts first."""

@@ -426,18 +426,17 @@ class LLMEngine:
         return _Verdicts(first, counts, accepted, emitted, drafts, passes, caught_up, logprobs)
 
     def _target_forward(self, batch: ScheduledBatch, inputs: list[RowInput]) -> list[torch.Tensor]:
-        """The target's pass (per-row logits); proposers that read its hidden states
-        (`wants_hidden`) are handed their rows' (`observe`), and only then are they computed."""
-        reqs = [c.request for c in batch.prefill] + batch.decode  # the order of `inputs`
-        watching = {name: [i for i, r in enumerate(reqs) if r.spec_method == name]
-                    for name, p in self.proposers.items() if getattr(p, "wants_hidden", False)}
-        watching = {name: rows for name, rows in watching.items() if rows}
-        if not watching:
+        """The target's pass (per-row logits). Proposers that read its hidden states
+        (`wants_hidden`) are handed every row's (`observe`), whatever its method: a prefix
+        one request computes may be another's cached prefix. Without such a proposer the
+        target computes none."""
+        watchers = [p for p in self.proposers.values() if getattr(p, "wants_hidden", False)]
+        if not watchers:
             return self.target.forward(inputs)
         logits, hidden = self.target.forward(inputs, hidden=True)
-        for name, rows in watching.items():
-            self.proposers[name].observe([reqs[i] for i in rows], [inputs[i].start for i in rows],
-                                         [hidden[i] for i in rows])
+        reqs = [c.request for c in batch.prefill] + batch.decode  # the order of `inputs`
+        for proposer in watchers:
+            proposer.observe(reqs, [r.start for r in inputs], hidden)
         return logits
 
     def _logprobs(self, reqs: list[Request], logits: list[torch.Tensor], tokens: list[list[int]]) -> dict:

@@ -10,17 +10,17 @@ reads the token t_{i+1} and the feature f_i, and predicts t_{i+2}:
     entry predicts    t2   t3  ...  d1        d2         d3
                       |-------- exact --------|-- provisional --|
 
-Exact entries use only committed tokens and the target's features (`observe` stores
-those after every target pass, for positions the head has not consumed yet); they are
-`_Row.computed`. Provisional entries chain the head's own output feature and are
-rewritten next round: after verification only positions < req.num_computed hold the
-target's verified features, and `rollback` trims both the features kept and `computed`
-there (a feature of a rejected draft's position must never be read).
+Exact entries use only committed tokens and the target's features; they are the
+request's `computed` count. Provisional entries chain the head's own output feature and
+are rewritten next round: after verification only positions < req.num_computed are
+verified, and `rollback` trims `computed` there.
 
-Positions the target never computed for this request (a prompt prefix served by the
-prefix cache) have no feature: the head reads a zero vector there (their tokens only).
-A preempted request (req.num_computed fell below `computed`) recomputes its head KV (its
-blocks may have moved) from the features its prefill recomputes, zeros for a cached prefix.
+The target's features live beside its KV: a store indexed by the same slots, written by
+`observe` after every target pass for every row in it, so a slot's feature and its KV are
+always from the same computation. Whatever makes a slot's KV valid (committed tokens, a
+prefix cached by another request) makes its feature valid, and a rejected draft's feature
+is rewritten, as its KV is, before any exact entry reads it. A preempted request
+(req.num_computed fell below `computed`) recomputes its head KV: its blocks may have moved.
 
 q over the target's vocabulary is the head's distribution over its N tokens scattered
 into V (-inf logits elsewhere), through the target's own logits-to-probs transform:
@@ -29,13 +29,12 @@ tokens and verification stays exact.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from itertools import accumulate
 from pathlib import Path
 
 import torch
 
-from verispec.engine.runner import row_metadata
+from verispec.engine.runner import block_slots, row_metadata
 from verispec.model.eagle import EagleHead, load_head
 from verispec.request import Request
 from verispec.sampling import SamplingTensors, noise_key, sample
@@ -80,20 +79,6 @@ def build_eagle(context: ProposerContext) -> "EagleProposer":
     return EagleProposer(head, target, context.block_table, context.shared_generator)
 
 
-@dataclass
-class _Row:
-    """Per request: head KV entries [0, computed) are exact; `features` holds the target's
-    final hidden states of positions [start, start + len) not consumed yet, as chunks."""
-
-    computed: int = 0
-    start: int = 0
-    chunks: list[torch.Tensor] = field(default_factory=list)
-
-    @property
-    def end(self) -> int:
-        return self.start + sum(c.shape[0] for c in self.chunks)
-
-
 class EagleProposer:
     """A `Proposer` that wants the target's hidden states (`wants_hidden`, `observe`)."""
 
@@ -109,43 +94,39 @@ class EagleProposer:
         self.block_table = block_table    # seq_id -> list[int]
         self.shared_generator = shared_generator
         self.kv = head.new_kv_store(target.kv.num_slots, target.device)
+        # the target's final hidden states by KV slot, in the dtype the head reads them in
+        self.features = torch.zeros(target.kv.num_slots, head.cfg.hidden_size, dtype=head.dtype,
+                                    device=target.device)
         self.vocab = target.vocab_limit or target.model.cfg.vocab_size
-        self.rows: dict[str, _Row] = {}
+        self.computed: dict[str, int] = {}  # request id -> its exact head entries
         self.catch_up_tokens = 0
 
     # ------------------------------------------------------------------ state
-    def _row(self, req: Request) -> _Row:
-        row = self.rows.setdefault(req.request_id, _Row())
-        if row.computed > req.num_computed:  # preempted: its head KV may sit in other blocks now
-            row.computed = 0
-        return row
+    def _computed(self, req: Request) -> int:
+        computed = self.computed.get(req.request_id, 0)
+        return 0 if computed > req.num_computed else computed  # preempted: recompute
 
     def observe(self, reqs: list[Request], starts: list[int], hidden: list[torch.Tensor]) -> None:
-        """After a target pass: hidden[i] (n_i, H) is the target's at positions starts[i]..;
-        kept until the head consumes it (a rejected draft's position is trimmed by rollback)."""
-        for req, start, h in zip(reqs, starts, hidden):
-            row = self._row(req)
-            _trim(row, start)  # a rerun of these positions replaces what was kept
-            if not row.chunks:
-                row.start = start
-            elif row.end < start:  # a gap (cannot happen within one admission): zeros there
-                row.chunks.append(h.new_zeros(start - row.end, h.shape[1]))
-            row.chunks.append(h.clone())  # not a view: the pass's other rows are not kept alive
+        """After a target pass over every row in it: hidden[i] (n_i, H) is the target's at
+        positions starts[i].. of reqs[i], stored at those positions' KV slots."""
+        bs = self.target.block_size
+        slots = [s for req, start, h in zip(reqs, starts, hidden)
+                 for s in block_slots(self.block_table(req.request_id), start, start + h.shape[0], bs)]
+        if slots:
+            self.features.index_copy_(0, torch.tensor(slots, device=self.features.device),
+                                      torch.cat(hidden).to(self.features.dtype))
 
     def rollback(self, req: Request) -> None:
-        """Only positions < req.num_computed are verified: keep their features and entries."""
-        row = self.rows.get(req.request_id)
-        if row is not None:
-            _trim(row, req.num_computed)
-            row.computed = min(row.computed, req.num_computed)
+        """Only positions < req.num_computed are verified: entries past them are not exact."""
+        if req.request_id in self.computed:
+            self.computed[req.request_id] = min(self.computed[req.request_id], req.num_computed)
 
     def forget(self, request_id: str) -> None:
-        self.rows.pop(request_id, None)
+        self.computed.pop(request_id, None)
 
     def stats(self) -> dict[str, float]:
-        """For /metrics: head entries computed by catch-ups since start, features kept now."""
-        return {"catch_up_tokens_total": self.catch_up_tokens,
-                "kept_features": sum(row.end - row.start for row in self.rows.values())}
+        """For /metrics: head entries computed by catch-ups since start."""
+        return {"catch_up_tokens_total": self.catch_up_tokens}
 
     # ------------------------------------------------------------------ offer, catch-up
     def offer(self, rows: list[Request], budgets: list[int]) -> list[Offer]:
@@ -154,40 +135,28 @@ class EagleProposer:
     def missing(self, req: Request) -> int:
         """Exact entries a catch-up would compute (all but the last one a round computes),
         when more are missing than a round leaves; else 0."""
-        row = self.rows.get(req.request_id)
-        computed = 0 if row is None or row.computed > req.num_computed else row.computed
-        n = req.num_tokens - 2 - computed
+        n = req.num_tokens - 2 - self._computed(req)
         return n if n > ROUND_ENTRIES else 0
 
     def prepare(self, reqs: list[Request]) -> int:
         """Compute every missing exact entry but the last (the round's `draft` does that one)."""
-        todo = [(r, self._row(r)) for r in reqs if self.missing(r)]
-        if not todo:
+        spans = [(r, self._computed(r), r.num_tokens - 2) for r in reqs if self.missing(r)]
+        if not spans:
             return 0
-        spans = [(row, row.computed, r.num_tokens - 2) for r, row in todo]
-        self._pass([r for r, _ in todo], [lo for _, lo, _ in spans],
-                   [r.all_ids[lo + 1: hi + 1] for (r, _), (_, lo, hi) in zip(todo, spans)], self._features(spans))
-        for row, _, hi in spans:
-            row.computed = hi
-            _consume(row, hi - 1)
+        self._pass([r for r, _, _ in spans], [lo for _, lo, _ in spans],
+                   [r.all_ids[lo + 1: hi + 1] for r, lo, hi in spans], self._features(spans))
+        for r, _, hi in spans:
+            self.computed[r.request_id] = hi
         done = sum(hi - lo for _, lo, hi in spans)
         self.catch_up_tokens += done
         return done
 
-    def _features(self, spans: list[tuple[_Row, int, int]]) -> torch.Tensor:
-        """(sum of hi - lo, H): the features of positions lo..hi-1 of each (row, lo, hi) in
-        turn, the target's where kept, zeros where not."""
-        out = torch.zeros(sum(hi - lo for _, lo, hi in spans), self.head.cfg.hidden_size, device=self.target.device)
-        offset = 0
-        for row, lo, hi in spans:
-            pos = row.start
-            for c in row.chunks:
-                a, b = max(lo, pos), min(hi, pos + c.shape[0])
-                if a < b:
-                    out[offset + a - lo: offset + b - lo] = c[a - pos: b - pos]
-                pos += c.shape[0]
-            offset += hi - lo
-        return out
+    def _features(self, spans: list[tuple[Request, int, int]]) -> torch.Tensor:
+        """(sum of hi - lo, H): the target's features of positions lo..hi-1 of each
+        (request, lo, hi) in turn, from the slot store."""
+        bs = self.target.block_size
+        slots = [s for req, lo, hi in spans for s in block_slots(self.block_table(req.request_id), lo, hi, bs)]
+        return self.features[torch.tensor(slots, device=self.features.device)]
 
     # ------------------------------------------------------------------ drafting
     def draft(self, reqs: list[Request], ks: list[int]) -> list[tuple[list[int], torch.Tensor | None]]:
@@ -224,12 +193,10 @@ class EagleProposer:
         """`_pass`'s starts, tokens and features for the round's exact entries, the last (N-2)
         predicting d1; marks them computed. That one is recomputed if a failed attempt of this
         step already computed it (same inputs, same KV)."""
-        rows = [self._row(r) for r in reqs]
-        starts = [min(row.computed, r.num_tokens - 2) for r, row in zip(reqs, rows)]
-        features = self._features([(row, lo, r.num_tokens - 1) for r, row, lo in zip(reqs, rows, starts)])
-        for r, row in zip(reqs, rows):
-            row.computed = r.num_tokens - 1
-            _consume(row, row.computed - 1)  # the last exact entry's feature stays for a rerun
+        starts = [min(self._computed(r), r.num_tokens - 2) for r in reqs]
+        features = self._features([(r, lo, r.num_tokens - 1) for r, lo in zip(reqs, starts)])
+        for r in reqs:
+            self.computed[r.request_id] = r.num_tokens - 1
         return starts, [r.all_ids[lo + 1:] for r, lo in zip(reqs, starts)], features
 
     def _pass(self, reqs: list[Request], starts: list[int], tokens: list[list[int]], features: torch.Tensor):
@@ -281,25 +248,3 @@ class EagleProposer:
     def to_probs(self, st: SamplingTensors, logits: torch.Tensor) -> torch.Tensor:
         """q: exactly the target's logits -> probs transform (tests patch this to inject bugs)."""
         return st.to_probs(logits)
-
-
-def _trim(row: _Row, end: int) -> None:
-    """Drop kept features of positions >= end."""
-    keep, pos = [], row.start
-    for c in row.chunks:
-        if pos >= end:
-            break
-        keep.append(c[: end - pos])
-        pos += c.shape[0]
-    row.chunks = keep
-
-
-def _consume(row: _Row, upto: int) -> None:
-    """Drop kept features of positions < upto (their entries are computed)."""
-    keep, pos = [], row.start
-    for c in row.chunks:
-        if pos + c.shape[0] > upto:
-            keep.append(c[max(0, upto - pos):])
-        pos += c.shape[0]
-    row.chunks = keep
-    row.start = max(row.start, upto) if keep else upto

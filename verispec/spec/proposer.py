@@ -27,11 +27,11 @@ ending in "_total" is a counter since start, any other a gauge).
 
 A proposer that reads the target's hidden states (an EAGLE-style head) sets
 `wants_hidden = True` and has `observe(reqs, starts, hidden)`: right after every target
-forward, for its rows in that pass (prefill chunks and verify rows alike), hidden[i]
-(n_i, H) float32 is the target's final-normed hidden state at positions starts[i]..
-starts[i] + n_i - 1 of reqs[i]. Positions past the verified length (rejected drafts) are
-among them: `rollback` must drop what it kept of those. Without a watching row in the
-pass the engine asks the target for no hidden states at all.
+forward, for every row in that pass (prefill chunks and verify rows alike, whatever their
+method: one request's prefix may be cached for another), hidden[i] (n_i, H) float32 is the
+target's final-normed hidden state at positions starts[i].. starts[i] + n_i - 1 of reqs[i].
+Positions past the verified length (rejected drafts) are among them: what they wrote
+must not be read as verified. Without such a proposer the target computes no hidden states.
 
 Adding a proposer is one module that implements `Proposer` and one `register_proposer`
 line (see `tests/fake_proposer.py`).
