@@ -216,8 +216,8 @@ def test_a_tensor_parallel_target_is_refused_for_want_of_a_whole_embedding():
         build_eagle(context)
 
 
-def _packed_head(hidden: int):
-    """A random head packed on the kernels over a tiny bf16 target (head size hidden / 4)."""
+def _packed_head(hidden: int, int4: bool = False, packed: bool = True):
+    """A random head over a tiny bf16 target (head size hidden / 4), packed on the kernels."""
     torch.manual_seed(0)
     target = LlamaModel(tiny_config(vocab=64, hidden=hidden)).eval()
     target.embed_tokens.to(torch.bfloat16)
@@ -225,7 +225,8 @@ def _packed_head(hidden: int):
     with torch.no_grad():
         for name, p in head.named_parameters():
             p.normal_(0, 0.2) if "norm" not in name else p.fill_(1.0)
-    return head.bind(target.embed_tokens).pack(kernels.load(required=True))
+    head.bind(target.embed_tokens)
+    return head.pack(kernels.load(required=True), int4) if packed else head
 
 
 def _head_pass(head, rows: list[tuple[int, int]], kernel_limit: int | None = None, stack: bool = True):
@@ -274,3 +275,20 @@ def test_a_packed_heads_rows_go_where_a_targets_runner_sends_them():
     assert torch.equal(logits[[0, 2]], in_kernel[[0, 2]])
     assert not torch.equal(logits[1], in_kernel[1])  # the 40-token row: SDPA's bf16 rounding
     assert torch.allclose(logits[1], in_kernel[1], atol=0.1)
+
+
+def test_an_int4_packed_head_runs_its_layer_in_one_stack_call_near_the_float_head():
+    """int4 (for int4 targets): the stack and the per-layer path agree bit for bit, and
+    the logits follow the float32 head's (round-to-nearest int4 of its weights)."""
+    ops = kernels.load(required=False)
+    if ops is None or not (ops.bf16_vector and ops.int4_vector):
+        pytest.skip("verispec's kernels (vector bf16 and int4) are not available here")
+    rows = [(10, 20), (0, 1)]
+    head = _packed_head(256, int4=True)
+    assert head.stack is not None and type(head.lm_head).__name__ == "Int4Linear"
+    logits, g = _head_pass(head, rows)
+    per_layer, per_layer_g = _head_pass(head, rows, sys.maxsize, stack=False)
+    assert torch.equal(logits, per_layer) and torch.equal(g, per_layer_g)
+    exact, _ = _head_pass(_packed_head(256, packed=False), rows, 0)  # float32, SDPA
+    agreement = torch.corrcoef(torch.stack([logits.flatten(), exact.flatten()]))[0, 1]
+    assert 0.9 < agreement < 1.0, agreement  # random weights of std 0.2: int4 keeps their shape

@@ -53,12 +53,16 @@ class EagleHead(nn.Module):
         self.ops = None             # verispec's kernels once packed: the attention kernel too
         self.stack = None           # the layer + final norm as one kernels.DecoderStack call (`pack`)
 
-    def pack(self, ops) -> "EagleHead":
-        """Every linear on verispec's packed bf16 kernel (`ops`), the body in bf16."""
-        from verispec.model.quant import make_bf16_linear
+    def pack(self, ops, int4: bool = False) -> "EagleHead":
+        """Every linear on verispec's kernels (`ops`), the body in bf16: packed bf16 weights,
+        or with `int4` round-to-nearest int4 groups (a quarter of the bytes a pass streams;
+        for an int4 target, whose own layers are int4 too)."""
+        from verispec.model.quant import make_bf16_linear, make_int4_linear, quantize_int4
         for parent, name in ((self, "fc"), (self.layer.self_attn, "qkv_proj"), (self.layer.self_attn, "o_proj"),
                              (self.layer.mlp, "gate_up_proj"), (self.layer.mlp, "down_proj"), (self, "lm_head")):
-            packed = make_bf16_linear(getattr(parent, name))
+            linear = getattr(parent, name)
+            packed = (make_int4_linear(quantize_int4(linear.weight.data), None, torch.bfloat16) if int4
+                      else make_bf16_linear(linear))
             packed.kernels = ops
             setattr(parent, name, packed)
         for norm in (self.layer.input_layernorm, self.layer.post_attention_layernorm):

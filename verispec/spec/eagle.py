@@ -21,6 +21,10 @@ always from the same computation. Whatever makes a slot's KV valid (committed to
 prefix cached by another request) makes its feature valid, and a rejected draft's feature
 is rewritten, as its KV is, before any exact entry reads it. A preempted request
 (req.num_computed fell below `computed`) recomputes its head KV: its blocks may have moved.
+Unlike the target's, an entry depends on the token after its position: two running
+requests that share a full block and differ at the next block's first token write
+different entries at that block's last slot, and one drafts from the other's (a worse
+draft, never a wrong output: verification reads only the target).
 
 q over the target's vocabulary is the head's distribution over its N tokens scattered
 into V (-inf logits elsewhere), through the target's own logits-to-probs transform:
@@ -75,7 +79,9 @@ def build_eagle(context: ProposerContext) -> "EagleProposer":
     head.bind(target.model.embed_tokens)
     ops = target.model.kernels
     if ops is not None and ops.bf16_vector and target.model.embed_tokens.weight.dtype == torch.bfloat16:
-        head.pack(ops)  # a bf16 target on the kernels: the head too (half its bytes a pass)
+        # a bf16 target on the kernels: the head too, in int4 where the target's layers are
+        int4 = target.model.weight_format in ("int4", "int4a8") and ops.int4_vector
+        head.pack(ops, int4)
     return EagleProposer(head, target, context.block_table, context.shared_generator)
 
 
