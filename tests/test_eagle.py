@@ -292,3 +292,23 @@ def test_an_int4_packed_head_runs_its_layer_in_one_stack_call_near_the_float_hea
     exact, _ = _head_pass(_packed_head(256, packed=False), rows, 0)  # float32, SDPA
     agreement = torch.corrcoef(torch.stack([logits.flatten(), exact.flatten()]))[0, 1]
     assert 0.9 < agreement < 1.0, agreement  # random weights of std 0.2: int4 keeps their shape
+
+
+def test_passes_compute_hidden_states_only_once_a_request_drafts_with_the_head(greedy_pair):
+    """A head that no request uses costs nothing: the target computes no hidden states
+    until the first eagle request, and from then on for every row (any may be cached)."""
+    from verispec.request import SpecOverride
+    target = greedy_pair[0]
+    engine = tiny_engine(target, method="ngram", k=3, draft_head=trained_head_dir(target, 32))
+    calls, forward = [], engine.target.forward
+
+    def recording(rows, hidden=False):
+        calls.append(hidden)
+        return forward(rows, hidden=hidden) if hidden else forward(rows)
+    engine.target.forward = recording
+    run_all(engine, [[1, 2, 3, 4, 1, 2]], GREEDY)
+    assert calls and not any(calls)
+    run_all(engine, [[5, 6, 7]], GREEDY, spec=SpecOverride(method="eagle"))
+    calls.clear()
+    run_all(engine, [[9, 30, 9, 9]], GREEDY)  # n-gram again: its rows still feed the store
+    assert calls and all(calls)

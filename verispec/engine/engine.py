@@ -127,6 +127,8 @@ class LLMEngine:
         self.draft_runner = ModelRunner(draft, num_slots, cache.block_size, vocab_limit) if draft else None
         self.proposers, self._unavailable = build_proposers(ProposerContext(
             config, self.draft_runner, self.kv.block_table, self._shared_generator, self.target))
+        self._watching: set[str] = set()  # hidden-state proposers fed since their first request
+        self._watch(config.spec.method)
         self.scheduler = Scheduler(config.scheduler, self.kv, self.max_model_len, OutOfBlocks)
         self.policy = SpeculationPolicy(MAX_SPEC_TOKENS)
         self.step_errors = 0  # requests failed alone by an exception in the engine
@@ -210,6 +212,7 @@ class LLMEngine:
             raise ValueError(f"max_tokens={params.max_tokens} with a {n}-token prompt exceeds the "
                              f"context of {self.max_model_len} tokens (at most {self.max_model_len - n})")
         method, k, adaptive = self._resolve_spec(spec)
+        self._watch(method)
         need = -(-(n + params.max_tokens + k + 1) // self.kv.block_size)
         if need > self.kv.num_total_blocks:
             raise ValueError(f"request needs {need} KV blocks; the pool has {self.kv.num_total_blocks}")
@@ -220,6 +223,13 @@ class LLMEngine:
         req.detokenizer = IncrementalDetokenizer(self.tokenizer, req.prompt_ids)
         self.requests[request_id] = req
         self.scheduler.add(req)
+
+    def _watch(self, method: str) -> None:
+        """From now on hand `method`'s proposer every pass's hidden states, if it reads them.
+        Until a request (or the engine's default) names it, passes compute none: a server
+        that never drafts with a head pays nothing for having one."""
+        if getattr(self.proposers.get(method), "wants_hidden", False):
+            self._watching.add(method)
 
     def _grammar_compiler(self) -> GrammarCompiler:
         if self._grammars is None:
@@ -426,11 +436,11 @@ class LLMEngine:
         return _Verdicts(first, counts, accepted, emitted, drafts, passes, caught_up, logprobs)
 
     def _target_forward(self, batch: ScheduledBatch, inputs: list[RowInput]) -> list[torch.Tensor]:
-        """The target's pass (per-row logits). Proposers that read its hidden states
-        (`wants_hidden`) are handed every row's (`observe`), whatever its method: a prefix
-        one request computes may be another's cached prefix. Without such a proposer the
-        target computes none."""
-        watchers = [p for p in self.proposers.values() if getattr(p, "wants_hidden", False)]
+        """The target's pass (per-row logits). Proposers that read its hidden states and
+        are watched (`_watch`) are handed every row's (`observe`), whatever its method: a
+        prefix one request computes may be another's cached prefix. Without such a
+        proposer the target computes none."""
+        watchers = [self.proposers[name] for name in self._watching]
         if not watchers:
             return self.target.forward(inputs)
         logits, hidden = self.target.forward(inputs, hidden=True)

@@ -16,8 +16,9 @@ are rewritten next round: after verification only positions < req.num_computed a
 verified, and `rollback` trims `computed` there.
 
 The target's features live beside its KV: a store indexed by the same slots, written by
-`observe` after every target pass for every row in it, so a slot's feature and its KV are
-always from the same computation. Whatever makes a slot's KV valid (committed tokens, a
+`observe` after every target pass for every row in it (from the engine's first request
+for the head on; slots computed before then read zeros), so a slot's feature and its KV
+are always from the same computation. Whatever makes a slot's KV valid (committed tokens, a
 prefix cached by another request) makes its feature valid, and a rejected draft's feature
 is rewritten, as its KV is, before any exact entry reads it. A preempted request
 (req.num_computed fell below `computed`) recomputes its head KV: its blocks may have moved.

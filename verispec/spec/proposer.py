@@ -31,7 +31,9 @@ forward, for every row in that pass (prefill chunks and verify rows alike, whate
 method: one request's prefix may be cached for another), hidden[i] (n_i, H) float32 is the
 target's final-normed hidden state at positions starts[i].. starts[i] + n_i - 1 of reqs[i].
 Positions past the verified length (rejected drafts) are among them: what they wrote
-must not be read as verified. Without such a proposer the target computes no hidden states.
+must not be read as verified. The engine feeds such a proposer from the first request that
+uses it on (from the start when it is the engine's method); until then, and without one,
+the target computes no hidden states.
 
 Adding a proposer is one module that implements `Proposer` and one `register_proposer`
 line (see `tests/fake_proposer.py`).
