@@ -101,14 +101,22 @@ class EagleProposer:
         self.block_table = block_table    # seq_id -> list[int]
         self.shared_generator = shared_generator
         self.kv = head.new_kv_store(target.kv.num_slots, target.device)
-        # the target's final hidden states by KV slot, in the dtype the head reads them in
-        self.features = torch.zeros(target.kv.num_slots, head.cfg.hidden_size, dtype=head.dtype,
-                                    device=target.device)
+        self._features_by_slot: torch.Tensor | None = None  # `features`, made on first use
         self.vocab = target.vocab_limit or target.model.cfg.vocab_size
         self.computed: dict[str, int] = {}  # request id -> its exact head entries
         self.catch_up_tokens = 0
 
     # ------------------------------------------------------------------ state
+    @property
+    def features(self) -> torch.Tensor:
+        """(slots, H): the target's final hidden state at each KV slot, in the dtype the head
+        reads it in; allocated by the first use (a server that never drafts with the head
+        holds none)."""
+        if self._features_by_slot is None:
+            self._features_by_slot = torch.zeros(self.target.kv.num_slots, self.head.cfg.hidden_size,
+                                                 dtype=self.head.dtype, device=self.target.device)
+        return self._features_by_slot
+
     def _computed(self, req: Request) -> int:
         computed = self.computed.get(req.request_id, 0)
         return 0 if computed > req.num_computed else computed  # preempted: recompute
