@@ -159,14 +159,14 @@ class EagleProposer:
         if not spans:
             return 0
         self._pass([r for r, _, _ in spans], [lo for _, lo, _ in spans],
-                   [r.all_ids[lo + 1: hi + 1] for r, lo, hi in spans], self._features(spans))
+                   [r.all_ids[lo + 1: hi + 1] for r, lo, hi in spans], self._gather_features(spans))
         for r, _, hi in spans:
             self.computed[r.request_id] = hi
         done = sum(hi - lo for _, lo, hi in spans)
         self.catch_up_tokens += done
         return done
 
-    def _features(self, spans: list[tuple[Request, int, int]]) -> torch.Tensor:
+    def _gather_features(self, spans: list[tuple[Request, int, int]]) -> torch.Tensor:
         """(sum of hi - lo, H): the target's features of positions lo..hi-1 of each
         (request, lo, hi) in turn, from the slot store."""
         bs = self.target.block_size
@@ -209,7 +209,7 @@ class EagleProposer:
         predicting d1; marks them computed. That one is recomputed if a failed attempt of this
         step already computed it (same inputs, same KV)."""
         starts = [min(self._computed(r), r.num_tokens - 2) for r in reqs]
-        features = self._features([(r, lo, r.num_tokens - 1) for r, lo in zip(reqs, starts)])
+        features = self._gather_features([(r, lo, r.num_tokens - 1) for r, lo in zip(reqs, starts)])
         for r in reqs:
             self.computed[r.request_id] = r.num_tokens - 1
         return starts, [r.all_ids[lo + 1:] for r, lo in zip(reqs, starts)], features
