@@ -56,13 +56,7 @@ def _without_allocation(engine) -> None:
     engine.policy._gains = level_by_level
 
 
-def _without_neighbour_slope(engine) -> None:
-    """A row count with only its plain cell trusted tries its first draft as free."""
-    engine.policy.verify_costs.neighbours = 0
-
-
-ABLATIONS = {"same": lambda engine: None, "without-keys": _without_keys, "without-allocation": _without_allocation,
-             "without-neighbour-slope": _without_neighbour_slope}
+ABLATIONS = {"same": lambda engine: None, "without-keys": _without_keys, "without-allocation": _without_allocation}
 
 
 def parse_args(argv=None) -> argparse.Namespace:

@@ -132,25 +132,6 @@ def test_exploration_widens_one_bucket_past_what_is_measured():
     assert cells.at(1).price(4) == 3.0             # ... until a larger cell bounds it
 
 
-@pytest.mark.parametrize("broken", [False, True])
-def test_a_new_row_count_prices_its_first_draft_at_its_neighbours_cost_per_token(broken):
-    """Rows 14 and 16 measured a first draft at 1.5 ms and 1.7 ms a token; row 15 has only
-    its plain cell: its first draft costs the neighbours' median per token, not nothing,
-    capped by the 16-row cell (a pass costs no less with more rows)."""
-    cells = CostCells(neighbours=0 if broken else costs_mod.NEIGHBOURS)
-    timings = {(14, 0): 0.0240, (14, 2): 0.0270, (16, 0): 0.0260, (16, 1): 0.0277, (15, 0): 0.0250}
-    for (rows, size), seconds in timings.items():
-        for _ in range(TRUSTED_AT):
-            cells.observe(rows, size, seconds)
-    first = cells.at(15).price(1)
-    assert (first == pytest.approx(0.0250 + 0.0016)) != broken
-    cells = CostCells()
-    for (rows, size), seconds in {**timings, (16, 1): 0.0255}.items():
-        for _ in range(TRUSTED_AT):
-            cells.observe(rows, size, seconds)
-    assert cells.at(15).price(1) == pytest.approx(0.0255)
-
-
 def test_a_cell_is_trusted_at_its_third_timing_and_prices_by_its_median():
     cells = CostCells()
     for s in (1.0, 9.0):

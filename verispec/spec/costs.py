@@ -15,13 +15,6 @@ EXPLORE_SLOPE of the last measured cost per token, so widening stops where even 
 last increment no longer pays; sizes further out at their upper bound (a pass costs no
 less with more rows or tokens: the cheapest trusted cell with no fewer of either), so a
 plan there is played only if it pays at its worst (a drained batch still drafts).
-
-A row count with only its plain cell trusted has no cost per token of its own. Its first
-draft is priced at the per-token cost of the first draft at the nearest row counts that
-measured one (their median), in full: it is the same step, not a later one that concavity
-would make cheaper. Without it every row count a draining or refilling batch passes
-through would try its first draft as free, and at many rows a draft token costs about
-what another row's token does.
 """
 from __future__ import annotations
 
@@ -32,7 +25,6 @@ from collections import deque
 WINDOW = 16        # timings kept per cell: enough for a stable median, short enough to follow drift
 TRUSTED_AT = 3     # a median of three already rejects one stall
 EXPLORE_SLOPE = 0.5  # the next size is tried if it pays at half the last cost per token
-NEIGHBOURS = 3     # row counts whose first-draft cost per token prices a row count without one
 _BUCKETS = (0, 1, 2, 3, 4, 5, 6, 7, 8, 10, 12, 16, 20, 24, 32, 48, 64, 96, 128, 192, 256)
 
 
@@ -46,8 +38,7 @@ def size_bucket(size: int) -> int:
 class CostCells:
     """Timings by (rows, size bucket); prices with bounds for untrusted cells."""
 
-    def __init__(self, neighbours: int = NEIGHBOURS) -> None:
-        self.neighbours = neighbours
+    def __init__(self) -> None:
         self._timings: dict[tuple[int, int], deque] = {}
         self._trusted: dict[tuple[int, int], float] = {}   # cell -> median, once trusted
 
@@ -77,27 +68,14 @@ class CostCells:
         for i in range(n - 2, -1, -1):  # no more than a costlier-or-equal bucket
             if upper[i + 1] is not None and (upper[i] is None or upper[i + 1] < upper[i]):
                 upper[i] = upper[i + 1]
-        alone = sum(m is not None for m in own) == 1   # no cost per token of its own
-        return RowPrices(own, _exploring(own, upper, self._neighbour_slope(rows) if alone else None))
-
-    def _neighbour_slope(self, rows: int) -> float | None:
-        """Median first-draft seconds per token of the `neighbours` nearest other row counts
-        that have one (plain cell and a larger trusted size); None when none has."""
-        firsts: dict[int, tuple[int, float]] = {}   # rows -> (smallest trusted size > 0, median)
-        for (r, b), median in self._trusted.items():
-            if r != rows and b > 0 and (r, 0) in self._trusted:
-                if r not in firsts or b < firsts[r][0]:
-                    firsts[r] = (b, median)
-        nearest = sorted(firsts, key=lambda r: (abs(r - rows), -r))[:self.neighbours]
-        slopes = [max(0.0, (firsts[r][1] - self._trusted[(r, 0)]) / firsts[r][0]) for r in nearest]
-        return statistics.median(slopes) if slopes else None
+        return RowPrices(own, _exploring(own, upper))
 
     def snapshot(self) -> list[dict]:
         return [{"rows": r, "size": b, "median_s": round(m, 6), "n": len(self._timings[(r, b)])}
                 for (r, b), m in sorted(self._trusted.items())]
 
 
-def _exploring(own: list, upper: list, neighbour_slope: float | None) -> list:
+def _exploring(own: list, upper: list) -> list:
     """Upper bounds, with the chords between trusted cells and one step past the last."""
     bound = list(upper)
     known = [i for i, m in enumerate(own) if m is not None]
@@ -107,13 +85,11 @@ def _exploring(own: list, upper: list, neighbour_slope: float | None) -> list:
             bound[i] = own[a] + share * (own[b] - own[a])
     if known and known[-1] + 1 < len(own):
         last = known[-1]
+        slope = 0.0
         if len(known) > 1:
             prev = known[-2]
-            slope = EXPLORE_SLOPE * max(0.0, (own[last] - own[prev]) / (_BUCKETS[last] - _BUCKETS[prev]))
-        else:
-            slope = neighbour_slope or 0.0
-        step = own[last] + slope * (_BUCKETS[last + 1] - _BUCKETS[last])
-        bound[last + 1] = step if upper[last + 1] is None else min(step, upper[last + 1])
+            slope = max(0.0, (own[last] - own[prev]) / (_BUCKETS[last] - _BUCKETS[prev]))
+        bound[last + 1] = own[last] + EXPLORE_SLOPE * slope * (_BUCKETS[last + 1] - _BUCKETS[last])
     return bound
 
 
