@@ -56,13 +56,7 @@ def _without_allocation(engine) -> None:
     engine.policy._gains = level_by_level
 
 
-def _without_min_gain(engine) -> None:
-    """A round drafts whenever its plan's expected rate beats drafting nothing at all."""
-    engine.policy.min_gain = 0.0
-
-
-ABLATIONS = {"same": lambda engine: None, "without-keys": _without_keys, "without-allocation": _without_allocation,
-             "without-min-gain": _without_min_gain}
+ABLATIONS = {"same": lambda engine: None, "without-keys": _without_keys, "without-allocation": _without_allocation}
 
 
 def parse_args(argv=None) -> argparse.Namespace:

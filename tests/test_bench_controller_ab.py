@@ -45,11 +45,6 @@ def test_without_allocation_hands_out_drafts_level_by_level():
     assert [i for _, i in gains] == [0, 1, 0, 1, 0, 1]
 
 
-def test_without_min_gain_plays_any_plan_that_beats_drafting_nothing():
-    assert planned("same")[0].policy.min_gain > 0
-    assert planned("without-min-gain")[0].policy.min_gain == 0
-
-
 @pytest.mark.parametrize("draft_model,method", [(None, "ngram"), ("qwen2.5-coder-0.5b-instruct", "draft")])
 def test_both_versions_draft_as_asked_and_plain_runs_no_draft_model(draft_model, method):
     argv = ["--baseline", "same", "--model", "qwen2.5-coder-1.5b-instruct", "--k-max", "6"]

@@ -144,7 +144,6 @@ def test_a_cell_is_trusted_at_its_third_timing_and_prices_by_its_median():
 # ---------------------------------------------------------------- the plan
 @pytest.mark.parametrize("broken", [False, True])
 def test_at_batch_one_the_plan_is_argmax_of_expected_tokens_over_cost(monkeypatch, broken):
-    """... or k = 0 where the argmax beats it by no more than MIN_GAIN."""
     if broken:  # each draft's gain overstated (sqrt of the chance it is reached)
         real = SpeculationPolicy._gains
         monkeypatch.setattr(SpeculationPolicy, "_gains",
@@ -158,26 +157,9 @@ def test_at_batch_one_the_plan_is_argmax_of_expected_tokens_over_cost(monkeypatc
                 policy.verify_costs.observe(1, d, 1.0 + per_draft * d)
         policy.acceptance.alpha = lambda rid, p, key: alpha
         k = policy.plan([RowOffer("r", "ngram", 8, 8)])[0]
-        rate = [expected_tokens(alpha, j) / (1.0 + per_draft * j) for j in range(9)]
-        best = max(range(9), key=rate.__getitem__)
-        best = best if rate[best] > rate[0] * (1 + policy_mod.MIN_GAIN) else 0
+        best = max(range(9), key=lambda j: expected_tokens(alpha, j) / (1.0 + per_draft * j))
         misses += k != best
     assert (misses > 0) == broken
-
-
-@pytest.mark.parametrize("broken", [False, True])
-def test_a_round_drafts_only_if_its_plan_beats_drafting_nothing_by_min_gain(broken):
-    """16 rows, one draft costs 1.25% more time: a row with alpha 0.3 adds 1.9% tokens
-    (0.6% net: inside the error of the estimates, not played), one with 0.7 adds 4.4% (3.1%
-    net: played)."""
-    policy = SpeculationPolicy(16, min_gain=0.0 if broken else policy_mod.MIN_GAIN)
-    for size, seconds in ((0, 1.0), (1, 1.0125)):
-        for _ in range(TRUSTED_AT):
-            policy.verify_costs.observe(16, size, seconds)
-    rows = [RowOffer(f"r{i}", "ngram", 1, 1) for i in range(16)]
-    for alpha, played in ((0.3, broken), (0.7, True)):
-        policy.acceptance.alpha = lambda rid, p, key: alpha if rid == "r0" else 0.0
-        assert (sum(policy.plan(rows)) == 1) == played
 
 
 @pytest.mark.parametrize("alphas,cost", [

@@ -11,10 +11,6 @@ the one with the highest rate
 
     (rows + sum of the gains handed out) / (T_verify(rows, N) + T_draft + catch-up charges)
 
-provided that rate beats drafting nothing by MIN_GAIN (at many rows a plan's predicted
-gain is a few percent, as small as the bias of its estimates: the rows chosen are those
-whose acceptance estimates are highest, so realised acceptance falls short of them).
-
 T_verify is the round's measured time less the draft passes (scheduling, sampling and
 bookkeeping grow with the batch too, and this policy's own time is in it); T_draft, for
 a timed proposer (a draft model), the measured cost of its passes at (rows drafting,
@@ -39,9 +35,6 @@ from verispec.spec.costs import CostCells, PerToken, size_bucket
 # The most draft tokens a request may ask for: a verify row is 1 + k tokens, and past 16
 # the chance that every draft is accepted is too small to pay for the pass.
 MAX_SPEC_TOKENS = 16
-# A round drafts only if its plan's expected rate beats drafting nothing by this share:
-# below it the predicted gain is smaller than the error of the medians it is computed from.
-MIN_GAIN = 0.02
 
 
 class RowOffer(NamedTuple):
@@ -82,9 +75,8 @@ class RoundReport:
 
 
 class SpeculationPolicy:
-    def __init__(self, k_max: int, min_gain: float = MIN_GAIN):
+    def __init__(self, k_max: int):
         self.k_max = k_max
-        self.min_gain = min_gain
         self.acceptance = AcceptanceModel()
         self.verify_costs = CostCells()
         self.draft_costs: dict[str, CostCells] = {}
@@ -119,23 +111,17 @@ class SpeculationPolicy:
         drafted = sum(fixed)
         timed = any(r.timed for r in rows)
         best_rate, best = 0.0, list(fixed)  # nothing priced yet: plain measures the baseline cell
-        floor = 0.0   # the rate to beat: drafting nothing's, raised by min_gain
         for n in range(len(gains) + 1):
             if n:
                 gain, i = gains[n - 1]
                 ks[i] += 1
                 tokens += gain
                 drafted += 1
-            if n and not timed and n < len(gains) and size_bucket(drafted + 1) == size_bucket(drafted):
+            if not timed and n < len(gains) and size_bucket(drafted + 1) == size_bucket(drafted):
                 continue  # one more draft costs the same (same cell) and adds tokens: it wins
             seconds = self._price(rows, ks, verify, draft_tables) if timed else verify.price(drafted)
-            if seconds is None or seconds <= 0:
-                continue
-            rate = tokens / seconds
-            if n == 0:
-                floor = rate * (1.0 + self.min_gain)
-            if rate > best_rate and (n == 0 or rate > floor):
-                best_rate, best = rate, list(ks)
+            if seconds is not None and seconds > 0 and tokens / seconds > best_rate:
+                best_rate, best = tokens / seconds, list(ks)
         return best
 
     def _fixed_gain(self, row: RowOffer, k: int) -> float:
