@@ -28,15 +28,23 @@ EXPLORE_SLOPE = 0.5  # the next size is tried if it pays at half the last cost p
 _BUCKETS = (0, 1, 2, 3, 4, 5, 6, 7, 8, 10, 12, 16, 20, 24, 32, 48, 64, 96, 128, 192, 256)
 
 
+BUCKET_STARTS = frozenset(_BUCKETS[1:])   # sizes priced apart from the size below them
+
+
 def size_bucket(size: int) -> int:
     """The largest bucket boundary <= size (sizes past the last share it)."""
+    return _BUCKETS[_bucket_index(size)]
+
+
+def _bucket_index(size: int) -> int:
     if size < 0:
         raise ValueError(f"size must be >= 0, got {size}")
-    return _BUCKETS[bisect.bisect_right(_BUCKETS, size) - 1]
+    return bisect.bisect_right(_BUCKETS, size) - 1
 
 
 class CostCells:
-    """Timings by (rows, size bucket); prices with bounds for untrusted cells."""
+    """Timings by (rows, size bucket); prices with bounds for untrusted cells. A cell's key
+    holds its bucket's index in _BUCKETS (the plan prices every row count's buckets)."""
 
     def __init__(self) -> None:
         self._timings: dict[tuple[int, int], deque] = {}
@@ -45,22 +53,21 @@ class CostCells:
     def observe(self, rows: int, size: int, seconds: float) -> None:
         if rows < 1 or seconds < 0:
             raise ValueError(f"need rows >= 1 and seconds >= 0, got {rows}, {seconds}")
-        cell = (rows, size_bucket(size))
+        cell = (rows, _bucket_index(size))
         timings = self._timings.setdefault(cell, deque(maxlen=WINDOW))
         timings.append(seconds)
         if len(timings) >= TRUSTED_AT:
             self._trusted[cell] = statistics.median(timings)
 
     def trusted(self, rows: int, size: int) -> float | None:
-        return self._trusted.get((rows, size_bucket(size)))
+        return self._trusted.get((rows, _bucket_index(size)))
 
     def at(self, rows: int) -> "RowPrices":
         """Prices of every size at `rows`, built in one pass over the trusted cells."""
         n = len(_BUCKETS)
         own: list[float | None] = [None] * n
         upper: list[float | None] = [None] * n
-        for (r, b), median in self._trusted.items():
-            i = _BUCKETS.index(b)
+        for (r, i), median in self._trusted.items():
             if r == rows:
                 own[i] = median
             if r >= rows and (upper[i] is None or median < upper[i]):
@@ -71,8 +78,8 @@ class CostCells:
         return RowPrices(own, _exploring(own, upper))
 
     def snapshot(self) -> list[dict]:
-        return [{"rows": r, "size": b, "median_s": round(m, 6), "n": len(self._timings[(r, b)])}
-                for (r, b), m in sorted(self._trusted.items())]
+        return [{"rows": r, "size": _BUCKETS[i], "median_s": round(m, 6), "n": len(self._timings[(r, i)])}
+                for (r, i), m in sorted(self._trusted.items())]
 
 
 def _exploring(own: list, upper: list) -> list:
@@ -103,7 +110,7 @@ class RowPrices:
         self._own, self._bound = own, bound
 
     def price(self, size: int) -> float | None:
-        i = bisect.bisect_right(_BUCKETS, size) - 1
+        i = _bucket_index(size)
         median = self._own[i]
         return median if median is not None else self._bound[i]
 

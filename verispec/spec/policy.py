@@ -26,10 +26,11 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from operator import itemgetter
 from typing import NamedTuple
 
 from verispec.spec.acceptance import AcceptanceModel, expected_tokens
-from verispec.spec.costs import CostCells, PerToken, size_bucket
+from verispec.spec.costs import BUCKET_STARTS, CostCells, PerToken
 
 
 # The most draft tokens a request may ask for: a verify row is 1 + k tokens, and past 16
@@ -92,36 +93,46 @@ class SpeculationPolicy:
         return self._best(rows, ks, gains) if gains else ks
 
     def _gains(self, rows: list[RowOffer]) -> list[tuple[float, int]]:
-        """(alpha^j, row) for every draft an adaptive row may take, best first."""
+        """(alpha^j, row) for every draft an adaptive row may take, best first (ties in row
+        order: the sort is stable)."""
         gains = []
         for i, r in enumerate(rows):
             if r.adaptive and r.proposer and r.available:
                 alpha = self.acceptance.alpha(r.request_id, r.proposer, r.key)
-                gains.extend((alpha ** j, i) for j in range(1, min(r.available, r.k_max) + 1))
-        gains.sort(key=lambda g: -g[0])
+                gain = 1.0
+                for _ in range(min(r.available, r.k_max)):
+                    gain *= alpha
+                    gains.append((gain, i))
+        gains.sort(key=itemgetter(0), reverse=True)
         return gains
 
     def _best(self, rows: list[RowOffer], fixed: list[int], gains: list) -> list[int]:
-        """The ks with the best expected tokens per priced second (fixed ones if none is priced)."""
+        """The ks with the best expected tokens per priced second (fixed ones if none is
+        priced): the first n gains handed out, for the best n."""
         batch = len(rows)
         verify = self.verify_costs.at(batch)
-        draft_tables = {name: _DraftPrices(cells) for name, cells in self.draft_costs.items()}
+        timed = any(r.timed for r in rows)
+        draft_tables = {name: _DraftPrices(cells) for name, cells in self.draft_costs.items()} if timed else {}
         ks = list(fixed)
         tokens = batch + sum(self._fixed_gain(r, k) for r, k in zip(rows, fixed))
         drafted = sum(fixed)
-        timed = any(r.timed for r in rows)
-        best_rate, best = 0.0, list(fixed)  # nothing priced yet: plain measures the baseline cell
-        for n in range(len(gains) + 1):
+        last = len(gains)
+        best_rate, best_n = 0.0, 0  # nothing priced yet: plain measures the baseline cell
+        for n in range(last + 1):
             if n:
                 gain, i = gains[n - 1]
-                ks[i] += 1
                 tokens += gain
                 drafted += 1
-            if not timed and n < len(gains) and size_bucket(drafted + 1) == size_bucket(drafted):
+                if timed:
+                    ks[i] += 1
+            if not timed and n < last and drafted + 1 not in BUCKET_STARTS:
                 continue  # one more draft costs the same (same cell) and adds tokens: it wins
             seconds = self._price(rows, ks, verify, draft_tables) if timed else verify.price(drafted)
             if seconds is not None and seconds > 0 and tokens / seconds > best_rate:
-                best_rate, best = tokens / seconds, list(ks)
+                best_rate, best_n = tokens / seconds, n
+        best = list(fixed)
+        for _, i in gains[:best_n]:
+            best[i] += 1
         return best
 
     def _fixed_gain(self, row: RowOffer, k: int) -> float:
