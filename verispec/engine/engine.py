@@ -400,10 +400,15 @@ class LLMEngine:
 
     def _offers(self, rows: list[Request]) -> list[RowOffer]:
         """What each row's proposer offers now, up to the row's budget (max_tokens, context)."""
-        offers = [RowOffer(r.request_id, None, 0, 0) for r in rows]
-        for name, proposer in self.proposers.items():
-            members = [i for i, r in enumerate(rows) if r.spec_method == name]
-            if not members:
+        offers: list[RowOffer | None] = [None] * len(rows)
+        by_method: dict[str, list[int]] = {}
+        for i, r in enumerate(rows):
+            by_method.setdefault(r.spec_method, []).append(i)
+        for name, members in by_method.items():
+            proposer = self.proposers.get(name)
+            if proposer is None:  # "none", or a method this engine does not run
+                for i in members:
+                    offers[i] = RowOffer(rows[i].request_id, None, 0, 0)
                 continue
             reqs = [rows[i] for i in members]
             found = proposer.offer(reqs, [self.scheduler.spec_budget(r) for r in reqs])
