@@ -10,6 +10,7 @@ recomputes them from scratch (dense target pass, dense head chain), and the inje
       see it, and the test shows G2's identity holding), caught by the reference check.
 """
 import sys
+from dataclasses import replace
 
 import pytest
 import torch
@@ -216,15 +217,17 @@ def test_a_tensor_parallel_target_is_refused_for_want_of_a_whole_embedding():
         build_eagle(context)
 
 
-def _packed_head(hidden: int, int4: bool = False, packed: bool = True):
-    """A random head over a tiny bf16 target (head size hidden / 4), packed on the kernels."""
+def _packed_head(hidden: int, int4: bool = False, packed: bool = True, qkv_bias: float | None = None):
+    """A random head over a tiny bf16 target (head size hidden / 4), packed on the kernels;
+    with `qkv_bias` a Qwen2-shaped one whose q/k/v projection has a bias of that scale."""
     torch.manual_seed(0)
-    target = LlamaModel(tiny_config(vocab=64, hidden=hidden)).eval()
+    cfg = tiny_config(vocab=64, hidden=hidden)
+    target = LlamaModel(replace(cfg, attention_bias=qkv_bias is not None)).eval()
     target.embed_tokens.to(torch.bfloat16)
     head = EagleHead(target.cfg, torch.arange(0, 64, 2))
     with torch.no_grad():
         for name, p in head.named_parameters():
-            p.normal_(0, 0.2) if "norm" not in name else p.fill_(1.0)
+            p.fill_(1.0) if "norm" in name else p.normal_(0, qkv_bias if name.endswith("bias") else 0.2)
     head.bind(target.embed_tokens)
     return head.pack(kernels.load(required=True), int4) if packed else head
 
@@ -292,6 +295,29 @@ def test_an_int4_packed_head_runs_its_layer_in_one_stack_call_near_the_float_hea
     exact, _ = _head_pass(_packed_head(256, packed=False), rows, 0)  # float32, SDPA
     agreement = torch.corrcoef(torch.stack([logits.flatten(), exact.flatten()]))[0, 1]
     assert 0.9 < agreement < 1.0, agreement  # random weights of std 0.2: int4 keeps their shape
+
+
+@pytest.mark.parametrize("broken", [False, True])
+def test_an_int4_packed_qwen2_head_keeps_its_qkv_bias(monkeypatch, broken):
+    """A Qwen2 target's layer has a q/k/v bias: the int4 head follows the float32 head with
+    its bias better than the same head without it (a head packed without the bias follows
+    the latter)."""
+    ops = kernels.load(required=False)
+    if ops is None or not (ops.bf16_vector and ops.int4_vector):
+        pytest.skip("verispec's kernels (vector bf16 and int4) are not available here")
+    if broken:
+        import verispec.model.quant as quant
+        real = quant.make_int4_linear
+        monkeypatch.setattr(quant, "make_int4_linear", lambda groups, bias, dtype, *a: real(groups, None, dtype, *a))
+    rows = [(10, 20), (0, 1)]
+    logits, _ = _head_pass(_packed_head(256, int4=True, qkv_bias=1.0), rows)
+    exact = _packed_head(256, packed=False, qkv_bias=1.0)
+    with_bias, _ = _head_pass(exact, rows, 0)
+    with torch.no_grad():
+        exact.layer.self_attn.qkv_proj.bias.zero_()
+    without_bias, _ = _head_pass(exact, rows, 0)
+    follows = [torch.corrcoef(torch.stack([logits.flatten(), ref.flatten()]))[0, 1] for ref in (with_bias, without_bias)]
+    assert (follows[0] > follows[1]) != broken, follows
 
 
 def test_passes_compute_hidden_states_only_once_a_request_drafts_with_the_head(greedy_pair):

@@ -61,7 +61,8 @@ class EagleHead(nn.Module):
         for parent, name in ((self, "fc"), (self.layer.self_attn, "qkv_proj"), (self.layer.self_attn, "o_proj"),
                              (self.layer.mlp, "gate_up_proj"), (self.layer.mlp, "down_proj"), (self, "lm_head")):
             linear = getattr(parent, name)
-            packed = (make_int4_linear(quantize_int4(linear.weight.data), None, torch.bfloat16) if int4
+            bias = None if linear.bias is None else linear.bias.detach()  # Qwen2's q/k/v bias
+            packed = (make_int4_linear(quantize_int4(linear.weight.data), bias, torch.bfloat16) if int4
                       else make_bf16_linear(linear))
             packed.kernels = ops
             setattr(parent, name, packed)
