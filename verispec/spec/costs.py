@@ -26,8 +26,6 @@ WINDOW = 16        # timings kept per cell: enough for a stable median, short en
 TRUSTED_AT = 3     # a median of three already rejects one stall
 EXPLORE_SLOPE = 0.5  # the next size is tried if it pays at half the last cost per token
 _BUCKETS = (0, 1, 2, 3, 4, 5, 6, 7, 8, 10, 12, 16, 20, 24, 32, 48, 64, 96, 128, 192, 256)
-
-
 BUCKET_STARTS = frozenset(_BUCKETS[1:])   # sizes priced apart from the size below them
 
 
