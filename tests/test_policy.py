@@ -162,6 +162,21 @@ def test_at_batch_one_the_plan_is_argmax_of_expected_tokens_over_cost(monkeypatc
     assert (misses > 0) == broken
 
 
+@pytest.mark.parametrize("broken", [False, True])
+def test_the_plan_weighs_the_last_size_of_every_bucket(monkeypatch, broken):
+    """Sizes 8 and 9 share a cell, 10 costs far more: with drafts nearly always accepted the
+    best plan is 9, the last size of its bucket, which the plan must price (it skips only
+    sizes whose next one shares their cell)."""
+    if broken:  # 10 not known to open a bucket: size 9 is skipped as if 10 cost the same
+        monkeypatch.setattr(policy_mod, "BUCKET_STARTS", costs_mod.BUCKET_STARTS - {10})
+    policy = SpeculationPolicy(16)
+    for size in range(0, 13):
+        for _ in range(TRUSTED_AT):
+            policy.verify_costs.observe(1, size, 1.0 + 0.01 * size + (5.0 if size >= 10 else 0.0))
+    policy.acceptance.alpha = lambda rid, p, key: 0.99
+    assert (policy.plan([RowOffer("r", "ngram", 12, 12)]) == [9]) != broken
+
+
 @pytest.mark.parametrize("alphas,cost", [
     ([0.8], linear_cost(1.0, 0.0, 0.08)),               # drafting pays: k = 4
     ([0.2], linear_cost(1.0, 0.0, 0.3)),                # it does not: k = 0

@@ -42,7 +42,7 @@ def _bucket_index(size: int) -> int:
 
 class CostCells:
     """Timings by (rows, size bucket); prices with bounds for untrusted cells. A cell's key
-    holds its bucket's index in _BUCKETS (the plan prices every row count's buckets)."""
+    holds its bucket's index in _BUCKETS, so `at` fills its per-bucket arrays without a search."""
 
     def __init__(self) -> None:
         self._timings: dict[tuple[int, int], deque] = {}

@@ -121,10 +121,9 @@ class SpeculationPolicy:
         for n in range(last + 1):
             if n:
                 gain, i = gains[n - 1]
+                ks[i] += 1
                 tokens += gain
                 drafted += 1
-                if timed:
-                    ks[i] += 1
             if not timed and n < last and drafted + 1 not in BUCKET_STARTS:
                 continue  # one more draft costs the same (same cell) and adds tokens: it wins
             seconds = self._price(rows, ks, verify, draft_tables) if timed else verify.price(drafted)
