@@ -7,9 +7,12 @@ Contenders, each on a fresh engine, stepped in turn (`common.run_lockstep`):
     eagle-k4   the head at fixed k = 4: acceptance per draft position, and the head's
                cost (a head pass, timed around the proposer's draft call / 4 passes)
                against plain's step (seconds per step)
+    draft      with --draft-model: that draft model, adaptive k (the head's rival)
 Outputs must equal plain's (greedy). Results: bench/results/eagle_<model>.json.
 
     .venv/bin/python bench/eagle.py --threads 2 --concurrency 1 --num-prompts 6
+    .venv/bin/python bench/eagle.py --model qwen2.5-coder-1.5b-instruct \
+        --draft-model qwen2.5-coder-0.5b-instruct --tasks code,chat
 """
 from __future__ import annotations
 
@@ -36,6 +39,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="smollm2-135m-instruct")
     p.add_argument("--draft-head", default=None, help="head folder (default: the model's registered head)")
+    p.add_argument("--draft-model", default=None, help="also race this draft model (contender 'draft')")
     p.add_argument("--tasks", default=",".join(proposers.TASKS))
     p.add_argument("--num-prompts", type=int, default=6, help="measured prompts per task")
     p.add_argument("--num-warmup", type=int, default=2)
@@ -61,21 +65,26 @@ def main(argv=None) -> int:
     t0 = time.perf_counter()
     header = common.start_run(args)
     base = replace(common.base_config(args), draft_head=args.draft_head)
-    models = common.load_models(base)
-    configs = {name: replace(base, spec=spec) for name, spec in CONTENDERS.items()}
+    contenders = dict(CONTENDERS)
+    if args.draft_model:
+        base = replace(base, draft_model=args.draft_model)
+        contenders["draft"] = SpecConfig(method="draft", num_spec_tokens=8, adaptive=True)
+    models = common.load_models(replace(base, spec=contenders.get("draft", base.spec)))
+    configs = {name: replace(base, spec=spec, draft_model=base.draft_model if name == "draft" else None)
+               for name, spec in contenders.items()}
     tasks = [run_task(models, configs, task, args) for task in args.tasks]
-    rows = []
+    rows, speedups = [], [n for n in contenders if n != "plain"]
     for t in tasks:
         c = t["contenders"]
         k4 = c["eagle-k4"]
-        rows.append([t["task"], f"{c['plain']['tokens_per_s']:.1f}", f"{c['ngram']['speedup']:.2f}",
-                     f"{c['eagle']['speedup']:.2f}", f"{c['eagle-k4']['speedup']:.2f}",
-                     " / ".join(f"{a:.2f}" for a in k4["acceptance_per_position"] if a is not None),
-                     f"{k4['head_cost']:.3f}"])
-    geo = {n: common.geomean([t["contenders"][n]["speedup"] for t in tasks]) for n in CONTENDERS}
-    rows.append(["geo. mean", "", f"{geo['ngram']:.2f}", f"{geo['eagle']:.2f}", f"{geo['eagle-k4']:.2f}", "", ""])
-    text = common.markdown_table(["task", "plain tok/s", "ngram", "eagle", "eagle k=4",
-                                  "acceptance per position (k=4)", "head pass / plain step"], rows)
+        rows.append([t["task"], f"{c['plain']['tokens_per_s']:.1f}"]
+                    + [f"{c[n]['speedup']:.2f}" for n in speedups]
+                    + [" / ".join(f"{a:.2f}" for a in k4["acceptance_per_position"] if a is not None),
+                       f"{k4['head_cost']:.3f}"])
+    geo = {n: common.geomean([t["contenders"][n]["speedup"] for t in tasks]) for n in contenders}
+    rows.append(["geo. mean", ""] + [f"{geo[n]:.2f}" for n in speedups] + ["", ""])
+    text = common.markdown_table(["task", "plain tok/s"] + speedups
+                                 + ["acceptance per position (k=4)", "head pass / plain step"], rows)
     print(text)
     common.write_result("eagle", args, header, t0, {
         "engine_configs": {n: common.resolved(models, cfg).to_dict() for n, cfg in configs.items()},

@@ -82,3 +82,50 @@ class AcceptanceModel:
 
     def snapshot(self) -> dict:
         return {f"{p}/{k}": round(c.alpha(COLD_ALPHA, PRIOR_WEIGHT), 4) for (p, k), c in self._pools.items()}
+
+
+# Calibration evidence halves every 128 drafts at a position: 8 rounds of 16 rows, or 128
+# rounds of one, follow a change of workload; fewer let one answer's phase swing it.
+CALIBRATION_HALF_LIFE = 128.0
+# The ratio starts at 1 and counts as 4 predicted tokens until evidence outweighs it.
+CALIBRATION_PRIOR = 16.0
+
+
+class YieldCalibration:
+    """Realised over predicted acceptance of the j-th draft, per batch-size bucket.
+
+    alpha^j is the estimated chance that a row's first j drafts are all accepted. The
+    rows the plan picks are the ones whose estimates are highest, so their estimates run
+    high (the winner's curse), and acceptance is not independent across positions: the
+    j-th draft of a chosen row is accepted less often than alpha^j says, by an amount that
+    depends on how many rows compete and on j. Each cell keeps decayed sums of alpha^j
+    (predicted) and of the indicator "the first j were accepted" (realised); the plan
+    scales a j-th draft's gain by their ratio. Model-free: it needs no cause for the gap.
+    """
+
+    def __init__(self, positions: int):
+        self.positions = positions
+        self._keep = 0.5 ** (1.0 / CALIBRATION_HALF_LIFE)
+        self._cells: dict[int, list[list[float]]] = {}  # bucket -> [predicted, realised] per position
+
+    def factors(self, bucket: int) -> list[float] | None:
+        """Ratio per position 1..positions (index j - 1); None before any evidence."""
+        cells = self._cells.get(bucket)
+        return None if cells is None else _ratios(cells)
+
+    def observe(self, bucket: int, alpha: float, drafted: int, accepted: int) -> None:
+        """One row's round: it drafted `drafted` at estimated alpha and `accepted` were kept."""
+        cells = self._cells.setdefault(bucket, [[0.0, 0.0] for _ in range(self.positions)])
+        chance = 1.0
+        for j in range(min(drafted, self.positions)):
+            chance *= alpha
+            cell = cells[j]
+            cell[0] = cell[0] * self._keep + chance
+            cell[1] = cell[1] * self._keep + (1.0 if accepted > j else 0.0)
+
+    def snapshot(self) -> dict:
+        return {str(b): [round(f, 3) for f in _ratios(cells)] for b, cells in sorted(self._cells.items())}
+
+
+def _ratios(cells: list[list[float]]) -> list[float]:
+    return [(realised + CALIBRATION_PRIOR) / (predicted + CALIBRATION_PRIOR) for predicted, realised in cells]
