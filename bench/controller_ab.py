@@ -56,13 +56,7 @@ def _without_allocation(engine) -> None:
     engine.policy._gains = level_by_level
 
 
-def _without_calibration(engine) -> None:
-    """Each draft's gain is alpha^j as estimated, never scaled by realised over predicted."""
-    engine.policy.calibration.factors = lambda bucket: None
-
-
-ABLATIONS = {"same": lambda engine: None, "without-keys": _without_keys, "without-allocation": _without_allocation,
-             "without-calibration": _without_calibration}
+ABLATIONS = {"same": lambda engine: None, "without-keys": _without_keys, "without-allocation": _without_allocation}
 
 
 def parse_args(argv=None) -> argparse.Namespace:

@@ -45,12 +45,6 @@ def test_without_allocation_hands_out_drafts_level_by_level():
     assert [i for _, i in gains] == [0, 1, 0, 1, 0, 1]
 
 
-def test_without_calibration_learns_but_never_scales_a_gain():
-    off, same = planned("without-calibration")[0].policy.calibration, planned("same")[0].policy.calibration
-    assert off.snapshot() and same.snapshot()  # both observed rounds
-    assert all(off.factors(int(b)) is None and same.factors(int(b)) is not None for b in same.snapshot())
-
-
 @pytest.mark.parametrize("draft_model,method", [(None, "ngram"), ("qwen2.5-coder-0.5b-instruct", "draft")])
 def test_both_versions_draft_as_asked_and_plain_runs_no_draft_model(draft_model, method):
     argv = ["--baseline", "same", "--model", "qwen2.5-coder-1.5b-instruct", "--k-max", "6"]

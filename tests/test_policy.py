@@ -12,7 +12,7 @@ import pytest
 from verispec.spec import acceptance as acceptance_mod
 from verispec.spec import costs as costs_mod
 from verispec.spec import policy as policy_mod
-from verispec.spec.acceptance import AcceptanceModel, YieldCalibration, expected_tokens
+from verispec.spec.acceptance import AcceptanceModel, expected_tokens
 from verispec.spec.costs import TRUSTED_AT, CostCells, size_bucket
 from verispec.spec.policy import RoundReport, RowOffer, RowResult, SpeculationPolicy
 
@@ -22,10 +22,9 @@ def linear_cost(base: float, per_row: float, per_draft: float):
 
 
 def simulate(policy: SpeculationPolicy, alphas: list[float], cost, rounds: int, seed: int = 0,
-             k_max: int = 4, fixed_k: int | None = None, later: float | None = None) -> float:
-    """Rounds of len(alphas) rows that never end, each row's first draft accepted with its
-    own alpha and each further one with `later` (None: alpha again); returns tokens per
-    second over the last half (past warm-up)."""
+             k_max: int = 4, fixed_k: int | None = None) -> float:
+    """Rounds of len(alphas) rows that never end, each row's drafts accepted with its own
+    alpha per position; returns tokens per second over the last half (past warm-up)."""
     rng = random.Random(seed)
     tokens = seconds = 0.0
     for n in range(rounds):
@@ -34,7 +33,7 @@ def simulate(policy: SpeculationPolicy, alphas: list[float], cost, rounds: int, 
         results = []
         for i, (a, k) in enumerate(zip(alphas, ks)):
             accepted = 0
-            while accepted < k and rng.random() < (a if accepted == 0 or later is None else later):
+            while accepted < k and rng.random() < a:
                 accepted += 1
             results.append(RowResult(f"r{i}", "ngram", 0, k, accepted))
         spent = cost(len(alphas), sum(ks)) * rng.uniform(0.97, 1.03)
@@ -46,9 +45,8 @@ def simulate(policy: SpeculationPolicy, alphas: list[float], cost, rounds: int, 
     return tokens / seconds
 
 
-def best_fixed(alphas, cost, rounds=400, k_max=4, later=None) -> float:
-    return max(simulate(SpeculationPolicy(16), alphas, cost, rounds, k_max=k_max, fixed_k=k, later=later)
-               for k in range(k_max + 1))
+def best_fixed(alphas, cost, rounds=400, k_max=4) -> float:
+    return max(simulate(SpeculationPolicy(16), alphas, cost, rounds, fixed_k=k) for k in range(k_max + 1))
 
 
 # ---------------------------------------------------------------- acceptance
@@ -191,50 +189,8 @@ def test_cold_start_reaches_the_best_fixed_k_in_simulation(alphas, cost):
 
 def test_the_simulation_catches_a_policy_that_ignores_acceptance(monkeypatch):
     monkeypatch.setattr(AcceptanceModel, "alpha", lambda self, rid, p, key: 0.95)
-    monkeypatch.setattr(YieldCalibration, "observe", lambda *args: None)  # else it corrects the 0.95
     cost = linear_cost(1.0, 0.0, 0.3)
     assert simulate(SpeculationPolicy(16), [0.2], cost, 800, seed=5) < 0.97 * best_fixed([0.2], cost)
-
-
-# ---------------------------------------------------------------- calibration
-def test_the_calibration_is_realised_over_predicted_per_batch_size_and_position():
-    calibration = YieldCalibration(4)
-    assert calibration.factors(1) is None  # no evidence: the plan uses alpha^j as it is
-    for n in range(2000):
-        calibration.observe(16, 0.8, 2, 1 if n % 2 else 2)  # first always kept, second half the time
-    first, second = calibration.factors(16)[:2]
-    mass, prior = 1 / (1 - 0.5 ** (1 / acceptance_mod.CALIBRATION_HALF_LIFE)), acceptance_mod.CALIBRATION_PRIOR
-    assert first == pytest.approx((mass + prior) / (0.8 * mass + prior), rel=0.01)  # -> 1 / 0.8, the prior aside
-    assert second == pytest.approx((0.5 * mass + prior) / (0.64 * mass + prior), rel=0.01)  # -> 0.5 / 0.64
-    assert calibration.factors(16)[2:] == [1.0, 1.0]  # never drafted that far: no correction
-    assert calibration.factors(1) is None              # another batch size: its own cells
-
-
-@pytest.mark.parametrize("broken", [False, True])
-def test_the_plan_scales_a_drafts_gain_by_its_calibration(monkeypatch, broken):
-    """alpha 0.6 at a draft cost of 0.3 pays (1.6 tokens for 1.3); if only a tenth of the
-    first drafts chosen at that estimate were accepted, it does not."""
-    if broken:  # the calibration learned but not applied
-        monkeypatch.setattr(YieldCalibration, "factors", lambda self, bucket: None)
-    policy = SpeculationPolicy(16)
-    for d in range(9):
-        for _ in range(TRUSTED_AT):
-            policy.verify_costs.observe(1, d, 1.0 + 0.3 * d)
-    policy.acceptance.alpha = lambda rid, p, key: 0.6
-    for n in range(500):
-        policy.calibration.observe(1, 0.6, 1, int(n % 10 == 0))
-    assert (policy.plan([RowOffer("r", "ngram", 8, 8)]) == [0]) != broken
-
-
-@pytest.mark.parametrize("broken", [False, True])
-def test_calibration_reaches_the_best_fixed_k_where_acceptance_is_not_geometric(monkeypatch, broken):
-    """First drafts kept 95% of the time, later ones 10%: one alpha per position fits
-    neither, and the estimate drafts too deep; the calibration corrects each position."""
-    if broken:
-        monkeypatch.setattr(YieldCalibration, "factors", lambda self, bucket: None)
-    cost = linear_cost(1.0, 0.0, 0.3)
-    adaptive = simulate(SpeculationPolicy(16), [0.95], cost, 600, seed=5, k_max=8, later=0.1)
-    assert (adaptive >= 0.97 * best_fixed([0.95], cost, 600, k_max=8, later=0.1)) != broken
 
 
 def test_a_round_with_prefill_is_not_priced():

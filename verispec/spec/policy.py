@@ -20,9 +20,7 @@ k (adaptive off) draft min(k, available) and are counted, not chosen for.
 
 Costs not measured yet are priced as `costs.py` explores: one size past the largest
 measured one at a time, sizes further out at their upper bound. Acceptance comes from
-`acceptance.py`: alpha per request, and a calibration per batch size and draft position
-(realised over predicted), because the rows chosen for their high estimates are accepted
-less often than those estimates say.
+`acceptance.py`.
 """
 from __future__ import annotations
 
@@ -31,8 +29,8 @@ from dataclasses import dataclass, field
 from operator import itemgetter
 from typing import NamedTuple
 
-from verispec.spec.acceptance import AcceptanceModel, YieldCalibration, expected_tokens
-from verispec.spec.costs import BUCKET_STARTS, CostCells, PerToken, size_bucket
+from verispec.spec.acceptance import AcceptanceModel, expected_tokens
+from verispec.spec.costs import BUCKET_STARTS, CostCells, PerToken
 
 
 # The most draft tokens a request may ask for: a verify row is 1 + k tokens, and past 16
@@ -81,7 +79,6 @@ class SpeculationPolicy:
     def __init__(self, k_max: int):
         self.k_max = k_max
         self.acceptance = AcceptanceModel()
-        self.calibration = YieldCalibration(k_max)
         self.verify_costs = CostCells()
         self.draft_costs: dict[str, CostCells] = {}
         self.catch_up_cost = PerToken()
@@ -96,19 +93,15 @@ class SpeculationPolicy:
         return self._best(rows, ks, gains) if gains else ks
 
     def _gains(self, rows: list[RowOffer]) -> list[tuple[float, int]]:
-        """(gain, row) for every draft an adaptive row may take, best first (ties in row
-        order: the sort is stable). The j-th draft's gain is alpha^j times the calibration
-        of position j at this batch size, kept no larger than the (j-1)-th's, so a row's
-        drafts are handed out in order."""
-        factors = self.calibration.factors(size_bucket(len(rows)))
+        """(alpha^j, row) for every draft an adaptive row may take, best first (ties in row
+        order: the sort is stable)."""
         gains = []
         for i, r in enumerate(rows):
             if r.adaptive and r.proposer and r.available:
                 alpha = self.acceptance.alpha(r.request_id, r.proposer, r.key)
-                chance, gain = 1.0, 1.0
-                for j in range(min(r.available, r.k_max)):
-                    chance *= alpha
-                    gain = min(gain, chance * factors[j]) if factors else chance
+                gain = 1.0
+                for _ in range(min(r.available, r.k_max)):
+                    gain *= alpha
                     gains.append((gain, i))
         gains.sort(key=itemgetter(0), reverse=True)
         return gains
@@ -173,11 +166,8 @@ class SpeculationPolicy:
     # ------------------------------------------------------------------ observe
     def observe(self, report: RoundReport) -> None:
         """Learn from a round: acceptance of every row that drafted, costs of its passes."""
-        bucket = size_bucket(report.batch_size)
-        alphas = [self.acceptance.alpha(r.request_id, r.proposer, r.key) if r.drafted else 0.0 for r in report.rows]
-        for row, alpha in zip(report.rows, alphas):  # the estimates the plan used, before this round's evidence
+        for row in report.rows:
             if row.drafted:
-                self.calibration.observe(bucket, alpha, row.drafted, row.accepted)
                 self.acceptance.observe(row.request_id, row.proposer, row.key, row.drafted, row.accepted)
             if row.drafted <= self.k_max:
                 self.k_counts[row.drafted] += 1
@@ -195,8 +185,7 @@ class SpeculationPolicy:
 
     def snapshot(self) -> dict:
         return {"rounds": self.rounds, "k_counts": list(self.k_counts),
-                "alpha_pools": self.acceptance.snapshot(),
-                "calibration": self.calibration.snapshot(), "verify_cells": self.verify_costs.snapshot(),
+                "alpha_pools": self.acceptance.snapshot(), "verify_cells": self.verify_costs.snapshot(),
                 "draft_cells": {n: c.snapshot() for n, c in self.draft_costs.items()}}
 
 
