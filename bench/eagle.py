@@ -50,6 +50,18 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
+def engine_configs(args: argparse.Namespace):
+    """(the config the weights load by, {contender: engine config}): the draft model, if
+    named, loads with the target and only the 'draft' contender runs it."""
+    base = replace(common.base_config(args), draft_head=args.draft_head)
+    configs = {name: replace(base, spec=spec) for name, spec in CONTENDERS.items()}
+    if not args.draft_model:
+        return base, configs
+    configs["draft"] = replace(base, draft_model=args.draft_model,
+                               spec=SpecConfig(method="draft", num_spec_tokens=8, adaptive=True))
+    return configs["draft"], configs
+
+
 def run_task(models, configs, task: str, args) -> dict:
     """proposers.run_task, plus the fixed-k head's pass cost (its draft call / 4 passes)."""
     out, _, watches = proposers.run_task(models, configs, task, args)
@@ -64,14 +76,9 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     t0 = time.perf_counter()
     header = common.start_run(args)
-    base = replace(common.base_config(args), draft_head=args.draft_head)
-    contenders = dict(CONTENDERS)
-    if args.draft_model:
-        base = replace(base, draft_model=args.draft_model)
-        contenders["draft"] = SpecConfig(method="draft", num_spec_tokens=8, adaptive=True)
-    models = common.load_models(replace(base, spec=contenders.get("draft", base.spec)))
-    configs = {name: replace(base, spec=spec, draft_model=base.draft_model if name == "draft" else None)
-               for name, spec in contenders.items()}
+    load, configs = engine_configs(args)
+    models = common.load_models(load)
+    contenders = list(configs)
     tasks = [run_task(models, configs, task, args) for task in args.tasks]
     rows, speedups = [], [n for n in contenders if n != "plain"]
     for t in tasks:
