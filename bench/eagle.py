@@ -78,9 +78,8 @@ def main(argv=None) -> int:
     header = common.start_run(args)
     load, configs = engine_configs(args)
     models = common.load_models(load)
-    contenders = list(configs)
     tasks = [run_task(models, configs, task, args) for task in args.tasks]
-    rows, speedups = [], [n for n in contenders if n != "plain"]
+    rows, speedups = [], [n for n in configs if n != "plain"]
     for t in tasks:
         c = t["contenders"]
         k4 = c["eagle-k4"]
@@ -88,7 +87,7 @@ def main(argv=None) -> int:
                     + [f"{c[n]['speedup']:.2f}" for n in speedups]
                     + [" / ".join(f"{a:.2f}" for a in k4["acceptance_per_position"] if a is not None),
                        f"{k4['head_cost']:.3f}"])
-    geo = {n: common.geomean([t["contenders"][n]["speedup"] for t in tasks]) for n in contenders}
+    geo = {n: common.geomean([t["contenders"][n]["speedup"] for t in tasks]) for n in configs}
     rows.append(["geo. mean", ""] + [f"{geo[n]:.2f}" for n in speedups] + ["", ""])
     text = common.markdown_table(["task", "plain tok/s"] + speedups
                                  + ["acceptance per position (k=4)", "head pass / plain step"], rows)
