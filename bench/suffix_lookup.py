@@ -1,13 +1,15 @@
 """What suffix decoding costs per row per step, in process: the time of the proposer's
 `offer` (extending the row's tries with its new tokens, then the lookup) and of `forget`
 (a finished output joining the global trie), over the agentic `retries` workload on the
-tuning half of HumanEval (bench/agentic.py), greedy, 256 tokens, the default model.
+tuning half of HumanEval (bench/agentic.py), greedy, 256 tokens, the default model; and the
+garbage collector's pauses meanwhile (the tries should give it nothing to scan).
 
     .venv/bin/python bench/suffix_lookup.py --out bench/results/suffix-lookup-<machine>.json
 """
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import statistics
 import sys
@@ -45,21 +47,41 @@ def main(argv: list[str] | None = None) -> int:
         real_forget(self, request_id)
         timings["forget_us"].append((time.perf_counter() - start) * 1e6)
     SuffixProposer.offer, SuffixProposer.forget = offer, forget
+    pauses: list[float] = []
+    started = [0.0]
+
+    def on_gc(phase, info):
+        if phase == "start":
+            started[0] = time.perf_counter()
+        else:
+            pauses.append((time.perf_counter() - started[0]) * 1e3)
     problems = [p for p in load_datasets("humaneval")[0]["humaneval"]
                 if common.prompt_half("humaneval", p.prompt_id) == "tuning"][: args.problems]
     llm = LLM(speculative_config={"method": "suffix"})
+    gc.callbacks.append(on_gc)
     for p in problems:
         for prefix in RETRIES:
             llm.chat([{"role": "user", "content": prefix + p.messages[0]["content"]}],
                      SamplingParams(temperature=0, max_tokens=256), use_tqdm=False)
     summary = {name: {"median": statistics.median(v), "p90": sorted(v)[int(0.9 * (len(v) - 1))],
                       "max": max(v), "calls": len(v)} for name, v in timings.items()}
-    summary["proposer_stats"] = llm.llm_engine.proposers["suffix"].stats()
+    gc.callbacks.remove(on_gc)
+    summary["gc_pauses_ms"] = {"count": len(pauses), "total": sum(pauses), "max": max(pauses, default=0.0)}
+    proposer = llm.llm_engine.proposers["suffix"]
+    summary["proposer_stats"] = proposer.stats()
+    summary["global_bytes_per_node"] = trie_bytes(proposer.global_trie) / proposer.global_trie.num_nodes
     print(json.dumps(summary, indent=1))
     if args.out:
         args.out.write_text(json.dumps({"summary": summary, "machine": machine_info(),
                                         "config": llm.llm_engine.config.to_dict()}, indent=1) + "\n")
     return 0
+
+
+def trie_bytes(trie) -> int:
+    """The global trie's memory: its arrays, its child dict and the int objects in it."""
+    arrays = [v for v in vars(trie).values() if hasattr(v, "buffer_info")]
+    return (sum(sys.getsizeof(a) for a in arrays) + sys.getsizeof(trie._child)
+            + sum(sys.getsizeof(k) + sys.getsizeof(v) for k, v in trie._child.items()))
 
 
 if __name__ == "__main__":

@@ -4,12 +4,12 @@ The oracle proposer knows each turn's answer (plain decoding's, run first) and a
 drafts exactly it, so every draft is accepted: it measures the engine's ceiling on this
 machine, set by what a verify pass of k + 1 tokens costs against a plain step, whatever a
 real proposer guesses. The workloads are `bench/agentic.py`'s (`edits`, `retries`;
-HumanEval evaluation half, greedy), in-process, one engine per contender
-(each keeps its own prefix cache and, for suffix, its global trie across turns).
-`--concurrency C` runs C chains together, turn by turn (each turn one batch of C requests:
-C in flight, less while the batch drains). Each turn runs plain first, then the contenders in an order shuffled per turn; every output
-must equal plain's. Reports tok/s over the turns' own seconds, speedups over plain, and
-the oracle's tokens per verify pass.
+HumanEval evaluation half, greedy), in-process, one engine per contender (each keeps its
+own prefix cache and, for suffix, its global trie across turns). `--concurrency C` runs C
+chains together, turn by turn (each turn one batch of C requests: C in flight, fewer while
+the batch drains). Each turn runs plain first, then the contenders in an order shuffled
+per turn; every output must equal plain's. Reports tok/s over the turns' own seconds,
+speedups over plain, and tokens per request per target pass.
 
     .venv/bin/python bench/experiments/oracle_ceiling.py --workload edits --problems 8 --threads 2
 """
