@@ -8,7 +8,8 @@ machine lands on all alike:
               a method's gain must exceed)
     suffix    suffix decoding, adaptive k
     eagle     the EAGLE-style head (needs a trained head)
-Outputs must equal plain's (greedy). Evaluation half of each task's prompts by default.
+Outputs must equal plain's (greedy). Evaluation half of each task's prompts by default;
+`--concurrency C` keeps C requests in flight on each engine (closed loop; default 1).
 Results: bench/results/proposers_<model>.json.
 
     .venv/bin/python bench/proposers.py --threads 2 --num-prompts 6
@@ -50,6 +51,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     unknown = [c for c in args.contenders if c not in METHODS] + [t for t in args.tasks if t not in TASKS]
     if unknown:
         p.error(f"unknown contenders or tasks: {unknown}")
+    if len(args.concurrency) != 1:
+        p.error(f"--concurrency takes one value here (one run per concurrency), got {args.concurrency}")
+    args.concurrency = args.concurrency[0]
     return args
 
 
@@ -100,9 +104,9 @@ def run_task(models, configs, task: str, args) -> tuple[dict, dict, dict]:
     loops, watches = {}, {}
     for name, cfg in configs.items():
         engine = common.make_engine(models, cfg)
-        common.warm_up(engine, warm_items, 1, 16, f"{name}-{task}")
+        common.warm_up(engine, warm_items, args.concurrency, 16, f"{name}-{task}")
         watches[name] = Watch(engine)
-        loops[name] = common.ClosedLoop(engine, items, 1, params, f"{name}-{task}")
+        loops[name] = common.ClosedLoop(engine, items, args.concurrency, params, f"{name}-{task}")
     results = common.run_lockstep(loops, seed=args.seed)
     plain = results["plain"]
     step_s = plain.seconds / plain.steps
