@@ -28,6 +28,7 @@ within MAX_MATCH tokens).
 from __future__ import annotations
 
 import math
+import sys
 from array import array
 from collections import Counter, OrderedDict
 from collections.abc import Sequence
@@ -37,7 +38,7 @@ from verispec.spec.proposer import Offer
 MAX_MATCH = 8           # longest suffix matched; longer matches rarely change the continuation
 MAX_DRAFT = 16          # longest draft: the policy's k never reaches it at these acceptance rates
 MAX_DEPTH = MAX_MATCH + MAX_DRAFT
-GLOBAL_NODES = 300_000  # global trie budget (~270 bytes a node: ~80 MB); outputs evicted oldest first
+GLOBAL_NODES = 300_000  # global trie budget (~150 bytes a node: ~45 MB); outputs evicted oldest first
 MIN_PATH_PROB = 0.1     # stop drafting once the continuation is this unlikely under the counts
 MATCH_FACTOR = 2.0      # tokens proposed per matched token: a short match predicts little
 GLOBAL_KEY = 100        # acceptance keys: match length, + this for a global-trie match
@@ -229,7 +230,7 @@ class OwnHistory:
         tokens = self.tokens
         tokens.append(token)
         end = len(tokens) - 1
-        packed = end.to_bytes(4, "little")
+        packed = end.to_bytes(4, sys.byteorder)  # read back as native int32 (positions < 2^31)
         for key in _ngram_keys(tokens):
             positions = self.ends.get(key)
             if positions is None:
