@@ -142,7 +142,7 @@ def test_own_history_proposes_what_a_trie_of_the_sequence_proposes(monkeypatch, 
     for _ in range(60):
         seq = [rng.randrange(3) for _ in range(rng.randint(1, 60))]
         trie, frontier, own = SuffixTrie(), None, OwnHistory()
-        frontier = [trie.root]
+        frontier = [trie.root]  # node ids, which serve as handles while nothing is freed
         for t in seq:
             frontier = trie.extend(frontier, t)
             own.extend(t)
