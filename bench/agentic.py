@@ -112,12 +112,8 @@ def main(argv: list[str] | None = None) -> int:
     contenders = args.contenders.split(",")
     if "none" not in contenders:
         ap.error("--contenders must include none (plain decoding, the reference)")
-    problems = load_datasets("humaneval")[0]["humaneval"]
-    halves = {h: [p for p in problems if common.prompt_half("humaneval", p.prompt_id) == h] for h in ("eval", "tuning")}
-    other = "tuning" if args.split == "eval" else "eval"
-    random.Random(args.seed).shuffle(halves[args.split])
-    firsts = [p.messages[0]["content"] for p in halves[args.split][: args.problems]]
-    warm = [halves[other][0].messages[0]["content"]]
+    firsts, warm_first = chain_firsts(args.split, args.problems, args.seed)
+    warm = [warm_first]
     results = {}
     for c in (int(x) for x in args.concurrency.split(",")):
         runs = {m: [] for m in contenders}
@@ -136,6 +132,16 @@ def main(argv: list[str] | None = None) -> int:
     if args.out:
         args.out.write_text(json.dumps(out, indent=1) + "\n")
     return 0
+
+
+def chain_firsts(split: str, problems: int, seed: int) -> tuple[list[str], str]:
+    """The first user messages of `problems` chains from HumanEval's `split` half, shuffled
+    by `seed`, and the warm-up chain's, from the other half."""
+    dataset = load_datasets("humaneval")[0]["humaneval"]
+    halves = {h: [p for p in dataset if common.prompt_half("humaneval", p.prompt_id) == h] for h in ("eval", "tuning")}
+    other = "tuning" if split == "eval" else "eval"
+    random.Random(seed).shuffle(halves[split])
+    return [p.messages[0]["content"] for p in halves[split][:problems]], halves[other][0].messages[0]["content"]
 
 
 def summarise(runs: dict) -> dict:

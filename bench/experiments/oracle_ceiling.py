@@ -22,10 +22,8 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/, for common and agentic
-import common  # noqa: E402
-from agentic import EDITS, RETRIES  # noqa: E402
-from verispec.bench.datasets import load_datasets  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/, for agentic
+from agentic import EDITS, RETRIES, chain_firsts  # noqa: E402
 from verispec.bench.provenance import machine_info  # noqa: E402
 from verispec.config import SpecConfig  # noqa: E402
 from verispec.sampling import SamplingParams  # noqa: E402
@@ -108,45 +106,51 @@ def run_group(llms: dict, order_seed: str, workload: str, firsts: list[str], max
     return chains
 
 
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def add_workload_args(ap: argparse.ArgumentParser, problems: int, concurrency: int) -> None:
+    """The workload options this script and `suffix_ab.py` share."""
     ap.add_argument("--workload", choices=("edits", "retries"), default="edits")
-    ap.add_argument("--problems", type=int, default=8)
+    ap.add_argument("--problems", type=int, default=problems)
     ap.add_argument("--max-tokens", type=int, default=256)
-    ap.add_argument("--contenders", default="suffix:8,oracle:8,oracle:16",
-                    help="method:k_max pairs beside plain, comma-separated")
     ap.add_argument("--split", choices=("eval", "tuning"), default="eval", help="the half measured")
-    ap.add_argument("--concurrency", type=int, default=1, help="chains run together, turn by turn")
+    ap.add_argument("--concurrency", type=int, default=concurrency, help="chains run together, turn by turn")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--out", type=Path)
-    args = ap.parse_args(argv)
+
+
+def measure(specs: dict, args, benchmark: str) -> None:
+    """One engine per contender (`specs`: name -> SpecConfig, "none" among them), a warm-up
+    chain, then the workload's chains C at a time; prints the summary, writes `--out`."""
     from verispec import LLM
 
-    register_proposer("oracle", OracleProposer)
-    problems = load_datasets("humaneval")[0]["humaneval"]
-    other = "tuning" if args.split == "eval" else "eval"
-    evals = [p for p in problems if common.prompt_half("humaneval", p.prompt_id) == args.split]
-    random.Random(0).shuffle(evals)
-    warm = [p for p in problems if common.prompt_half("humaneval", p.prompt_id) == other][0]
-    contenders = {"none": SpecConfig(method="none")}
-    for item in args.contenders.split(","):
-        method, k = item.split(":")
-        if f"{method}-k{k}" in contenders:
-            ap.error(f"--contenders names {item} twice")
-        contenders[f"{method}-k{k}"] = SpecConfig(method=method, num_spec_tokens=int(k))
-    llms = {name: LLM(spec=spec, threads=args.threads) for name, spec in contenders.items()}
-    run_group(llms, "warm", args.workload, [warm.messages[0]["content"]], args.max_tokens)
-    firsts = [p.messages[0]["content"] for p in evals[: args.problems]]
+    llms = {name: LLM(spec=spec, threads=args.threads) for name, spec in specs.items()}
+    firsts, warm = chain_firsts(args.split, args.problems, seed=0)
+    run_group(llms, "warm", args.workload, [warm], args.max_tokens)
     C = args.concurrency
     chains = [c for g in range(0, len(firsts), C)
               for c in run_group(llms, str(g), args.workload, firsts[g: g + C], args.max_tokens)]
     summary, by_turn = summarise(chains, list(llms))
     print(json.dumps({"summary": summary, "speedup_by_turn": by_turn}, indent=1))
     if args.out:
-        args.out.write_text(json.dumps({"benchmark": "oracle-ceiling", "args": {**vars(args), "out": str(args.out)},
+        args.out.write_text(json.dumps({"benchmark": benchmark, "args": {**vars(args), "out": str(args.out)},
                                         "configs": {n: llms[n].config.to_dict() for n in llms},
-                                        "machine": machine_info(),
-                                        "summary": summary, "speedup_by_turn": by_turn, "chains": chains}, indent=1) + "\n")
+                                        "machine": machine_info(), "summary": summary,
+                                        "speedup_by_turn": by_turn, "chains": chains}, indent=1) + "\n")
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_workload_args(ap, problems=8, concurrency=1)
+    ap.add_argument("--contenders", default="suffix:8,oracle:8,oracle:16",
+                    help="method:k_max pairs beside plain, comma-separated")
+    args = ap.parse_args(argv)
+    register_proposer("oracle", OracleProposer)
+    specs = {"none": SpecConfig(method="none")}
+    for item in args.contenders.split(","):
+        method, k = item.split(":")
+        if f"{method}-k{k}" in specs:
+            ap.error(f"--contenders names {item} twice")
+        specs[f"{method}-k{k}"] = SpecConfig(method=method, num_spec_tokens=int(k))
+    measure(specs, args, "oracle-ceiling")
     return 0
 
 
