@@ -11,6 +11,7 @@ Each is shown to fail on an engine that breaks it.
 """
 from __future__ import annotations
 
+from types import SimpleNamespace
 
 import pytest
 
@@ -18,7 +19,7 @@ from tiny import run_all, tiny_engine, tiny_pair
 from verispec.engine.engine import SpecOverride
 from verispec.sampling import SamplingParams
 from verispec.spec.costs import TRUSTED_AT, CostCells
-from verispec.spec.ngram import NgramProposer, _History
+from verispec.spec.ngram import NgramProposer
 
 VOCAB = 48
 PAIR = tiny_pair(vocab=VOCAB, noise=0.1, seed=3)
@@ -36,7 +37,8 @@ def record(engine) -> dict:
     def planned(rows):
         reqs = [engine.requests[r.request_id] for r in rows]
         fresh = NgramProposer(engine.config.spec.ngram_max, engine.config.spec.ngram_min).lookup_matches(
-            [_History(r) for r in reqs], [engine.scheduler.spec_budget(r) for r in reqs])
+            [SimpleNamespace(seq_id=r.request_id, token_ids=r.all_ids) for r in reqs],
+            [engine.scheduler.spec_budget(r) for r in reqs])
         ks = plan(rows)
         log["rounds"].append((rows, fresh, ks))
         return ks

@@ -1,9 +1,10 @@
 """Prompt-lookup proposer: longest, most recent match; the incremental index equals a scan."""
+import itertools
 import random
 from dataclasses import dataclass, field
 
 import pytest
-from verispec.spec.ngram import NgramProposer
+from verispec.spec.ngram import NgramProposer, ngram_key
 
 
 @dataclass
@@ -137,7 +138,7 @@ def _first_occurrence_extend(self, tokens, min_n, max_n):
     # Injected bug: keeps the earliest occurrence instead of the most recent.
     for end in range(max(self.num_tokens - 1, 0), len(tokens) - 1):
         for n in range(min_n, min(max_n, end + 1) + 1):
-            self.latest_start.setdefault(tuple(tokens[end - n + 1:end + 1]), end - n + 1)
+            self.latest_start.setdefault(ngram_key(tokens[end - n + 1:end + 1]), end - n + 1)
     self.num_tokens = len(tokens)
 
 
@@ -145,7 +146,7 @@ def _skips_boundary_extend(self, tokens, min_n, max_n):
     # Injected bug: off by one, never indexes the n-grams ending at the old last token.
     for end in range(self.num_tokens, len(tokens) - 1):
         for n in range(min_n, min(max_n, end + 1) + 1):
-            self.latest_start[tuple(tokens[end - n + 1:end + 1])] = end - n + 1
+            self.latest_start[ngram_key(tokens[end - n + 1:end + 1])] = end - n + 1
     self.num_tokens = len(tokens)
 
 
@@ -155,3 +156,14 @@ def test_brute_force_comparison_catches_a_broken_index(buggy_extend, monkeypatch
     monkeypatch.setattr(ngram._SeqIndex, "extend", buggy_extend)
     with pytest.raises(AssertionError):
         test_incremental_index_equals_brute_force_scan_on_random_histories(1, 4)
+
+
+def _distinct_keys(key) -> bool:
+    grams = [g for n in range(1, 5) for g in itertools.product((0, 1, 2), repeat=n)]
+    return len({key(g) for g in grams}) == len(grams)
+
+
+def test_ngram_keys_are_distinct_across_lengths_and_catch_a_zero_digit():
+    """[0, x] and [x] must differ: every token is stored + 1, so no digit is 0."""
+    assert _distinct_keys(ngram_key)
+    assert not _distinct_keys(lambda g: sum(t << (32 * i) for i, t in enumerate(reversed(g))))

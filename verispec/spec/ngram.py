@@ -25,11 +25,27 @@ class TokenHistory(Protocol):
     token_ids: list[int]  # prompt + output so far
 
 
+# n-grams are keyed by ints: token + 1 in one 32-bit digit per position, the newest token
+# lowest, so every n-gram has its own key (no digit is 0: an n-gram's key has n digits).
+# Ints are built with a shift and an or; tuples would be a slice and an allocation each.
+_DIGIT = 32
+
+
+def ngram_key(gram: Sequence[int]) -> int:
+    """The key of one n-gram (`extend` and `lookup` build the same keys incrementally)."""
+    key = 0
+    for i, token in enumerate(reversed(gram)):
+        key |= (token + 1) << (_DIGIT * i)
+    return key
+
+
 class _SeqIndex:
-    """n-gram -> latest start position, over n-grams that end before the last token."""
+    """n-gram key -> latest start position, over n-grams that end before the last token."""
+
+    __slots__ = ("latest_start", "num_tokens")
 
     def __init__(self) -> None:
-        self.latest_start: dict[tuple[int, ...], int] = {}
+        self.latest_start: dict[int, int] = {}
         self.num_tokens = 0  # history length the index was last extended to
 
     def extend(self, tokens: list[int], min_n: int, max_n: int) -> None:
@@ -37,16 +53,28 @@ class _SeqIndex:
         # An n-gram ending at e has a follower once the history is longer than e + 1.
         # Earlier calls indexed ends up to num_tokens - 2; now index up to len - 2, in
         # increasing order so later occurrences overwrite earlier ones.
+        latest = self.latest_start
         for end in range(max(self.num_tokens - 1, 0), len(tokens) - 1):
-            for n in range(min_n, min(max_n, end + 1) + 1):
-                self.latest_start[tuple(tokens[end - n + 1:end + 1])] = end - n + 1
+            key = 0
+            for n in range(1, min(max_n, end + 1) + 1):
+                key |= (tokens[end - n + 1] + 1) << (_DIGIT * (n - 1))
+                if n >= min_n:
+                    latest[key] = end - n + 1
         self.num_tokens = len(tokens)
 
     def lookup(self, tokens: list[int], min_n: int, max_n: int, k: int) -> tuple[list[int], int]:
         """Up to k tokens that followed the most recent earlier match of the longest suffix,
         and that suffix's length n (0: no match)."""
-        for n in range(min(max_n, len(tokens) - 1), min_n - 1, -1):
-            start = self.latest_start.get(tuple(tokens[len(tokens) - n:]))
+        last = len(tokens)
+        longest = min(max_n, last - 1)
+        keys = [0] * (longest + 1)
+        key = 0
+        for n in range(1, longest + 1):
+            key |= (tokens[last - n] + 1) << (_DIGIT * (n - 1))
+            keys[n] = key
+        latest = self.latest_start
+        for n in range(longest, min_n - 1, -1):
+            start = latest.get(keys[n])
             if start is not None:
                 return tokens[start + n:start + n + k], n
         return [], 0
@@ -76,9 +104,15 @@ class NgramProposer:
     def offer(self, rows: Sequence, budgets: Sequence[int]) -> list[Offer]:
         """Each row's lookup up to its budget; the key is the matched suffix's length n, the
         best predictor of acceptance (longer matches are accepted far more often)."""
-        found = self.lookup_matches([_History(r) for r in rows], budgets)
-        self._offered = {r.request_id: tokens for r, (tokens, _) in zip(rows, found)}
-        return [Offer(len(tokens), 0, n) for tokens, n in found]
+        if len(budgets) != len(rows):
+            raise ValueError(f"ks must be one budget per row ({len(rows)}), got {len(budgets)}")
+        offered, offers = {}, []
+        for r, budget in zip(rows, budgets):
+            tokens, n = self._propose_one(r.request_id, r.all_ids, budget)
+            offered[r.request_id] = tokens
+            offers.append(Offer(len(tokens), 0, n))
+        self._offered = offered
+        return offers
 
     def prepare(self, rows: Sequence) -> int:
         return 0
@@ -94,28 +128,17 @@ class NgramProposer:
         matched (0: none)."""
         if len(ks) != len(histories) or any(not isinstance(n, int) or n < 0 for n in ks):
             raise ValueError(f"ks must be one integer >= 0 per history ({len(histories)}), got {ks!r}")
-        return [self._propose_one(seq, k) for seq, k in zip(histories, ks)]
+        return [self._propose_one(seq.seq_id, seq.token_ids, k) for seq, k in zip(histories, ks)]
 
     def forget(self, seq_id: Hashable) -> None:
         """Drop a finished (or preempted) sequence's index; unknown ids are ignored."""
         self._indexes.pop(seq_id, None)
         self._offered.pop(seq_id, None)
 
-    def _propose_one(self, seq: TokenHistory, k: int) -> tuple[list[int], int]:
-        tokens = seq.token_ids
-        index = self._indexes.get(seq.seq_id)
+    def _propose_one(self, seq_id: Hashable, tokens: list[int], k: int) -> tuple[list[int], int]:
+        index = self._indexes.get(seq_id)
         if index is None or len(tokens) < index.num_tokens:
             # New sequence, or its history shrank (recomputed after preemption): rebuild.
-            index = self._indexes[seq.seq_id] = _SeqIndex()
+            index = self._indexes[seq_id] = _SeqIndex()
         index.extend(tokens, self.min_n, self.max_n)
         return index.lookup(tokens, self.min_n, self.max_n, k) if k > 0 else ([], 0)
-
-
-class _History:
-    """What the index reads of a request: its id and its tokens so far."""
-
-    __slots__ = ("seq_id", "token_ids")
-
-    def __init__(self, req):
-        self.seq_id = req.request_id
-        self.token_ids = req.all_ids
