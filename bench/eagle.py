@@ -7,6 +7,8 @@ Contenders, each on a fresh engine, stepped in turn (`common.run_lockstep`):
     eagle-k4   the head at fixed k = 4: acceptance per draft position, and the head's
                cost (a head pass, timed around the proposer's draft call / 4 passes)
                against plain's step (seconds per step)
+    auto       per row and round the lookup or the head, whichever that row accepts more
+               often (SpecConfig.auto_candidates' default: n-gram and the head), adaptive k
     draft      with --draft-model: that draft model, adaptive k (the head's rival)
 Outputs must equal plain's (greedy). Results: bench/results/eagle_<model>.json.
 
@@ -32,7 +34,8 @@ from verispec.config import SpecConfig  # noqa: E402
 CONTENDERS = {"plain": SpecConfig(method="none"),
               "ngram": SpecConfig(method="ngram", num_spec_tokens=8, adaptive=True),
               "eagle": SpecConfig(method="eagle", num_spec_tokens=8, adaptive=True),
-              "eagle-k4": SpecConfig(method="eagle", num_spec_tokens=4, adaptive=False)}
+              "eagle-k4": SpecConfig(method="eagle", num_spec_tokens=4, adaptive=False),
+              "auto": SpecConfig(method="auto", num_spec_tokens=8, adaptive=True)}
 
 
 def parse_args(argv=None) -> argparse.Namespace:

@@ -11,7 +11,7 @@ QWEN = ["--model", "qwen2.5-coder-1.5b-instruct"]
 
 def test_without_a_draft_model_no_contender_loads_or_runs_one():
     load_cfg, configs = eagle.engine_configs(eagle.parse_args(QWEN))
-    assert list(configs) == ["plain", "ngram", "eagle", "eagle-k4"]
+    assert list(configs) == ["plain", "ngram", "eagle", "eagle-k4", "auto"]
     assert load_cfg.draft_model is None and all(c.draft_model is None for c in configs.values())
 
 
@@ -22,6 +22,6 @@ def test_a_draft_model_loads_with_the_target_and_only_its_contender_runs_it(head
     assert (load_cfg.draft_model, load_cfg.spec.method) == ("qwen2.5-coder-0.5b-instruct", "draft")
     assert {n: (c.spec.method, c.draft_model) for n, c in configs.items()} == {
         "plain": ("none", None), "ngram": ("ngram", None), "eagle": ("eagle", None),
-        "eagle-k4": ("eagle", None), "draft": ("draft", "qwen2.5-coder-0.5b-instruct")}
+        "eagle-k4": ("eagle", None), "auto": ("auto", None), "draft": ("draft", "qwen2.5-coder-0.5b-instruct")}
     assert {c.draft_head for c in configs.values()} == {head}
     assert (configs["eagle-k4"].spec.num_spec_tokens, configs["eagle-k4"].spec.adaptive) == (4, False)

@@ -41,11 +41,11 @@ def plain_outputs(pair):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("method", ["ngram", "draft", "suffix", "eagle"])
+@pytest.mark.parametrize("method", ["ngram", "draft", "suffix", "eagle", "auto"])
 def test_greedy_speculative_output_equals_plain_for_every_k(pair, plain_outputs, method):
     target, draft = pair
     # the EAGLE-style head: distilled for a few seconds on 32 of the 48 tokens
-    head = trained_head_dir(target, 32) if method == "eagle" else None
+    head = trained_head_dir(target, 32) if method in ("eagle", "auto") else None
     drafted = accepted = 0
     for k in range(1, 9):
         for batch_size in (1, 3, 8):

@@ -110,7 +110,7 @@ def sample_engine(pair, method: str, k: int, params: SamplingParams, max_tokens:
     engine = tiny_engine(target, draft if method == "draft" else None, method=method, k=k,
                          max_num_seqs=2048, max_batched_tokens=32768,
                          num_kv_tokens=(len(PROMPT) + 16) * 2048 * 2, block_size=4, seed=seed, eos=eos,
-                         draft_head=random_head_dir(target, HEAD_VOCAB) if method == "eagle" else None)
+                         draft_head=random_head_dir(target, HEAD_VOCAB) if method in ("eagle", "auto") else None)
     sp = replace(params, max_tokens=max_tokens, ignore_eos=True)
     # One request first puts the prompt's KV in the prefix cache; every sample then
     # shares it (and the gate covers prefix-cache reuse too).
@@ -205,6 +205,8 @@ SETTINGS = [  # (method, k, temperature, top_k, top_p)
     # the EAGLE-style head over a vocabulary subset (HEAD_VOCAB); at T = 1 without filters
     # in test_eagle.py (its bug run)
     ("eagle", 3, 0.8, 4, 0.9),
+    # a proposer per row and round: n-gram lookup or the head, whichever that row accepts more
+    ("auto", 3, 0.9, 0, 0.9),
 ]
 
 
@@ -372,6 +374,8 @@ BUGS = [  # (bug, method, k, temperature, top_k, top_p, cells that must fail)
     # an error, which needs no statistics to notice.
     ("stale_draft_kv", "ngram", 2, 1.0, 0, 1.0, ["x3"]),
     ("resample_from_p", "ngram", 2, 1.0, 0, 1.0, ["x2"]),
+    # the same on the "auto" path: rows draft with the lookup or the head, round by round
+    ("resample_from_p", "auto", 2, 1.0, 0, 1.0, ["x2"]),
 ]
 # Every draft is accepted when the acceptance test is skipped: its run's acceptance is 1.
 BUG_ACCEPTANCE = {"skip_acceptance_test": (ACCEPTANCE[0], 1.0)}

@@ -47,8 +47,10 @@ def test_a_method_that_cannot_be_built_here_says_what_it_needs():
     engine = tiny_engine(PAIR[0], method="ngram")
     with pytest.raises(ValueError, match="needs a draft model"):
         engine.add_request("r", [1, 2, 3], GREEDY, spec=SpecOverride(method="draft"))
-    with pytest.raises(ValueError, match="must be one of 'none', 'ngram'"):
+    with pytest.raises(ValueError, match="must be one of 'none', 'auto', 'ngram'"):
         engine.add_request("r", [1, 2, 3], GREEDY,
                            spec=SpecOverride(method="nope"))
-    with pytest.raises(ValueError, match="identifier other than 'none'"):
+    with pytest.raises(ValueError, match="identifier other than 'none' and 'auto'"):
         register_proposer("none", CountingProposer)
+    with pytest.raises(ValueError, match="identifier other than 'none' and 'auto'"):
+        register_proposer("auto", CountingProposer)

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import yaml
 
-from verispec.spec.proposer import proposer_names
+from verispec.spec.proposer import AUTO, NOT_AUTO_CANDIDATES, proposer_names
 
 DTYPES = ("bfloat16", "float32")
 # verispec.model.quant.WEIGHT_FORMATS (repeated here: config must not import torch)
@@ -25,25 +25,36 @@ GENERATION_CONFIGS = ("auto", "vllm")
 
 
 def spec_methods() -> tuple[str, ...]:
-    """Speculation methods: "none" and every registered proposer (spec/proposer.py)."""
-    return ("none", *proposer_names())
+    """Speculation methods: "none", "auto" (a proposer per row and round, from
+    `SpecConfig.auto_candidates`) and every registered proposer (spec/proposer.py)."""
+    return ("none", AUTO, *proposer_names())
 
 
 @dataclass(frozen=True)
 class SpecConfig:
     """Speculation defaults; a request may override method, k and adaptivity."""
 
-    method: str = "ngram"            # "none" | "ngram" | "draft" | "suffix"
+    method: str = "ngram"            # "none" | "auto" | "ngram" | "draft" | "suffix" | "eagle"
     # k_max when adaptive (the k_max the adaptive grid validates: docs/benchmarks.md), k when
     # fixed (there 1-2 is usually best: set it with adaptive off)
     num_spec_tokens: int = 8
     adaptive: bool = True
     ngram_max: int = 4
     ngram_min: int = 1
+    # What "auto" picks from (those the engine could build): the per-request lookups and a
+    # head. Suffix decoding is left out by default: its global trie shares earlier requests'
+    # outputs, which suits one trust domain only (README).
+    auto_candidates: tuple[str, ...] = ("ngram", "eagle")
 
     def __post_init__(self):
         if self.method not in spec_methods():
             raise ValueError(f"spec method must be one of {spec_methods()}, got {self.method!r}")
+        object.__setattr__(self, "auto_candidates", tuple(self.auto_candidates))
+        allowed = [m for m in proposer_names() if m not in NOT_AUTO_CANDIDATES]
+        bad = [m for m in self.auto_candidates if m not in allowed]
+        if bad or not self.auto_candidates:
+            raise ValueError(f"auto_candidates must be a non-empty list from {allowed}, got "
+                             f"{list(self.auto_candidates)}")
         if not 1 <= self.num_spec_tokens <= 16:
             raise ValueError(f"num_spec_tokens must be in [1, 16], got {self.num_spec_tokens}")
         if not 1 <= self.ngram_min <= self.ngram_max:
@@ -173,7 +184,7 @@ SPECULATIVE_CONFIG_KEYS = ("method", "model", "num_speculative_tokens", "prompt_
                            "prompt_lookup_min", "adaptive", "draft_tensor_parallel_size")
 # vLLM's method names -> verispec's; "none" and verispec's own names are accepted too.
 SPECULATIVE_METHODS = {"ngram": "ngram", "draft_model": "draft", "draft": "draft", "suffix": "suffix",
-                       "none": "none"}
+                       "auto": AUTO, "none": "none"}
 
 
 def spec_from_speculative_config(speculative_config: dict | str | None,

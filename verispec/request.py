@@ -43,7 +43,7 @@ class Request:
     request_id: str
     prompt_ids: list[int]
     params: SamplingParams
-    spec_method: str                 # "none" | "ngram" | "draft"
+    spec_method: str                 # "none", "auto" or a proposer's name
     num_spec_tokens: int             # k_max for this request
     adaptive: bool
     arrival: int                     # FCFS order
@@ -57,6 +57,7 @@ class Request:
     num_cached_tokens: int | None = None  # prompt tokens the prefix cache served at first admission
     scheduled_at: float | None = None      # time.monotonic() of the first admission (first chunk scheduled)
     stats: SpecStats = field(default_factory=SpecStats)
+    drafter: str | None = None       # the proposer offering this round (AUTO's pick, or spec_method)
     # Text emitted so far (stop strings applied) and the engine's per-request detokenizer
     # live here so preemption and recompute keep them.
     text: str = ""

@@ -49,7 +49,7 @@ from verispec.outputs import RequestOutput
 from verispec.request import Request, SpecOverride, Status  # noqa: F401 (SpecOverride: the engine's API)
 from verispec.sampling import SamplingParams, SamplingTensors, noise_key, sample, token_logprobs
 from verispec.spec.policy import MAX_SPEC_TOKENS, RoundReport, RoundTimer, RowOffer, RowResult, SpeculationPolicy
-from verispec.spec.proposer import ProposerContext, build_proposers
+from verispec.spec.proposer import AUTO, ProposerContext, build_proposers
 from verispec.spec.rejection import RejectionResult, greedy_accept, rejection_sample, seeded_verify
 from verispec.structured.grammar import GrammarCompiler
 
@@ -127,6 +127,7 @@ class LLMEngine:
         self.draft_runner = ModelRunner(draft, num_slots, cache.block_size, vocab_limit) if draft else None
         self.proposers, self._unavailable = build_proposers(ProposerContext(
             config, self.draft_runner, self.kv.block_table, self._shared_generator, self.target))
+        self._auto = [name for name in config.spec.auto_candidates if name in self.proposers]  # AUTO's picks
         self._watching: set[str] = set()  # hidden-state proposers fed since their first request
         self._watch(config.spec.method)
         self.scheduler = Scheduler(config.scheduler, self.kv, self.max_model_len, OutOfBlocks)
@@ -227,9 +228,10 @@ class LLMEngine:
     def _watch(self, method: str) -> None:
         """From now on hand `method`'s proposer every pass's hidden states, if it reads them.
         Until a request (or the engine's default) names it, passes compute none: a server
-        that never drafts with a head pays nothing for having one."""
-        if getattr(self.proposers.get(method), "wants_hidden", False):
-            self._watching.add(method)
+        that never drafts with a head pays nothing for having one. AUTO names its candidates."""
+        for name in self._auto if method == AUTO else [method]:
+            if getattr(self.proposers.get(name), "wants_hidden", False):
+                self._watching.add(name)
 
     def _grammar_compiler(self) -> GrammarCompiler:
         if self._grammars is None:
@@ -242,8 +244,11 @@ class LLMEngine:
         method = (spec.method if spec and spec.method else None) or cfg.method
         if method in self._unavailable:
             raise ValueError(f"speculative.method {method!r} is not available: {self._unavailable[method]}")
-        if method != "none" and method not in self.proposers:
-            allowed = ", ".join(repr(m) for m in ("none", *self.proposers))
+        if method == AUTO and not self._auto:
+            raise ValueError(f"speculative.method 'auto' has no candidate here: none of "
+                             f"{list(self.config.spec.auto_candidates)} is available")
+        if method not in ("none", AUTO) and method not in self.proposers:
+            allowed = ", ".join(repr(m) for m in ("none", AUTO, *self.proposers))
             raise ValueError(f"speculative.method must be one of {allowed}, got {method!r}")
         k = spec.num_tokens if spec and spec.num_tokens is not None else cfg.num_spec_tokens
         if not isinstance(k, int) or not 0 <= k <= MAX_SPEC_TOKENS:
@@ -343,8 +348,7 @@ class LLMEngine:
             if req.request_id in self.kv:
                 self.kv.evict_provisional(req.request_id)
             req.num_computed, req.draft_computed = computed, draft_computed
-            proposer = self.proposers.get(req.spec_method)
-            if proposer is not None:
+            for proposer in self._proposers_of(req):
                 proposer.rollback(req)
         for generator, state in mark.rngs:
             generator.set_state(state)
@@ -399,11 +403,14 @@ class LLMEngine:
             log.exception("policy.observe failed; this round is not learned from")
 
     def _offers(self, rows: list[Request]) -> list[RowOffer]:
-        """What each row's proposer offers now, up to the row's budget (max_tokens, context)."""
+        """What each row's proposer offers now, up to the row's budget (max_tokens, context);
+        a row under AUTO keeps the best of its candidates' offers (`policy.better`). Sets
+        each row's `drafter`."""
         offers: list[RowOffer | None] = [None] * len(rows)
         by_method: dict[str, list[int]] = {}
         for i, r in enumerate(rows):
-            by_method.setdefault(r.spec_method, []).append(i)
+            for name in self._auto if r.spec_method == AUTO else [r.spec_method]:
+                by_method.setdefault(name, []).append(i)
         for name, members in by_method.items():
             proposer = self.proposers.get(name)
             if proposer is None:  # "none", or a method this engine does not run
@@ -413,9 +420,17 @@ class LLMEngine:
             reqs = [rows[i] for i in members]
             found = proposer.offer(reqs, [self.scheduler.spec_budget(r) for r in reqs])
             for i, r, o in zip(members, reqs, found):
-                offers[i] = RowOffer(r.request_id, name, o.available, r.num_spec_tokens, r.adaptive,
-                                     o.catch_up, o.key, r.remaining_tokens, proposer.timed)
+                offer = RowOffer(r.request_id, name, o.available, r.num_spec_tokens, r.adaptive,
+                                 o.catch_up, o.key, r.remaining_tokens, proposer.timed)
+                offers[i] = offer if offers[i] is None else self.policy.better(offers[i], offer)
+        for r, o in zip(rows, offers):
+            r.drafter = o.proposer
         return offers
+
+    def _proposers_of(self, req: Request) -> list:
+        """The proposers that may hold state for `req` (its method's, or AUTO's candidates)."""
+        names = self._auto if req.spec_method == AUTO else [req.spec_method]
+        return [self.proposers[n] for n in names if n in self.proposers]
 
     def _compute(self, batch: ScheduledBatch, ks: list[int], timer: RoundTimer) -> "_Verdicts":
         """The batch-wide part: drafts, the target forward, first tokens, verdicts on drafts.
@@ -482,7 +497,7 @@ class LLMEngine:
         passes: dict[str, tuple[int, int, float]] = {}
         caught_up = 0
         for name, proposer in self.proposers.items():
-            members = [(r, k) for r, k in zip(rows, ks) if k and r.spec_method == name]
+            members = [(r, k) for r, k in zip(rows, ks) if k and r.drafter == name]
             if not members:
                 continue
             reqs, row_ks = [r for r, _ in members], [k for _, k in members]
@@ -679,8 +694,7 @@ class LLMEngine:
         is past the row's length, so no mask admits it until a later pass overwrites it.
         """
         req.num_computed = base + 1 + accepted
-        proposer = self.proposers.get(req.spec_method)
-        if proposer is not None:
+        for proposer in self._proposers_of(req):
             proposer.rollback(req)
 
     # ------------------------------------------------------------------ tokens, stops, finish

@@ -55,10 +55,11 @@ class Counts:
 
 
 class AcceptanceModel:
-    """alpha per (request, key), with the (proposer, key) pool as each one's prior."""
+    """alpha per (request, proposer, key), with the (proposer, key) pool as each one's prior
+    (a request under "auto" drafts with several proposers, whose keys mean different things)."""
 
     def __init__(self) -> None:
-        self._requests: dict[str, dict[Hashable, Counts]] = {}
+        self._requests: dict[str, dict[tuple[str, Hashable], Counts]] = {}
         self._pools: dict[tuple[str, Hashable], Counts] = {}
 
     def prior(self, proposer: str, key: Hashable) -> float:
@@ -66,14 +67,14 @@ class AcceptanceModel:
         return COLD_ALPHA if pool is None else pool.alpha(COLD_ALPHA, PRIOR_WEIGHT)
 
     def alpha(self, request_id: str, proposer: str, key: Hashable) -> float:
-        counts = self._requests.get(request_id, {}).get(key)
+        counts = self._requests.get(request_id, {}).get((proposer, key))
         prior = self.prior(proposer, key)
         return prior if counts is None else counts.alpha(prior, PRIOR_WEIGHT)
 
     def observe(self, request_id: str, proposer: str, key: Hashable, drafted: int, accepted: int) -> None:
         if not 0 <= accepted <= drafted or drafted < 1:
             raise ValueError(f"need 0 <= accepted <= drafted and drafted >= 1, got {accepted}, {drafted}")
-        own = self._requests.setdefault(request_id, {}).setdefault(key, Counts())
+        own = self._requests.setdefault(request_id, {}).setdefault((proposer, key), Counts())
         own.observe(drafted, accepted, HALF_LIFE_TOKENS)
         self._pools.setdefault((proposer, key), Counts()).observe(drafted, accepted, POOL_HALF_LIFE_TOKENS)
 

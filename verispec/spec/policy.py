@@ -86,6 +86,19 @@ class SpeculationPolicy:
         self.k_counts = [0] * (k_max + 1)
 
     # ------------------------------------------------------------------ plan
+    def better(self, current: RowOffer, other: RowOffer) -> RowOffer:
+        """Of two proposers' offers for one row (method "auto"), the one whose drafts the row
+        accepts more often by its estimates; then the longer; then `current`. Per-position
+        acceptance, not expected tokens at full length: the latter favours the longest
+        offer, whose extra drafts cost verify time at a lower rate."""
+        if not other.available:
+            return current
+        if not current.available:
+            return other
+        a = self.acceptance.alpha(current.request_id, current.proposer, current.key)
+        b = self.acceptance.alpha(other.request_id, other.proposer, other.key)
+        return other if (b, other.available) > (a, current.available) else current
+
     def plan(self, rows: list[RowOffer]) -> list[int]:
         """k per row (0 <= k <= available), in the order given."""
         ks = [min(r.k_max, r.available) if not r.adaptive and r.proposer else 0 for r in rows]

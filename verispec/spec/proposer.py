@@ -37,6 +37,15 @@ the target computes no hidden states.
 
 Adding a proposer is one module that implements `Proposer` and one `register_proposer`
 line (see `tests/fake_proposer.py`).
+
+The method AUTO is not a proposer: a request under it is offered, every round, by each of
+`SpecConfig.auto_candidates` this engine has, and the policy keeps per row the offer whose
+drafts that row accepts more often by its estimates (`SpeculationPolicy.better`). The
+choice is made from the committed history and the policy's state before anything is
+drafted, so whichever proposer drafts, its q (or its deterministic drafts) is what the
+verifier is handed: the output distribution cannot change. Every candidate keeps its
+per-request state through the rounds it does not draft (`rollback` after each verified
+round), and a head that fell behind catches up as it does when a request is new to it.
 """
 from __future__ import annotations
 
@@ -48,6 +57,12 @@ if TYPE_CHECKING:  # the registry stays importable by pure-Python modules (confi
     import torch
 
     from verispec.request import Request
+
+
+AUTO = "auto"   # the method that picks a proposer per row and round (see above)
+# Proposers AUTO may not pick: a draft model's passes cost a third of a target step and
+# its KV must follow every committed token, so it is chosen by name.
+NOT_AUTO_CANDIDATES = ("draft",)
 
 
 class Offer(NamedTuple):
@@ -104,8 +119,8 @@ _FACTORIES: dict[str, Callable[[ProposerContext], Proposer]] = {}
 
 def register_proposer(name: str, factory: Callable[[ProposerContext], Proposer]) -> None:
     """Make `name` a speculation method; `factory(context)` builds its proposer."""
-    if name == "none" or not name.isidentifier():
-        raise ValueError(f"a proposer name must be an identifier other than 'none', got {name!r}")
+    if name in ("none", AUTO) or not name.isidentifier():
+        raise ValueError(f"a proposer name must be an identifier other than 'none' and {AUTO!r}, got {name!r}")
     _FACTORIES[name] = factory
 
 
