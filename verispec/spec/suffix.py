@@ -30,7 +30,7 @@ from __future__ import annotations
 import math
 import sys
 from array import array
-from collections import Counter, OrderedDict
+from collections import OrderedDict
 from collections.abc import Sequence
 
 from verispec.spec.proposer import Offer
@@ -257,10 +257,15 @@ class OwnHistory:
         prob = 1.0
         while len(out) < limit:
             step = len(out) + 1
-            followers = Counter(tokens[p + step] for p in ends if p + step < n)
+            followers: dict[int, int] = {}  # in first-seen order, as the trie's children are
+            for p in ends:
+                if p + step < n:
+                    t = tokens[p + step]
+                    followers[t] = followers.get(t, 0) + 1
             if not followers:
                 break
-            token, count = max(followers.items(), key=lambda kv: kv[1])
+            token = max(followers, key=followers.__getitem__)  # the first of the most frequent
+            count = followers[token]
             prob *= count / sum(followers.values())
             if prob < MIN_PATH_PROB:
                 break
