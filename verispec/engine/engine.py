@@ -229,7 +229,7 @@ class LLMEngine:
         """From now on hand `method`'s proposer every pass's hidden states, if it reads them.
         Until a request (or the engine's default) names it, passes compute none: a server
         that never drafts with a head pays nothing for having one. AUTO names its candidates."""
-        for name in self._auto if method == AUTO else [method]:
+        for name in self._names(method):
             if getattr(self.proposers.get(name), "wants_hidden", False):
                 self._watching.add(name)
 
@@ -409,7 +409,7 @@ class LLMEngine:
         offers: list[RowOffer | None] = [None] * len(rows)
         by_method: dict[str, list[int]] = {}
         for i, r in enumerate(rows):
-            for name in self._auto if r.spec_method == AUTO else [r.spec_method]:
+            for name in self._names(r.spec_method):
                 by_method.setdefault(name, []).append(i)
         for name, members in by_method.items():
             proposer = self.proposers.get(name)
@@ -427,10 +427,13 @@ class LLMEngine:
             r.drafter = o.proposer
         return offers
 
+    def _names(self, method: str) -> list[str]:
+        """The proposers a method drafts with: its own, or AUTO's candidates."""
+        return self._auto if method == AUTO else [method]
+
     def _proposers_of(self, req: Request) -> list:
-        """The proposers that may hold state for `req` (its method's, or AUTO's candidates)."""
-        names = self._auto if req.spec_method == AUTO else [req.spec_method]
-        return [self.proposers[n] for n in names if n in self.proposers]
+        """The proposers that may hold state for `req`."""
+        return [self.proposers[n] for n in self._names(req.spec_method) if n in self.proposers]
 
     def _compute(self, batch: ScheduledBatch, ks: list[int], timer: RoundTimer) -> "_Verdicts":
         """The batch-wide part: drafts, the target forward, first tokens, verdicts on drafts.
