@@ -2,7 +2,8 @@
 `offer` (extending the row's tries with its new tokens, then the lookup) and of `forget`
 (a finished output joining the global trie), over the agentic `retries` workload on the
 tuning half of HumanEval (bench/agentic.py), greedy, 256 tokens, the default model; and the
-garbage collector's pauses meanwhile (the tries should give it nothing to scan).
+garbage collector's pauses meanwhile (the tries should give it nothing to scan). `--index`:
+the C++ index the engine runs where it builds (default), or suffix.py's Python one.
 
     .venv/bin/python bench/suffix_lookup.py --out bench/results/suffix-lookup-<machine>.json
 """
@@ -27,11 +28,15 @@ from verispec.bench.provenance import machine_info  # noqa: E402
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--problems", type=int, default=6)
+    ap.add_argument("--index", choices=("native", "python"), default="native")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args(argv)
     from verispec.engine.llm import LLM
     from verispec.sampling import SamplingParams
+    from verispec.spec import suffix as suffix_mod
     from verispec.spec.suffix import SuffixProposer
+    real_make = suffix_mod.make_index
+    suffix_mod.make_index = lambda native=None: real_make(native=args.index == "native")
 
     timings: dict[str, list[float]] = {"offer_per_row_us": [], "forget_us": []}
     real_offer, real_forget = SuffixProposer.offer, SuffixProposer.forget
@@ -69,7 +74,10 @@ def main(argv: list[str] | None = None) -> int:
     summary["gc_pauses_ms"] = {"count": len(pauses), "total": sum(pauses), "max": max(pauses, default=0.0)}
     proposer = llm.llm_engine.proposers["suffix"]
     summary["proposer_stats"] = proposer.stats()
-    summary["global_bytes_per_node"] = trie_bytes(proposer.global_trie) / proposer.global_trie.num_nodes
+    index = proposer.index
+    held = trie_bytes(index.trie) if isinstance(index, suffix_mod.PythonIndex) else index.trie_bytes()
+    summary["index"] = args.index
+    summary["global_bytes_per_node"] = held / index.num_nodes()
     print(json.dumps(summary, indent=1))
     if args.out:
         args.out.write_text(json.dumps({"summary": summary, "machine": machine_info(),

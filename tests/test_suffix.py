@@ -1,7 +1,8 @@
 """Suffix decoding: the global trie counts exactly the substrings it should and evicts whole
 outputs; a request's own history proposes exactly what a trie of it would, and holds only
 its own committed tokens. Losslessness is G1/G2 (tests/test_gate_lossless.py,
-tests/test_gate_greedy.py).
+tests/test_gate_greedy.py). The engine tests that read the index's state run the Python
+index (`python_index`); tests/test_suffix_index.py shows the C++ one computes the same.
 """
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ import pytest
 import verispec.spec.suffix as suffix_mod
 from tiny import tiny_engine, tiny_pair
 from verispec.sampling import SamplingParams
-from verispec.spec.suffix import MAX_DEPTH, OwnHistory, SuffixProposer, SuffixTrie
+from verispec.spec.suffix import MAX_DEPTH, OwnHistory, PythonIndex, SuffixProposer, SuffixTrie
 
 VOCAB = 12
 
@@ -164,14 +165,23 @@ def _prompts(n: int, seed: int) -> list[list[int]]:
     return out
 
 
+@pytest.fixture
+def python_index(monkeypatch):
+    """Engines built meanwhile run the Python index, whose state the checks read."""
+    monkeypatch.setattr(suffix_mod, "make_index", lambda native=None: PythonIndex())
+
+
 def own_history_problems(engine) -> list[str]:
     """Each running request's own history must hold exactly its committed tokens seen so
     far, with every n-gram's end positions: nothing of another request, no draft."""
     proposer = engine.proposers["suffix"]
+    if not isinstance(proposer.index, PythonIndex):
+        return []
     problems = []
-    for rid, state in proposer._rows.items():
+    for rid, (row, req) in proposer._rows.items():
+        state = proposer.index.rows[row]
         want = OwnHistory()
-        for t in state.req.all_ids[: state.seen]:
+        for t in req.all_ids[: state.seen]:
             want.extend(t)
         if (state.own.tokens, state.own.ends) != (want.tokens, want.ends):
             problems.append(rid)
@@ -190,7 +200,7 @@ def run_checked(engine, prompts, params) -> list:
     return problems, [done[f"r{i}"] for i in range(len(prompts))]
 
 
-def test_own_histories_hold_only_their_own_committed_tokens():
+def test_own_histories_hold_only_their_own_committed_tokens(python_index):
     engine = tiny_engine(PAIR[0], method="suffix", k=4)
     problems, outs = run_checked(engine, _prompts(6, 1), SAMPLED)
     assert problems == []
@@ -199,25 +209,25 @@ def test_own_histories_hold_only_their_own_committed_tokens():
     assert drafted > 0 and accepted < drafted  # rejections happened: the check covered them
 
 
-def test_the_check_catches_a_history_shared_between_requests(monkeypatch):
+def test_the_check_catches_a_history_shared_between_requests(python_index, monkeypatch):
     shared = OwnHistory()
     real_init = suffix_mod._RowState.__init__
 
-    def leaky(self, req, global_trie):  # the bug: every request extends one own history
-        real_init(self, req, global_trie)
+    def leaky(self, global_trie):  # the bug: every request extends one own history
+        real_init(self, global_trie)
         self.own = shared
     monkeypatch.setattr(suffix_mod._RowState, "__init__", leaky)
     problems, _ = run_checked(tiny_engine(PAIR[0], method="suffix", k=4), _prompts(6, 1), SAMPLED)
     assert problems
 
 
-def test_the_check_catches_drafts_left_in_the_history(monkeypatch):
+def test_the_check_catches_drafts_left_in_the_history(python_index, monkeypatch):
     real_draft = SuffixProposer.draft
 
     def stale(self, rows, ks):  # the bug: drafted tokens are counted before verification
         out = real_draft(self, rows, ks)
         for r, (tokens, _) in zip(rows, out):
-            state = self._rows[r.request_id]
+            state = self.index.rows[self._rows[r.request_id][0]]
             for t in tokens:
                 state.own.extend(t)
         return out
@@ -226,18 +236,18 @@ def test_the_check_catches_drafts_left_in_the_history(monkeypatch):
     assert problems
 
 
-def test_finished_outputs_join_the_global_trie_and_leave_it_oldest_first():
+def test_finished_outputs_join_the_global_trie_and_leave_it_oldest_first(python_index):
     engine = tiny_engine(PAIR[0], method="suffix", k=4)
     proposer = engine.proposers["suffix"]
     proposer.global_nodes = 600
     _, outs = run_checked(engine, _prompts(8, 2), GREEDY)
     kept = list(proposer._outputs.values())
-    assert trie_counts(proposer.global_trie) == substring_counts(kept)
-    assert proposer.global_trie.num_nodes <= 600 and proposer._counts["evicted_outputs"] > 0
+    assert trie_counts(proposer.index.trie) == substring_counts(kept)
+    assert proposer.index.num_nodes() <= 600 and proposer._counts["evicted_outputs"] > 0
     assert kept and all(k in [o.token_ids for o in outs] for k in kept)
     assert list(proposer._outputs) == list(range(proposer._added - len(kept), proposer._added))  # newest stay
     stats = engine.stats().proposer_stats["suffix"]
-    assert stats["global_nodes"] == proposer.global_trie.num_nodes and stats["lookups_total"] > 0
+    assert stats["global_nodes"] == proposer.index.num_nodes() and stats["lookups_total"] > 0
 
 
 def test_a_repeated_request_is_drafted_from_the_global_trie():
@@ -268,6 +278,6 @@ def test_the_suffix_tries_state_is_in_metrics():
     metrics = ServerMetrics("tiny", engine.stats)
     families = {f.name: f for f in text_string_to_metric_families(metrics.render()[0].decode())}
     nodes = families["verispec:spec_suffix_global_nodes"]
-    assert nodes.type == "gauge" and nodes.samples[0].value == engine.proposers["suffix"].global_trie.num_nodes > 1
+    assert nodes.type == "gauge" and nodes.samples[0].value == engine.proposers["suffix"].index.num_nodes() > 1
     lookups = families["verispec:spec_suffix_lookups"]
     assert lookups.type == "counter" and lookups.samples[0].value == engine.proposers["suffix"]._counts["lookups"] > 0

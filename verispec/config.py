@@ -100,7 +100,7 @@ class EngineConfig:
     weight_format: str = "auto"      # "auto" (int4 for a Q4 GGUF, else dense) | "dense" | "int8" | "int4" | "int4a8"
     draft_weight_format: str = "auto"  # the draft model's; "auto" = int4 for a Q4 GGUF, else int8 (bf16)
     threads: int | None = None       # torch intra-op threads; None = auto_threads() for the mode
-    kernels: str = "auto"            # fused C++ CPU kernels (model/kernels.py): "auto" (if they build) | "on" | "off"
+    kernels: str = "auto"            # C++ code (model/kernels.py, suffix decoding's index): "auto" (if it builds) | "on" | "off"
     huge_pages: bool = True          # CPU weights in huge pages where the OS offers them (model/memory.py)
     seed: int = 0
     device: str = "auto"             # "auto" (cuda when available, else cpu) | "cpu" | "cuda" | "cuda:N"

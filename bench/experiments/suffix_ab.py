@@ -1,7 +1,9 @@
-"""The suffix proposer of the working tree against the one at another git revision, with an A/A.
+"""The suffix proposer of the working tree against the one at another git revision (or
+against its own Python index), with an A/A.
 
 Loads `verispec/spec/suffix.py` as it is at `--baseline-rev` (via `git show`) and registers
-it as the method `suffix_baseline`; then runs `bench/agentic.py`'s workloads in-process as
+it as the method `suffix_baseline` (`--baseline-rev python-index`: the working tree's
+proposer on suffix.py's Python index instead of the C++ one); then runs `bench/agentic.py`'s workloads in-process as
 `oracle_ceiling.py` does (one engine per contender, C chains turn by turn, each turn plain
 first, then the others in a shuffled order; every output must equal plain's): plain, the
 working tree's suffix twice (`suffix`, `suffix-aa`: the spread of identical contenders) and
@@ -10,6 +12,7 @@ distance. The contenders share one process, so one's garbage-collection pauses c
 another's turn: a baseline that leaves more to collect is, if anything, flattered.
 
     .venv/bin/python bench/experiments/suffix_ab.py --baseline-rev HEAD~1 --workload edits --concurrency 16
+    .venv/bin/python bench/experiments/suffix_ab.py --baseline-rev python-index --workload retries
 """
 from __future__ import annotations
 
@@ -45,8 +48,12 @@ def main(argv=None) -> int:
     ap.add_argument("--baseline-rev", required=True)
     add_workload_args(ap, problems=32, concurrency=16)
     args = ap.parse_args(argv)
-    baseline = load_baseline(args.baseline_rev)
-    register_proposer("suffix_baseline", lambda context: baseline.SuffixProposer())
+    if args.baseline_rev == "python-index":
+        from verispec.spec.suffix import SuffixProposer
+        register_proposer("suffix_baseline", lambda context: SuffixProposer(native=False))
+    else:
+        baseline = load_baseline(args.baseline_rev)
+        register_proposer("suffix_baseline", lambda context: baseline.SuffixProposer())
     methods = {"none": "none", "suffix": "suffix", "suffix-aa": "suffix", "suffix-baseline": "suffix_baseline"}
     measure({name: SpecConfig(method=m) for name, m in methods.items()}, args, "suffix-ab")
     return 0

@@ -156,7 +156,9 @@ def _draft_model(context: ProposerContext) -> Proposer:
 
 def _suffix(context: ProposerContext) -> Proposer:
     from verispec.spec.suffix import SuffixProposer
-    return SuffixProposer()
+    # its C++ index follows the engine's kernels setting: "auto" if it builds, "on" required
+    native = {"auto": None, "on": True, "off": False}[context.config.kernels]
+    return SuffixProposer(native=native)
 
 
 def _eagle(context: ProposerContext) -> Proposer:

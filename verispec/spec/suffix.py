@@ -289,40 +289,92 @@ class _RowState:
     """One request's own history index, its frontier in the global trie, and how many of
     its tokens both have seen."""
 
-    __slots__ = ("req", "own", "shared", "seen")
+    __slots__ = ("own", "shared", "seen")
 
-    def __init__(self, req, global_trie: SuffixTrie):
-        self.req = req
+    def __init__(self, global_trie: SuffixTrie):
         self.own = OwnHistory()
         self.shared = [global_trie.root]   # handles (SuffixTrie.follow)
         self.seen = 0
 
 
+class PythonIndex:
+    """The global trie and every row's state, in Python: the reference `suffix_index.cpp`
+    computes exactly (tests/test_suffix_index.py), and the index where no C++ compiler is.
+    Rows are keyed by ints (the proposer numbers its requests)."""
+
+    def __init__(self):
+        self.trie = SuffixTrie()
+        self.rows: dict[int, _RowState] = {}
+
+    def num_nodes(self) -> int:
+        return self.trie.num_nodes
+
+    def add_output(self, tokens: list[int]) -> None:
+        self.trie.add(tokens)
+
+    def remove_output(self, tokens: list[int]) -> None:
+        self.trie.add(tokens, delta=-1)
+
+    def drop_row(self, row: int) -> None:
+        self.rows.pop(row, None)
+
+    def sync(self, row: int, tokens: list[int]) -> None:
+        """Extend the row with the tokens committed since its last sync (a history that
+        shrank, a preempted request's, is rebuilt)."""
+        state = self.rows.get(row)
+        if state is None or len(tokens) < state.seen:
+            state = self.rows[row] = _RowState(self.trie)
+        for t in tokens[state.seen:]:
+            state.own.extend(t)
+            state.shared = self.trie.follow(state.shared, t)
+        state.seen = len(tokens)
+
+    def lookup(self, row: int, budget: int) -> tuple[list[int], int, list[int], int]:
+        """(own continuation, its match length, the global trie's, its match length)."""
+        state = self.rows[row]
+        own, own_len = state.own.continuation(budget)
+        shared, shared_len = self.trie.continuation(state.shared, budget)
+        return own, own_len, shared, shared_len
+
+
+def make_index(native: bool | None = None):
+    """The C++ index (`suffix_native.load`), or the Python one: native None takes the C++
+    one if it builds, True requires it, False never builds it."""
+    if native is not False:
+        from verispec.spec.suffix_native import load
+        module = load(required=bool(native))
+        if module is not None:
+            return module.SuffixIndex(MAX_DEPTH, MAX_MATCH, MAX_DRAFT, MIN_PATH_PROB, MATCH_FACTOR)
+    return PythonIndex()
+
+
 class SuffixProposer:
-    """Suffix decoding (a `Proposer`): the own trie and the global trie, the longer match wins."""
+    """Suffix decoding (a `Proposer`): the own history and the global trie, the longer match
+    wins. `native`: as `make_index`."""
 
     name = "suffix"
     timed = False       # trie walks: tens of microseconds per row, not a model pass
     has_probs = False   # deterministic drafts: one-hot q
 
-    def __init__(self, global_nodes: int = GLOBAL_NODES):
-        self.global_trie = SuffixTrie()
+    def __init__(self, global_nodes: int = GLOBAL_NODES, native: bool | None = None):
+        self.index = make_index(native)
         self.global_nodes = global_nodes
         self._outputs: OrderedDict[int, list[int]] = OrderedDict()  # in the global trie, oldest first
         self._added = 0
-        self._rows: dict[str, _RowState] = {}
+        self._rows: dict[str, tuple[int, object]] = {}   # request id -> (its row in the index, the request)
+        self._next_row = 0
         self._offered: dict[str, list[int]] = {}
         self._counts = {"lookups": 0, "global_hits": 0, "own_hits": 0, "evicted_outputs": 0}
 
     def stats(self) -> dict[str, int]:
         """For /metrics: the global trie's size now, and counters since start ("_total")."""
-        return {"global_nodes": self.global_trie.num_nodes, "global_outputs": len(self._outputs),
+        return {"global_nodes": self.index.num_nodes(), "global_outputs": len(self._outputs),
                 **{f"{name}_total": n for name, n in self._counts.items()}}
 
     def offer(self, rows: Sequence, budgets: Sequence[int]) -> list[Offer]:
         offers, self._offered = [], {}
         for req, budget in zip(rows, budgets):
-            tokens, key = self._lookup(self._state(req), budget)
+            tokens, key = self._lookup(self._row(req), budget)
             self._offered[req.request_id] = tokens
             offers.append(Offer(len(tokens), 0, key))
         return offers
@@ -334,42 +386,42 @@ class SuffixProposer:
         return [(self._offered.get(r.request_id, [])[:k], None) for r, k in zip(rows, ks)]
 
     def rollback(self, req) -> None:
-        """Nothing to undo: the tries only ever hold committed tokens."""
+        """Nothing to undo: the index only ever holds committed tokens."""
 
     def forget(self, request_id: str) -> None:
         """The request's output joins the global trie (then the oldest outputs leave it
-        while it is over budget); its own trie is dropped."""
-        state = self._rows.pop(request_id, None)
+        while it is over budget); its own history is dropped."""
+        entry = self._rows.pop(request_id, None)
         self._offered.pop(request_id, None)
-        if state is None or not state.req.output_ids:
+        if entry is None:
             return
-        output = list(state.req.output_ids)
-        self.global_trie.add(output)
+        row, req = entry
+        self.index.drop_row(row)
+        output = list(req.output_ids)
+        if not output:
+            return
+        self.index.add_output(output)
         self._outputs[self._added] = output
         self._added += 1
-        while self.global_trie.num_nodes > self.global_nodes and self._outputs:
+        while self.index.num_nodes() > self.global_nodes and self._outputs:
             _, old = self._outputs.popitem(last=False)
-            self.global_trie.add(old, delta=-1)
+            self.index.remove_output(old)
             self._counts["evicted_outputs"] += 1
 
-    def _state(self, req) -> _RowState:
-        """The row's state, extended with the tokens committed since its last offer."""
-        state = self._rows.get(req.request_id)
-        tokens = req.all_ids
-        if state is None or len(tokens) < state.seen:  # new, or its history shrank: rebuild
-            state = self._rows[req.request_id] = _RowState(req, self.global_trie)
-        for t in tokens[state.seen:]:
-            state.own.extend(t)
-            state.shared = self.global_trie.follow(state.shared, t)
-        state.seen = len(tokens)
-        return state
+    def _row(self, req) -> int:
+        """The request's row, synced with the tokens committed since its last offer."""
+        entry = self._rows.get(req.request_id)
+        if entry is None:
+            entry = self._rows[req.request_id] = (self._next_row, req)
+            self._next_row += 1
+        self.index.sync(entry[0], req.all_ids)
+        return entry[0]
 
-    def _lookup(self, state: _RowState, budget: int) -> tuple[list[int], int]:
+    def _lookup(self, row: int, budget: int) -> tuple[list[int], int]:
         if budget <= 0:
             return [], 0
         self._counts["lookups"] += 1
-        own, own_len = state.own.continuation(budget)
-        shared, shared_len = self.global_trie.continuation(state.shared, budget)
+        own, own_len, shared, shared_len = self.index.lookup(row, budget)
         if shared_len > own_len and shared:
             self._counts["global_hits"] += 1
             return shared, GLOBAL_KEY + shared_len
