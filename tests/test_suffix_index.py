@@ -70,3 +70,13 @@ def test_the_comparison_catches_an_index_breaking_ties_the_other_way(native_inde
     real = suffix_mod.OwnHistory._walk
     monkeypatch.setattr(suffix_mod.OwnHistory, "_walk", lambda self, ends, limit: real(self, ends[::-1], limit))
     assert sum(mismatches(native_index(), PythonIndex(), seed) for seed in range(3)) > 0
+
+
+@pytest.mark.parametrize("kernels,python", [("off", True), ("auto", False), ("on", False)])
+def test_the_index_follows_the_engines_kernels_setting(native_index, kernels, python):
+    from verispec.config import EngineConfig
+    from verispec.spec.proposer import ProposerContext, build_proposers
+    proposers, _ = build_proposers(ProposerContext(EngineConfig(model="tiny", kernels=kernels)))
+    suffix = proposers["suffix"]
+    assert suffix._index is None  # nothing is built before the first lookup
+    assert isinstance(suffix.index, PythonIndex) == python

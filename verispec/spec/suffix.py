@@ -350,14 +350,16 @@ def make_index(native: bool | None = None):
 
 class SuffixProposer:
     """Suffix decoding (a `Proposer`): the own history and the global trie, the longer match
-    wins. `native`: as `make_index`."""
+    wins. `native`: as `make_index`, called on the first use (every engine builds every
+    proposer; one that never runs suffix decoding compiles and loads nothing)."""
 
     name = "suffix"
     timed = False       # trie walks: tens of microseconds per row, not a model pass
     has_probs = False   # deterministic drafts: one-hot q
 
     def __init__(self, global_nodes: int = GLOBAL_NODES, native: bool | None = None):
-        self.index = make_index(native)
+        self._native = native
+        self._index = None
         self.global_nodes = global_nodes
         self._outputs: OrderedDict[int, list[int]] = OrderedDict()  # in the global trie, oldest first
         self._added = 0
@@ -366,9 +368,16 @@ class SuffixProposer:
         self._offered: dict[str, list[int]] = {}
         self._counts = {"lookups": 0, "global_hits": 0, "own_hits": 0, "evicted_outputs": 0}
 
+    @property
+    def index(self):
+        if self._index is None:
+            self._index = make_index(self._native)
+        return self._index
+
     def stats(self) -> dict[str, int]:
         """For /metrics: the global trie's size now, and counters since start ("_total")."""
-        return {"global_nodes": self.index.num_nodes(), "global_outputs": len(self._outputs),
+        nodes = self._index.num_nodes() if self._index is not None else 1  # the root
+        return {"global_nodes": nodes, "global_outputs": len(self._outputs),
                 **{f"{name}_total": n for name, n in self._counts.items()}}
 
     def offer(self, rows: Sequence, budgets: Sequence[int]) -> list[Offer]:
