@@ -47,6 +47,13 @@ def test_a_draft_model_is_implied_by_model_or_named_draft_model():
         assert (spec.method, spec.num_spec_tokens, draft) == ("draft", 5, "my-draft")
 
 
+def test_auto_takes_the_lookup_bounds_and_the_lookup_methods_alone_do():
+    spec = spec_from_speculative_config({"method": "auto", "prompt_lookup_max": 5, "prompt_lookup_min": 2})[0]
+    assert (spec.method, spec.ngram_min, spec.ngram_max) == ("auto", 2, 5)
+    with pytest.raises(ValueError, match="need method 'ngram' or 'auto'"):
+        spec_from_speculative_config({"method": "suffix", "prompt_lookup_max": 5})
+
+
 def test_a_lone_lookup_bound_keeps_the_other_default_clamped():
     assert spec_from_speculative_config({"method": "ngram", "prompt_lookup_max": 6})[0].ngram_min == 1
     spec = spec_from_speculative_config({"method": "ngram", "prompt_lookup_min": 6})[0]

@@ -243,8 +243,8 @@ def spec_from_speculative_config(speculative_config: dict | str | None,
         spec["adaptive"] = cfg["adaptive"]
     lo, hi = cfg.get("prompt_lookup_min"), cfg.get("prompt_lookup_max")
     if lo is not None or hi is not None:
-        if method != "ngram":
-            raise ValueError("speculative_config prompt_lookup_min/prompt_lookup_max need method 'ngram'")
+        if method not in ("ngram", AUTO):
+            raise ValueError("speculative_config prompt_lookup_min/prompt_lookup_max need method 'ngram' or 'auto'")
         hi = _int_key(cfg, "prompt_lookup_max") if hi is not None else max(spec["ngram_max"], lo)
         lo = _int_key(cfg, "prompt_lookup_min") if lo is not None else min(spec["ngram_min"], hi)
         spec["ngram_min"], spec["ngram_max"] = lo, hi
