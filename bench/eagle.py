@@ -50,6 +50,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     common.add_common_args(p, "1")
     args = p.parse_args(argv)
     args.tasks = args.tasks.split(",")
+    if len(args.concurrency) != 1:
+        p.error(f"--concurrency takes one value here, got {args.concurrency}")
+    args.concurrency = args.concurrency[0]
     return args
 
 

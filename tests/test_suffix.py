@@ -178,10 +178,10 @@ def own_history_problems(engine) -> list[str]:
     if not isinstance(proposer.index, PythonIndex):
         return []
     problems = []
-    for rid, (row, req) in proposer._rows.items():
+    for rid, (row, req, seen) in proposer._rows.items():
         state = proposer.index.rows[row]
         want = OwnHistory()
-        for t in req.all_ids[: state.seen]:
+        for t in req.all_ids[:seen]:
             want.extend(t)
         if (state.own.tokens, state.own.ends) != (want.tokens, want.ends):
             problems.append(rid)

@@ -39,15 +39,20 @@ def mismatches(native, reference, seed: int, steps: int = 400) -> int:
             del histories[row]
             for index in (native, reference):
                 index.drop_row(row)
-        else:  # a row grows (or, rarely, shrinks: preempted) and is looked up
+        else:  # a row grows (or, rarely, is rebuilt shorter: preempted) and is looked up
             row = rng.randrange(6)
             tokens = histories.setdefault(row, [])
+            new = [rng.randrange(3) for _ in range(rng.randint(1, 4))]
             if tokens and rng.random() < 0.05:
                 del tokens[rng.randrange(len(tokens)):]
-            tokens += [rng.randrange(3) for _ in range(rng.randint(1, 4))]
+                new = tokens + new
+                tokens.clear()
+                for index in (native, reference):
+                    index.drop_row(row)
+            tokens += new
             budget = rng.choice((1, 3, 8, 16))
             for index in (native, reference):
-                index.sync(row, list(tokens))
+                index.extend(row, new)
             bad += native.lookup(row, budget) != reference.lookup(row, budget)
         bad += native.num_nodes() != reference.num_nodes()
     return bad

@@ -286,15 +286,13 @@ def _ngram_keys(tokens: list[int]) -> list[int]:
 
 
 class _RowState:
-    """One request's own history index, its frontier in the global trie, and how many of
-    its tokens both have seen."""
+    """One request's own history index and its frontier in the global trie."""
 
-    __slots__ = ("own", "shared", "seen")
+    __slots__ = ("own", "shared")
 
     def __init__(self, global_trie: SuffixTrie):
         self.own = OwnHistory()
         self.shared = [global_trie.root]   # handles (SuffixTrie.follow)
-        self.seen = 0
 
 
 class PythonIndex:
@@ -318,16 +316,14 @@ class PythonIndex:
     def drop_row(self, row: int) -> None:
         self.rows.pop(row, None)
 
-    def sync(self, row: int, tokens: list[int]) -> None:
-        """Extend the row with the tokens committed since its last sync (a history that
-        shrank, a preempted request's, is rebuilt)."""
+    def extend(self, row: int, tokens: list[int]) -> None:
+        """Append committed tokens to a row (made on its first tokens)."""
         state = self.rows.get(row)
-        if state is None or len(tokens) < state.seen:
+        if state is None:
             state = self.rows[row] = _RowState(self.trie)
-        for t in tokens[state.seen:]:
+        for t in tokens:
             state.own.extend(t)
             state.shared = self.trie.follow(state.shared, t)
-        state.seen = len(tokens)
 
     def lookup(self, row: int, budget: int) -> tuple[list[int], int, list[int], int]:
         """(own continuation, its match length, the global trie's, its match length)."""
@@ -363,7 +359,7 @@ class SuffixProposer:
         self.global_nodes = global_nodes
         self._outputs: OrderedDict[int, list[int]] = OrderedDict()  # in the global trie, oldest first
         self._added = 0
-        self._rows: dict[str, tuple[int, object]] = {}   # request id -> (its row in the index, the request)
+        self._rows: dict[str, list] = {}   # request id -> [its row in the index, the request, tokens seen]
         self._next_row = 0
         self._offered: dict[str, list[int]] = {}
         self._counts = {"lookups": 0, "global_hits": 0, "own_hits": 0, "evicted_outputs": 0}
@@ -404,7 +400,7 @@ class SuffixProposer:
         self._offered.pop(request_id, None)
         if entry is None:
             return
-        row, req = entry
+        row, req, _ = entry
         self.index.drop_row(row)
         output = list(req.output_ids)
         if not output:
@@ -418,12 +414,20 @@ class SuffixProposer:
             self._counts["evicted_outputs"] += 1
 
     def _row(self, req) -> int:
-        """The request's row, synced with the tokens committed since its last offer."""
+        """The request's row, extended with the tokens committed since its last offer (only
+        those cross into the index); a history that shrank (a preempted request's,
+        recomputed) gets a new row."""
         entry = self._rows.get(req.request_id)
+        tokens = req.all_ids
+        if entry is not None and len(tokens) < entry[2]:
+            self.index.drop_row(entry[0])
+            entry = None
         if entry is None:
-            entry = self._rows[req.request_id] = (self._next_row, req)
+            entry = self._rows[req.request_id] = [self._next_row, req, 0]
             self._next_row += 1
-        self.index.sync(entry[0], req.all_ids)
+        if len(tokens) > entry[2]:
+            self.index.extend(entry[0], tokens[entry[2]:])
+            entry[2] = len(tokens)
         return entry[0]
 
     def _lookup(self, row: int, budget: int) -> tuple[list[int], int]:

@@ -272,7 +272,6 @@ class Own {
 struct Row {
   Own own;
   std::vector<int64_t> shared{0};  // handles into the global trie
-  int64_t seen = 0;
 };
 
 // ------------------------------------------------------------------ the index
@@ -290,23 +289,16 @@ class SuffixIndex {
   int64_t num_rows() const { return static_cast<int64_t>(rows_.size()); }
   void drop_row(int64_t row) { rows_.erase(row); }
 
-  // _RowState via SuffixProposer._state: extend with the tokens past what the row has seen
-  // (a history that shrank, a preempted request's, is rebuilt from scratch).
-  void sync(int64_t row, const std::vector<int64_t>& tokens) {
-    auto it = rows_.find(row);
-    if (it == rows_.end() || static_cast<int64_t>(tokens.size()) < it->second.seen) {
-      rows_[row] = Row();
-      it = rows_.find(row);
+  // PythonIndex.extend: append committed tokens to a row (made on its first tokens).
+  void extend(int64_t row, const std::vector<int64_t>& tokens) {
+    Row& r = rows_[row];
+    for (int64_t t : tokens) {
+      r.own.extend(t, lim_.max_match);
+      trie_.follow(&r.shared, t, lim_.max_match);
     }
-    Row& r = it->second;
-    for (size_t i = static_cast<size_t>(r.seen); i < tokens.size(); ++i) {
-      r.own.extend(tokens[i], lim_.max_match);
-      trie_.follow(&r.shared, tokens[i], lim_.max_match);
-    }
-    r.seen = static_cast<int64_t>(tokens.size());
   }
 
-  // (own tokens, own match length, global tokens, global match length) of a synced row.
+  // (own tokens, own match length, global tokens, global match length) of a row.
   std::tuple<std::vector<int64_t>, int, std::vector<int64_t>, int> lookup(int64_t row, int budget) const {
     const Row& r = rows_.at(row);
     auto own = r.own.continuation(budget, lim_);
@@ -331,6 +323,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("trie_bytes", &SuffixIndex::trie_bytes)
       .def("num_rows", &SuffixIndex::num_rows)
       .def("drop_row", &SuffixIndex::drop_row)
-      .def("sync", &SuffixIndex::sync)
+      .def("extend", &SuffixIndex::extend)
       .def("lookup", &SuffixIndex::lookup);
 }
