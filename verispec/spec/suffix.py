@@ -24,6 +24,10 @@ different). Drafts are deterministic in the row's history and the global trie's 
 the round's start, so one-hot q is exact for the rejection sampler. A row's global frontier
 sees outputs added after it was built only through the suffixes it extends (it catches up
 within MAX_MATCH tokens).
+
+The tries and histories live behind one index interface (`PythonIndex` below, or the same
+in C++, suffix_index.cpp, where it builds: `make_index`); the proposer keeps the policy
+around it (the longer match, counters, eviction).
 """
 from __future__ import annotations
 
