@@ -25,18 +25,22 @@ class TokenHistory(Protocol):
     token_ids: list[int]  # prompt + output so far
 
 
-# n-grams are keyed by ints: token + 1 in one 32-bit digit per position, the newest token
-# lowest, so every n-gram has its own key (no digit is 0: an n-gram's key has n digits).
-# Ints are built with a shift and an or; tuples would be a slice and an allocation each.
-_DIGIT = 32
+_DIGIT = 32  # bits a token takes in an n-gram's key (token ids below 2^32 - 1)
 
 
-def ngram_key(gram: Sequence[int]) -> int:
-    """The key of one n-gram (`extend` and `lookup` build the same keys incrementally)."""
-    key = 0
-    for i, token in enumerate(reversed(gram)):
-        key |= (token + 1) << (_DIGIT * i)
-    return key
+def suffix_keys(tokens: Sequence[int], end: int, longest: int) -> list[int]:
+    """Keys of the n-grams ending at tokens[end], n = 1..longest, shortest first.
+
+    An n-gram's key is one int: token + 1 in one 32-bit digit per position, the newest
+    lowest, so n-grams of any lengths have distinct keys (no digit is 0: a key has n
+    digits). Each longer key is the shorter one with one digit more: a shift and an or
+    where a tuple would be a slice and an allocation. Suffix decoding's own histories
+    (suffix.py) key their n-grams the same way."""
+    keys, key = [], 0
+    for n in range(longest):
+        key |= (tokens[end - n] + 1) << (_DIGIT * n)
+        keys.append(key)
+    return keys
 
 
 class _SeqIndex:
@@ -55,9 +59,7 @@ class _SeqIndex:
         # increasing order so later occurrences overwrite earlier ones.
         latest = self.latest_start
         for end in range(max(self.num_tokens - 1, 0), len(tokens) - 1):
-            key = 0
-            for n in range(1, min(max_n, end + 1) + 1):
-                key |= (tokens[end - n + 1] + 1) << (_DIGIT * (n - 1))
+            for n, key in enumerate(suffix_keys(tokens, end, min(max_n, end + 1)), 1):
                 if n >= min_n:
                     latest[key] = end - n + 1
         self.num_tokens = len(tokens)
@@ -65,16 +67,11 @@ class _SeqIndex:
     def lookup(self, tokens: list[int], min_n: int, max_n: int, k: int) -> tuple[list[int], int]:
         """Up to k tokens that followed the most recent earlier match of the longest suffix,
         and that suffix's length n (0: no match)."""
-        last = len(tokens)
-        longest = min(max_n, last - 1)
-        keys = [0] * (longest + 1)
-        key = 0
-        for n in range(1, longest + 1):
-            key |= (tokens[last - n] + 1) << (_DIGIT * (n - 1))
-            keys[n] = key
+        longest = min(max_n, len(tokens) - 1)
+        keys = suffix_keys(tokens, len(tokens) - 1, longest)
         latest = self.latest_start
         for n in range(longest, min_n - 1, -1):
-            start = latest.get(keys[n])
+            start = latest.get(keys[n - 1])
             if start is not None:
                 return tokens[start + n:start + n + k], n
         return [], 0

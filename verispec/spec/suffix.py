@@ -37,6 +37,7 @@ from array import array
 from collections import OrderedDict
 from collections.abc import Sequence
 
+from verispec.spec.ngram import suffix_keys
 from verispec.spec.proposer import Offer
 
 MAX_MATCH = 8           # longest suffix matched; longer matches rarely change the continuation
@@ -216,7 +217,7 @@ class OwnHistory:
     MAX_MATCH tokens, in order: what a depth-bounded suffix trie of the one sequence counts,
     read from the positions when a lookup walks them instead of stored node by node (a trie
     builds up to MAX_DEPTH nodes a token; this, MAX_MATCH short keys). An n-gram's key is
-    one int (`_ngram_keys`) and its positions int32s packed in a bytearray, neither of which
+    one int (`ngram.suffix_keys`) and its positions int32s packed in a bytearray, neither of which
     the garbage collector tracks, so, like the global trie, it gives it nothing to scan.
 
     `continuation` returns exactly what `SuffixTrie.continuation` on that trie's frontier
@@ -235,7 +236,7 @@ class OwnHistory:
         tokens.append(token)
         end = len(tokens) - 1
         packed = end.to_bytes(4, sys.byteorder)  # read back as native int32 (positions < 2^31)
-        for key in _ngram_keys(tokens):
+        for key in suffix_keys(tokens, end, min(MAX_MATCH, len(tokens))):
             positions = self.ends.get(key)
             if positions is None:
                 self.ends[key] = bytearray(packed)
@@ -245,7 +246,7 @@ class OwnHistory:
     def continuation(self, budget: int) -> tuple[list[int], int]:
         """(the most frequent continuation of the longest suffix of at most MAX_MATCH tokens
         that has one, its match length)."""
-        keys = _ngram_keys(self.tokens)
+        keys = suffix_keys(self.tokens, len(self.tokens) - 1, min(MAX_MATCH, len(self.tokens)))
         for m in range(len(keys), 0, -1):
             # the suffix ends at the last token, whose position `extend` appended last:
             # the occurrences before it are the ones followed by something
@@ -276,17 +277,6 @@ class OwnHistory:
             out.append(token)
             ends = [p for p in ends if p + step < n and tokens[p + step] == token]
         return out
-
-
-def _ngram_keys(tokens: list[int]) -> list[int]:
-    """Keys of the suffixes of `tokens` of 1..MAX_MATCH tokens, shortest first: a leading 1
-    then each token's 32 bits from the last one back, so different n-grams (of any
-    lengths) have different keys."""
-    keys, key = [], 1
-    for t in reversed(tokens[-MAX_MATCH:]):
-        key = key << _TOKEN_BITS | t
-        keys.append(key)
-    return keys
 
 
 class _RowState:
