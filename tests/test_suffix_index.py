@@ -62,7 +62,7 @@ def mismatches(native, reference, seed: int, steps: int = 400) -> int:
 def native_index():
     index = make_index(native=None)
     if isinstance(index, PythonIndex):
-        pytest.fail("the C++ suffix index did not build (suffix_native.load's warning says why)")
+        pytest.fail("the C++ suffix index did not build (the log's warning says why)")
     return lambda: make_index(native=True)
 
 

@@ -55,18 +55,15 @@ model then runs the PyTorch ops; `EngineConfig.kernels` = "on" makes that an err
 """
 from __future__ import annotations
 
-import hashlib
-import logging
 import platform
 from pathlib import Path
 
-log = logging.getLogger("verispec")
+from verispec.native import CppExtension
 
 _SOURCE = Path(__file__).with_name("kernels.cpp")
 # -fopenmp: at::parallel_for splits work across threads only in code compiled with OpenMP
 # (without it every kernel here ran on one thread).
 _CFLAGS = ["-O3", "-march=native", "-fopenmp"]
-_loaded: dict[str, object] = {}
 
 
 def _cpu_flags() -> str:
@@ -79,28 +76,14 @@ def _cpu_flags() -> str:
     return platform.processor()
 
 
+# -march=native: the build is for this CPU only, so its instruction set is in the name.
+_EXTENSION = CppExtension("verispec kernels", _SOURCE, "verispec_kernels", _CFLAGS, ["-fopenmp"],
+                          tag_extra=_cpu_flags, fallback="PyTorch ops")
+
+
 def load(required: bool = False):
     """The compiled kernels module, or None (required: raise instead) if it cannot be built."""
-    if "module" in _loaded:
-        module = _loaded["module"]
-        if module is None and required:
-            raise RuntimeError(f"verispec kernels are unavailable: {_loaded['error']}")
-        return module
-    try:
-        from torch.utils.cpp_extension import load as build
-        # -march=native: the build is for this CPU only, so its instruction set is in the
-        # name, and so is the source: a process still running an older build never sees
-        # its library rebuilt under it.
-        tag = hashlib.sha1(_cpu_flags().encode() + _SOURCE.read_bytes() + " ".join(_CFLAGS).encode()).hexdigest()[:10]
-        module = build(name=f"verispec_kernels_{tag}", sources=[str(_SOURCE)],
-                       extra_cflags=_CFLAGS, extra_ldflags=["-fopenmp"], verbose=False)
-        _loaded.update(module=module, error=None)
-    except Exception as exc:  # no compiler, no headers: the PyTorch ops still work
-        _loaded.update(module=None, error=f"{type(exc).__name__}: {exc}")
-        if required:
-            raise RuntimeError(f"verispec kernels could not be built: {_loaded['error']}") from exc
-        log.warning("verispec kernels could not be built, using PyTorch ops: %s", _loaded["error"])
-    return _loaded["module"]
+    return _EXTENSION.load(required)
 
 
 def greedy_tokens(logits, ops) -> list[int]:

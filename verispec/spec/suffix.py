@@ -36,7 +36,9 @@ import sys
 from array import array
 from collections import OrderedDict
 from collections.abc import Sequence
+from pathlib import Path
 
+from verispec.native import CppExtension
 from verispec.spec.ngram import suffix_keys
 from verispec.spec.proposer import Offer
 
@@ -327,12 +329,15 @@ class PythonIndex:
         return own, own_len, shared, shared_len
 
 
+_NATIVE = CppExtension("suffix decoding's C++ index", Path(__file__).with_name("suffix_index.cpp"),
+                       "verispec_suffix", ["-O2"], fallback="the Python index (the same drafts)")
+
+
 def make_index(native: bool | None = None):
-    """The C++ index (`suffix_native.load`), or the Python one: native None takes the C++
-    one if it builds, True requires it, False never builds it."""
+    """The C++ index (suffix_index.cpp, built on first use), or the Python one: native None
+    takes the C++ one if it builds, True requires it, False never builds it."""
     if native is not False:
-        from verispec.spec.suffix_native import load
-        module = load(required=bool(native))
+        module = _NATIVE.load(required=bool(native))
         if module is not None:
             return module.SuffixIndex(MAX_DEPTH, MAX_MATCH, MAX_DRAFT, MIN_PATH_PROB, MATCH_FACTOR)
     return PythonIndex()
