@@ -178,10 +178,10 @@ def own_history_problems(engine) -> list[str]:
     if not isinstance(proposer.index, PythonIndex):
         return []
     problems = []
-    for rid, (row, req, seen) in proposer._rows.items():
-        state = proposer.index.rows[row]
+    for rid, tracked in proposer._requests.items():
+        state = proposer.index.rows[tracked.row]
         want = OwnHistory()
-        for t in req.all_ids[:seen]:
+        for t in tracked.req.all_ids[:tracked.seen]:
             want.extend(t)
         if (state.own.tokens, state.own.ends) != (want.tokens, want.ends):
             problems.append(rid)
@@ -227,7 +227,7 @@ def test_the_check_catches_drafts_left_in_the_history(python_index, monkeypatch)
     def stale(self, rows, ks):  # the bug: drafted tokens are counted before verification
         out = real_draft(self, rows, ks)
         for r, (tokens, _) in zip(rows, out):
-            state = self.index.rows[self._rows[r.request_id][0]]
+            state = self.index.rows[self._requests[r.request_id].row]
             for t in tokens:
                 state.own.extend(t)
         return out

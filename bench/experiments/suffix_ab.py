@@ -3,8 +3,8 @@ against its own Python index), with an A/A.
 
 Loads `verispec/spec/suffix.py` as it is at `--baseline-rev` (via `git show`) and registers
 it as the method `suffix_baseline` (`--baseline-rev python-index`: the working tree's
-proposer on suffix.py's Python index instead of the C++ one); then runs `bench/agentic.py`'s workloads in-process as
-`oracle_ceiling.py` does (one engine per contender, C chains turn by turn, each turn plain
+proposer on suffix.py's Python index instead of the C++ one); then runs
+`bench/agentic.py`'s workloads in-process as `oracle_ceiling.py` does (one engine per contender, C chains turn by turn, each turn plain
 first, then the others in a shuffled order; every output must equal plain's): plain, the
 working tree's suffix twice (`suffix`, `suffix-aa`: the spread of identical contenders) and
 the baseline's. A change to the proposer keeps its gain only where it exceeds the A/A's

@@ -343,6 +343,16 @@ def make_index(native: bool | None = None):
     return PythonIndex()
 
 
+class _Request:
+    """A request as the proposer tracks it: its row in the index and how many of its tokens
+    the index has been given."""
+
+    __slots__ = ("row", "req", "seen")
+
+    def __init__(self, row: int, req):
+        self.row, self.req, self.seen = row, req, 0
+
+
 class SuffixProposer:
     """Suffix decoding (a `Proposer`): the own history and the global trie, the longer match
     wins. `native`: as `make_index`, called on the first use (every engine builds every
@@ -358,7 +368,7 @@ class SuffixProposer:
         self.global_nodes = global_nodes
         self._outputs: OrderedDict[int, list[int]] = OrderedDict()  # in the global trie, oldest first
         self._added = 0
-        self._rows: dict[str, list] = {}   # request id -> [its row in the index, the request, tokens seen]
+        self._requests: dict[str, _Request] = {}
         self._next_row = 0
         self._offered: dict[str, list[int]] = {}
         self._counts = {"lookups": 0, "global_hits": 0, "own_hits": 0, "evicted_outputs": 0}
@@ -395,13 +405,12 @@ class SuffixProposer:
     def forget(self, request_id: str) -> None:
         """The request's output joins the global trie (then the oldest outputs leave it
         while it is over budget); its own history is dropped."""
-        entry = self._rows.pop(request_id, None)
+        tracked = self._requests.pop(request_id, None)
         self._offered.pop(request_id, None)
-        if entry is None:
+        if tracked is None:
             return
-        row, req, _ = entry
-        self.index.drop_row(row)
-        output = list(req.output_ids)
+        self.index.drop_row(tracked.row)
+        output = list(tracked.req.output_ids)
         if not output:
             return
         self.index.add_output(output)
@@ -416,18 +425,18 @@ class SuffixProposer:
         """The request's row, extended with the tokens committed since its last offer (only
         those cross into the index); a history that shrank (a preempted request's,
         recomputed) gets a new row."""
-        entry = self._rows.get(req.request_id)
+        tracked = self._requests.get(req.request_id)
         tokens = req.all_ids
-        if entry is not None and len(tokens) < entry[2]:
-            self.index.drop_row(entry[0])
-            entry = None
-        if entry is None:
-            entry = self._rows[req.request_id] = [self._next_row, req, 0]
+        if tracked is not None and len(tokens) < tracked.seen:
+            self.index.drop_row(tracked.row)
+            tracked = None
+        if tracked is None:
+            tracked = self._requests[req.request_id] = _Request(self._next_row, req)
             self._next_row += 1
-        if len(tokens) > entry[2]:
-            self.index.extend(entry[0], tokens[entry[2]:])
-            entry[2] = len(tokens)
-        return entry[0]
+        if len(tokens) > tracked.seen:
+            self.index.extend(tracked.row, tokens[tracked.seen:])
+            tracked.seen = len(tokens)
+        return tracked.row
 
     def _lookup(self, row: int, budget: int) -> tuple[list[int], int]:
         if budget <= 0:
