@@ -47,7 +47,7 @@ def test_a_draft_model_is_implied_by_model_or_named_draft_model():
         assert (spec.method, spec.num_spec_tokens, draft) == ("draft", 5, "my-draft")
 
 
-def test_auto_takes_the_lookup_bounds_and_the_lookup_methods_alone_do():
+def test_lookup_bounds_apply_to_ngram_and_auto_only():
     spec = spec_from_speculative_config({"method": "auto", "prompt_lookup_max": 5, "prompt_lookup_min": 2})[0]
     assert (spec.method, spec.ngram_min, spec.ngram_max) == ("auto", 2, 5)
     with pytest.raises(ValueError, match="need method 'ngram' or 'auto'"):
