@@ -13,6 +13,7 @@ import pytest
 from eagle_heads import trained_head_dir
 from tiny import run_all, tiny_engine, tiny_pair
 from verispec.config import SpecConfig
+from verispec.outputs import SpecStats
 from verispec.request import SpecOverride
 from verispec.sampling import SamplingParams
 from verispec.spec.policy import RowOffer, SpeculationPolicy
@@ -88,3 +89,6 @@ def test_auto_drafts_with_both_candidates_and_keeps_greedy_output(monkeypatch, b
     outs = run_all(engine, PROMPTS, GREEDY)
     assert [o.token_ids for o in outs] == plain
     assert ("eagle" in seen and "ngram" in seen) != broken, {n: len(v) for n, v in seen.items()}
+    by_proposer = SpecStats.summed([o.spec for o in outs]).proposers_dict()
+    assert set(by_proposer) == set(seen)  # each output says which proposers drafted for it
+    assert sum(p["drafted"] for p in by_proposer.values()) == sum(o.spec.num_draft_tokens for o in outs)

@@ -13,10 +13,10 @@ def parse(argv: list[str]) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def test_defaults_are_the_embedded_model_with_adaptive_ngram_in_bf16():
+def test_defaults_are_the_embedded_model_with_adaptive_auto_in_bf16():
     cfg = config_from_args(parse([]))
     assert (cfg.model, cfg.dtype, cfg.spec.method, cfg.spec.adaptive) == \
-        ("smollm2-135m-instruct", "bfloat16", "ngram", True)
+        ("smollm2-135m-instruct", "bfloat16", "auto", True)
 
 
 def test_flags_override_the_yaml_file_and_the_result_round_trips(tmp_path):

@@ -195,9 +195,10 @@ def same_spec_shape(a: dict, b: dict) -> bool:
     Not the same values: adaptive k is chosen from measured pass times, so two identical
     requests may draft differently (their text is the same, which the callers check)."""
     def consistent(s: dict) -> bool:
-        return (s["method"] == "ngram" and 0 <= s["accepted"] <= s["drafted"]
-                and sum(s["drafted_per_position"]) == s["drafted"]
-                and sum(s["accepted_per_position"]) == s["accepted"])
+        by_proposer = s["proposers"].values()
+        return (s["method"] == "auto" and 0 <= s["accepted"] <= s["drafted"]  # the default method
+                and sum(s["drafted_per_position"]) == s["drafted"] == sum(p["drafted"] for p in by_proposer)
+                and sum(s["accepted_per_position"]) == s["accepted"] == sum(p["accepted"] for p in by_proposer))
     return a.keys() == b.keys() and a["method"] == b["method"] and consistent(a) and consistent(b)
 
 
@@ -360,6 +361,13 @@ def test_spec_counter_deltas_equal_the_sum_of_response_stats(server):
     for pos, n in sums["per_pos"].items():
         assert delta("vllm:spec_decode_num_accepted_tokens_per_pos_total",
                      position=str(pos), **labels) == n
+    proposers = {name for s in specs for name in s["proposers"]}
+    assert proposers == {"ngram"}  # the default "auto" without a head: the lookup alone
+    for name in proposers:
+        for field, metric in (("drafted", "verispec:spec_proposer_draft_tokens_total"),
+                              ("accepted", "verispec:spec_proposer_accepted_tokens_total")):
+            assert delta(metric, model_name=BACKEND.model, proposer=name) == \
+                sum(s["proposers"].get(name, {}).get(field, 0) for s in specs) > 0
     assert delta("vllm:prompt_tokens_total") == sum(u.prompt_tokens for u in usages)
     assert delta("vllm:generation_tokens_total") == sum(u.completion_tokens for u in usages)
     assert delta("vllm:request_success_total") == len(specs)

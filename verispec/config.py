@@ -34,7 +34,10 @@ def spec_methods() -> tuple[str, ...]:
 class SpecConfig:
     """Speculation defaults; a request may override method, k and adaptivity."""
 
-    method: str = "ngram"            # "none" | "auto" | "ngram" | "draft" | "suffix" | "eagle"
+    # "none" | "auto" | "ngram" | "draft" | "suffix" | "eagle". "auto" (the lookup, or the
+    # model's head where one is registered, per row and round) beat n-gram alone on the pair
+    # with a head beyond the A/A's spread; without a head it is n-gram (docs/benchmarks.md)
+    method: str = "auto"
     # k_max when adaptive (the k_max the adaptive grid validates: docs/benchmarks.md), k when
     # fixed (there 1-2 is usually best: set it with adaptive off)
     num_spec_tokens: int = 8
@@ -345,7 +348,7 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--huge-pages", action=argparse.BooleanOptionalAction, default=None,
                    help="copy the CPU weights into memory backed by 2 MiB pages where Linux offers "
                         "transparent huge pages (default on: fewer TLB misses while a step streams them)")
-    g.add_argument("--spec", choices=spec_methods(), help="speculation method (default ngram)")
+    g.add_argument("--spec", choices=spec_methods(), help="speculation method (default auto: n-gram, or the head where one is registered)")
     g.add_argument("--num-spec-tokens", type=int, help="k (k_max when adaptive)")
     g.add_argument("--spec-adaptive", action=argparse.BooleanOptionalAction, default=None,
                    help="choose k per step from measured acceptance and cost (default on)")

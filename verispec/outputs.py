@@ -14,14 +14,21 @@ class SpecStats:
     accepted_per_position: list[int] = field(default_factory=list)  # [i] = accepted at draft pos i
     drafted_per_position: list[int] = field(default_factory=list)   # [i] = drafted at draft pos i
     target_forwards: int = 0       # target passes (prefill chunks + decode/verify rounds)
+    # proposer -> [draft tokens, accepted]: which proposer drafted (method "auto" has several)
+    by_proposer: dict[str, list[int]] = field(default_factory=dict)
 
-    def record_round(self, k: int, accepted_len: int) -> None:
-        """Count one verify round that drafted k tokens and accepted the first accepted_len."""
+    def record_round(self, k: int, accepted_len: int, proposer: str | None = None) -> None:
+        """Count one verify round that drafted k tokens (with `proposer`) and accepted the
+        first accepted_len."""
         if k == 0:
             return
         self.num_drafts += 1
         self.num_draft_tokens += k
         self.num_accepted_tokens += accepted_len
+        if proposer is not None:
+            counts = self.by_proposer.setdefault(proposer, [0, 0])
+            counts[0] += k
+            counts[1] += accepted_len
         for counts, n in ((self.drafted_per_position, k), (self.accepted_per_position, accepted_len)):
             if len(counts) < k:
                 counts.extend([0] * (k - len(counts)))
@@ -37,6 +44,10 @@ class SpecStats:
             out.num_draft_tokens += s.num_draft_tokens
             out.num_accepted_tokens += s.num_accepted_tokens
             out.target_forwards += s.target_forwards
+            for name, (drafted, accepted) in s.by_proposer.items():
+                counts = out.by_proposer.setdefault(name, [0, 0])
+                counts[0] += drafted
+                counts[1] += accepted
             for mine, theirs in ((out.accepted_per_position, s.accepted_per_position),
                                  (out.drafted_per_position, s.drafted_per_position)):
                 mine.extend([0] * (len(theirs) - len(mine)))
@@ -68,7 +79,12 @@ class SpecStats:
             "acceptance_per_position": self.acceptance_per_position,
             "mean_accepted_len": self.mean_accepted_len,
             "target_forwards": self.target_forwards,
+            "proposers": self.proposers_dict(),
         }
+
+    def proposers_dict(self) -> dict:
+        """{proposer: {"drafted", "accepted"}}, in the order they first drafted."""
+        return {name: {"drafted": d, "accepted": a} for name, (d, a) in self.by_proposer.items()}
 
 
 @dataclass

@@ -283,4 +283,5 @@ def _snapshot(output) -> M.SpecSnapshot | None:
     if s is None:
         return None
     return M.SpecSnapshot(s.num_drafts, s.num_draft_tokens, s.num_accepted_tokens,
-                          list(s.accepted_per_position), list(s.drafted_per_position), s.target_forwards)
+                          list(s.accepted_per_position), list(s.drafted_per_position), s.target_forwards,
+                          {name: list(counts) for name, counts in s.by_proposer.items()})

@@ -686,7 +686,7 @@ class LLMEngine:
         else:
             self.kv.commit(req.request_id, base + 1)
         self._rollback(req, base, accepted, k)
-        req.stats.record_round(k, accepted)
+        req.stats.record_round(k, accepted, req.drafter)
         req.stats.target_forwards += 1
         return self._append_tokens(req, new, logprobs)
 

@@ -69,6 +69,7 @@ class SpecSnapshot(msgspec.Struct, array_like=True):
     accepted_per_position: list[int]
     drafted_per_position: list[int]
     target_forwards: int
+    by_proposer: dict[str, list[int]]
 
 
 class RequestEvent(msgspec.Struct, array_like=True, omit_defaults=True):

@@ -686,7 +686,8 @@ def _spec_fields(spec) -> M.SpecFields | None:
 
 def _spec_stats(s: M.SpecSnapshot) -> SpecStats:
     return SpecStats(s.num_drafts, s.num_draft_tokens, s.num_accepted_tokens,
-                     list(s.accepted_per_position), list(s.drafted_per_position), s.target_forwards)
+                     list(s.accepted_per_position), list(s.drafted_per_position), s.target_forwards,
+                     {name: list(counts) for name, counts in s.by_proposer.items()})
 
 
 def _exit_text(worker) -> str:

@@ -34,9 +34,10 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
+from verispec.config import spec_methods
+
 PREFIXES = ("vllm", "verispec")
 OWN = "verispec:"   # metrics vLLM has no counterpart for keep this prefix under either setting
-SPEC_METHODS = ("ngram", "draft", "none")
 # vLLM v1's buckets (vllm/v1/metrics/loggers.py).
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
                 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
@@ -132,6 +133,11 @@ class ServerMetrics:
                                              "Draft tokens accepted at each draft position.",
                                              ("method", "position"))
         # verispec's own
+        self.proposer_draft_tokens = counter(
+            OWN + "spec_proposer_draft_tokens", "Draft tokens proposed, by the proposer that drafted "
+            "them (method auto picks one per row and round).", ("proposer",))
+        self.proposer_accepted = counter(OWN + "spec_proposer_accepted_tokens",
+                                         "Draft tokens accepted, by the proposer that drafted them.", ("proposer",))
         self.request_aborted = counter(OWN + "request_aborted", "Requests aborted before finishing "
                                        "(client disconnect, cancellation, shutdown).")
         self.request_error = counter(OWN + "request_error", "Requests the engine failed.")
@@ -153,7 +159,7 @@ class ServerMetrics:
                   self.queue, self.inference, self.prefill, self.decode, self.request_prompt_tokens,
                   self.request_generation_tokens):
             c.labels(m)
-        for method in SPEC_METHODS:
+        for method in spec_methods():
             for c in (self.spec_drafts, self.spec_draft_tokens, self.spec_accepted):
                 c.labels(m, method)
 
@@ -213,6 +219,9 @@ class ServerMetrics:
         self.spec_accepted.labels(m, method).inc(stats.num_accepted_tokens)
         for pos, n in enumerate(stats.accepted_per_position):
             self.spec_accepted_per_pos.labels(m, method, str(pos)).inc(n)
+        for proposer, (drafted, accepted) in stats.by_proposer.items():
+            self.proposer_draft_tokens.labels(m, proposer).inc(drafted)
+            self.proposer_accepted.labels(m, proposer).inc(accepted)
 
     # ------------------------------------------------------------------ HTTP side
     def on_rejected(self, status: int) -> None:

@@ -17,8 +17,8 @@ verispec/server/tools.py.
 
 Extensions over the OpenAI API (vLLM's names and semantics): `top_k` (-1 or 0 disables),
 `min_p`, `ignore_eos`, `repetition_penalty`, `min_tokens`, `stop_token_ids`, and
-`speculative: {"method": "ngram"|"draft"|"none", "num_tokens": k, "adaptive": bool}` on
-requests; `spec` (the request's speculation statistics) on responses.
+`speculative: {"method": "auto"|"ngram"|"suffix"|"eagle"|"draft"|"none", "num_tokens": k,
+"adaptive": bool}` on requests; `spec` (the request's speculation statistics) on responses.
 """
 from __future__ import annotations
 
@@ -646,6 +646,7 @@ def spec_summary(stats: SpecStats, method: str) -> dict:
         "mean_accepted_len": stats.mean_accepted_len,
         "accepted_per_position": list(stats.accepted_per_position),
         "drafted_per_position": list(stats.drafted_per_position),
+        "proposers": stats.proposers_dict(),
     }
 
 
@@ -664,11 +665,17 @@ def merge_spec(summaries: list[dict]) -> dict:
     accepted = sum(s["accepted"] for s in summaries)
     acc = add([s["accepted_per_position"] for s in summaries])
     dra = add([s["drafted_per_position"] for s in summaries])
+    proposers: dict[str, dict] = {}
+    for s in summaries:
+        for name, counts in s["proposers"].items():
+            mine = proposers.setdefault(name, {"drafted": 0, "accepted": 0})
+            mine["drafted"] += counts["drafted"]
+            mine["accepted"] += counts["accepted"]
     return {"method": summaries[0]["method"], "num_drafts": drafts,
             "drafted": sum(s["drafted"] for s in summaries), "accepted": accepted,
             "acceptance_per_position": [a / d if d else 0.0 for a, d in zip(acc, dra)],
             "mean_accepted_len": accepted / drafts if drafts else None,
-            "accepted_per_position": acc, "drafted_per_position": dra}
+            "accepted_per_position": acc, "drafted_per_position": dra, "proposers": proposers}
 
 
 def merge_usage(usages: list[dict], n: int) -> dict:
