@@ -196,6 +196,10 @@ def test_speculative_config_json_and_vllm_scheduler_flags_reach_the_config(parse
     assert (cfg.scheduler.max_num_batched_tokens, cfg.scheduler.max_num_seqs) == (1024, 8)
     cfg = parsed("generate", "--prompt", "x", "--speculative-config", '{"model": "d", "num_speculative_tokens": 5}')
     assert (cfg.spec.method, cfg.draft_model, cfg.spec.num_spec_tokens) == ("draft", "d", 5)
+    cfg = parsed("serve", "--speculative-config", '{"method": "eagle", "model": "/heads/h"}')
+    assert (cfg.spec.method, cfg.draft_head, cfg.draft_model) == ("eagle", "/heads/h", None)
+    cfg = parsed("serve", "--speculative-config", '{"method": "eagle"}', "--draft-head", "/heads/h")
+    assert (cfg.spec.method, cfg.draft_head) == ("eagle", "/heads/h")
     template = tmp_path / "t.jinja"
     template.write_text("{{ messages[0]['content'] }}")
     assert parsed("serve", "--chat-template", str(template)).chat_template == "{{ messages[0]['content'] }}"
@@ -204,9 +208,10 @@ def test_speculative_config_json_and_vllm_scheduler_flags_reach_the_config(parse
 
 @pytest.mark.parametrize("argv, words", [
     (["serve", "a", "--model", "b"], ["given twice", "'a'", "'b'"]),
-    (["serve", "--speculative-config", '{"method": "eagle"}'], ["'eagle'", "allowed methods"]),
+    (["serve", "--speculative-config", '{"method": "mtp"}'], ["'mtp'", "allowed methods"]),
     (["serve", "--speculative-config", '{"method": "ngram", "k": 3}'], ["['k']", "num_speculative_tokens"]),
     (["serve", "--speculative-config", "{nope"], ["not valid JSON"]),
+    (["serve", "--speculative-config", '{"method": "eagle", "model": "/h"}', "--draft-head", "/g"], ["--draft-head"]),
     (["serve", "--speculative-config", "{}", "--num-spec-tokens", "3"], ["--num-spec-tokens"]),
     (["generate", "--prompt", "x", "--speculative-config", "{}", "--spec", "none"], ["--spec"]),
     (["generate", "--prompt", "x", "--chat-template", "missing.jinja"], ["missing.jinja", "no such file"]),

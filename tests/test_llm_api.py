@@ -32,9 +32,9 @@ GREEDY = SamplingParams(temperature=0, max_tokens=8)
 # --- speculative_config: vLLM's keys onto SpecConfig -----------------------------------------
 
 def test_ngram_speculative_config_maps_vllms_keys():
-    spec, draft = spec_from_speculative_config({"method": "ngram", "num_speculative_tokens": 3,
+    spec, named = spec_from_speculative_config({"method": "ngram", "num_speculative_tokens": 3,
                                                 "prompt_lookup_max": 5, "prompt_lookup_min": 2})
-    assert draft is None
+    assert named == {}
     assert (spec.method, spec.num_spec_tokens, spec.ngram_max, spec.ngram_min) == ("ngram", 3, 5, 2)
     assert spec.adaptive is True  # verispec's default, unless asked
     assert spec_from_speculative_config('{"method": "ngram", "adaptive": false}')[0].adaptive is False
@@ -43,8 +43,14 @@ def test_ngram_speculative_config_maps_vllms_keys():
 def test_a_draft_model_is_implied_by_model_or_named_draft_model():
     for cfg in ({"model": "my-draft", "num_speculative_tokens": 5},
                 {"method": "draft_model", "model": "my-draft", "num_speculative_tokens": 5}):
-        spec, draft = spec_from_speculative_config(cfg)
-        assert (spec.method, spec.num_spec_tokens, draft) == ("draft", 5, "my-draft")
+        spec, named = spec_from_speculative_config(cfg)
+        assert (spec.method, spec.num_spec_tokens, named) == ("draft", 5, {"draft_model": "my-draft"})
+
+
+def test_eagle_takes_verispecs_head_folder_as_its_model_or_the_registered_head():
+    spec, named = spec_from_speculative_config({"method": "eagle", "model": "/heads/h", "num_speculative_tokens": 3})
+    assert (spec.method, spec.num_spec_tokens, named) == ("eagle", 3, {"draft_head": "/heads/h"})
+    assert spec_from_speculative_config({"method": "eagle"}) == (SpecConfig(method="eagle"), {})
 
 
 def test_lookup_bounds_apply_to_ngram_and_auto_only():
@@ -61,10 +67,10 @@ def test_a_lone_lookup_bound_keeps_the_other_default_clamped():
 
 
 @pytest.mark.parametrize("cfg, words", [
-    ({"method": "eagle", "model": "x"}, ["'eagle'", "ngram", "draft_model"]),
+    ({"method": "eagle3", "model": "x"}, ["'eagle3'", "ngram", "draft_model", "eagle"]),
     ({"method": "medusa"}, ["'medusa'", "allowed methods"]),
     ({"method": "ngram", "lookahead": 3}, ["lookahead", "num_speculative_tokens"]),
-    ({"method": "ngram", "model": "x"}, ["needs method 'draft_model'"]),
+    ({"method": "ngram", "model": "x"}, ["needs method 'draft_model' or 'eagle'"]),
     ({"method": "ngram", "num_speculative_tokens": "4"}, ["num_speculative_tokens", "integer"]),
     ({"method": "ngram", "num_speculative_tokens": 40}, ["num_spec_tokens"]),
     ({"model": "x", "draft_tensor_parallel_size": 2}, ["draft_tensor_parallel_size"]),
@@ -121,6 +127,8 @@ def test_defaults_and_verispecs_own_spellings_still_work(captured):
     assert captured(spec="none").spec.method == "none"
     assert captured(spec=SpecConfig(method="ngram", num_spec_tokens=2)).spec.num_spec_tokens == 2
     assert captured(speculative_config={"model": "d"}).draft_model == "d"
+    cfg = captured(speculative_config={"method": "eagle", "model": "/heads/h"})
+    assert (cfg.spec.method, cfg.draft_head, cfg.draft_model) == ("eagle", "/heads/h", None)
     base = EngineConfig(seed=3, spec=SpecConfig(num_spec_tokens=6))
     cfg = captured(config=base, max_num_seqs=2)
     assert (cfg.seed, cfg.spec.num_spec_tokens, cfg.scheduler.max_num_seqs) == (3, 6, 2)
@@ -140,7 +148,7 @@ def test_a_chat_template_is_stored_as_its_text(captured, tmp_path):
     ({"no_such_option": 1}, ["no_such_option", "weight_format"]),
     ({"tokenizer": "other/tokenizer"}, ["tokenizer"]),
     ({"speculative_config": {"method": "ngram"}, "spec": "ngram"}, ["not both"]),
-    ({"speculative_config": {"method": "eagle"}}, ["eagle"]),
+    ({"speculative_config": {"method": "eagle3"}}, ["eagle3"]),
     ({"chat_template": "no/such/template.jinja"}, ["no such file"]),
 ])
 def test_options_verispec_cannot_honour_are_a_clear_error(captured, kwargs, words):

@@ -187,26 +187,29 @@ SPECULATIVE_CONFIG_KEYS = ("method", "model", "num_speculative_tokens", "prompt_
                            "prompt_lookup_min", "adaptive", "draft_tensor_parallel_size")
 # vLLM's method names -> verispec's; "none" and verispec's own names are accepted too.
 SPECULATIVE_METHODS = {"ngram": "ngram", "draft_model": "draft", "draft": "draft", "suffix": "suffix",
-                       "auto": AUTO, "none": "none"}
+                       "eagle": "eagle", "auto": AUTO, "none": "none"}
 
 
 def spec_from_speculative_config(speculative_config: dict | str | None,
-                                 base: SpecConfig | None = None) -> tuple[SpecConfig, str | None]:
-    """(SpecConfig, draft model or None) for vLLM's `speculative_config` dict (or its JSON).
+                                 base: SpecConfig | None = None) -> tuple[SpecConfig, dict[str, str]]:
+    """(SpecConfig, the EngineConfig fields it names: draft_model or draft_head) for vLLM's
+    `speculative_config` dict (or its JSON).
 
     {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": n, "prompt_lookup_min": m}
     and {"model": DRAFT, "num_speculative_tokens": k} (method "draft_model", implied by "model")
-    map onto verispec's n-gram and draft-model speculation; {"adaptive": false} fixes k.
-    Keys not given keep `base`'s values (verispec's defaults: adaptive n-gram, k_max 8, n-gram
+    map onto verispec's n-gram and draft-model speculation; {"method": "eagle", "model": DIR}
+    onto its EAGLE-style head in DIR (verispec's own head format, `verispec train-draft
+    eagle`; without "model" the model's registered head); {"adaptive": false} fixes k.
+    Keys not given keep `base`'s values (verispec's defaults: adaptive auto, k_max 8, n-gram
     lengths 1..4). A lone prompt_lookup_max or _min keeps the other bound's default (clamped);
-    vLLM copies it instead. Unknown keys and methods verispec lacks (eagle, medusa, mtp...)
+    vLLM copies it instead. Unknown keys and methods verispec lacks (eagle3, medusa, mtp...)
     are a ValueError naming the allowed ones.
     """
     import json
 
     base = base or SpecConfig()
     if speculative_config is None:
-        return base, None
+        return base, {}
     if isinstance(speculative_config, str):
         try:
             speculative_config = json.loads(speculative_config)
@@ -234,8 +237,9 @@ def spec_from_speculative_config(speculative_config: dict | str | None,
                          f"{sorted(SPECULATIVE_METHODS)} (a draft model is implied by 'model')")
     else:
         method = SPECULATIVE_METHODS[method]
-    if draft and method != "draft":
-        raise ValueError(f"speculative_config model {draft!r} needs method 'draft_model', got {method!r}")
+    if draft and method not in ("draft", "eagle"):
+        raise ValueError(f"speculative_config model {draft!r} needs method 'draft_model' or 'eagle', got {method!r}")
+    named = {("draft_head" if method == "eagle" else "draft_model"): draft} if draft else {}
     spec = asdict(base)
     spec["method"] = method
     if "num_speculative_tokens" in cfg:
@@ -251,7 +255,7 @@ def spec_from_speculative_config(speculative_config: dict | str | None,
         hi = _int_key(cfg, "prompt_lookup_max") if hi is not None else max(spec["ngram_max"], lo)
         lo = _int_key(cfg, "prompt_lookup_min") if lo is not None else min(spec["ngram_min"], hi)
         spec["ngram_min"], spec["ngram_max"] = lo, hi
-    return SpecConfig(**spec), draft
+    return SpecConfig(**spec), named
 
 
 def _int_key(cfg: dict, key: str) -> int:
@@ -405,10 +409,11 @@ def config_from_args(args: argparse.Namespace) -> EngineConfig:
         if clash:
             raise ValueError(f"--speculative-config cannot be combined with {', '.join(clash)}: "
                              "say it in one of them")
-        spec_cfg, draft = spec_from_speculative_config(args.speculative_config, SpecConfig(**spec))
+        spec_cfg, named = spec_from_speculative_config(args.speculative_config, SpecConfig(**spec))
+        if "draft_head" in named and getattr(args, "draft_head", None) is not None:
+            raise ValueError("--speculative-config's model and --draft-head both name the head: say it in one")
         spec = asdict(spec_cfg)
-        if draft:
-            top["draft_model"] = draft
+        top.update(named)
     _set(cache, "num_kv_tokens", args.kv_tokens)
     _set(cache, "block_size", args.block_size)
     if args.no_prefix_cache:

@@ -12,7 +12,7 @@ and generate/chat without sampling_params use the model's generation-config defa
 (`get_default_sampling_params`; generation_config="vllm" for neutral ones).
 
 Differences from vLLM (README "Coming from vLLM" has the full list): with no
-`speculative_config` verispec still speculates (adaptive n-gram, lossless) where vLLM
+`speculative_config` verispec still speculates (adaptive auto, lossless) where vLLM
 does not; pass {"method": "none"} to turn it off. SamplingParams.max_tokens defaults to
 256 (vLLM: 16). Prompt log-probabilities are not supported yet. Keyword arguments vLLM
 has and verispec cannot honour are a ValueError; a few that cannot change anything here
@@ -103,19 +103,18 @@ class LLM:
                                  f"{list(_ENGINE_FIELDS)}, vLLM's accepted as no-ops: {list(LLM_NOOP_OPTIONS)}")
             top[name] = value
 
-        spec_cfg, draft_model = base.spec, draft
+        spec_cfg, named = base.spec, ({"draft_model": draft} if draft is not None else {})
         if speculative_config is not None:
             if spec is not None or draft is not None:
                 raise ValueError("pass speculative_config or verispec's spec=/draft=, not both")
-            spec_cfg, draft_model = spec_from_speculative_config(speculative_config, base.spec)
+            spec_cfg, named = spec_from_speculative_config(speculative_config, base.spec)
         elif isinstance(spec, SpecConfig):
             spec_cfg = spec
         elif spec is not None:
             spec_cfg = replace(base.spec, method=spec)
         elif draft is not None:
             spec_cfg = replace(base.spec, method="draft")  # naming a draft means using it
-        if draft_model is not None:
-            top["draft_model"] = draft_model
+        top.update(named)
 
         sched = {k: v for k, v in (("max_model_len", max_model_len), ("max_num_seqs", max_num_seqs),
                                    ("max_num_batched_tokens", max_num_batched_tokens)) if v is not None}
