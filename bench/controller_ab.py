@@ -17,7 +17,9 @@ Prompts come from the evaluation half of each task by default (`--split`).
 
 With `--draft-model` both versions draft with that model (the Qwen2.5-Coder pair:
 `--model qwen2.5-coder-1.5b-instruct --draft-model qwen2.5-coder-0.5b-instruct`) instead
-of n-gram lookup; plain decoding runs no draft model.
+of n-gram lookup; plain decoding runs no draft model. `--spec auto --draft-head DIR` runs
+method auto with that head (`--baseline without-draft-cost`: the choice by acceptance
+alone).
 """
 from __future__ import annotations
 
@@ -56,7 +58,15 @@ def _without_allocation(engine) -> None:
     engine.policy._gains = level_by_level
 
 
-ABLATIONS = {"same": lambda engine: None, "without-keys": _without_keys, "without-allocation": _without_allocation}
+def _without_draft_cost(engine) -> None:
+    """Method auto picks a row's proposer by acceptance alone, not net of a timed proposer's
+    measured cost per drafted token."""
+    acceptance = engine.policy.acceptance
+    engine.policy._net_acceptance = lambda o: acceptance.alpha(o.request_id, o.proposer, o.key)
+
+
+ABLATIONS = {"same": lambda engine: None, "without-keys": _without_keys, "without-allocation": _without_allocation,
+             "without-draft-cost": _without_draft_cost}
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -65,6 +75,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="the 'old' version: the same policy (A/A) or one without a mechanism")
     p.add_argument("--model", default="smollm2-135m-instruct")
     p.add_argument("--draft-model", default=None, help="draft with this model instead of n-gram")
+    p.add_argument("--spec", default=None, choices=("ngram", "auto", "suffix", "eagle"),
+                   help="the method both versions run (default: n-gram, or the draft model if given)")
+    p.add_argument("--draft-head", default=None, help="the head folder for --spec eagle or auto")
     p.add_argument("--tasks", default=",".join(adaptive.TASKS), help=f"comma-separated, from {list(adaptive.TASKS)}")
     p.add_argument("--num-prompts", type=int, default=4)
     p.add_argument("--prompts-per-slot", type=int, default=2)
@@ -89,8 +102,8 @@ def parse_args(argv=None) -> argparse.Namespace:
 def engine_configs(args: argparse.Namespace):
     """(both versions' engine config, plain decoding's): adaptive k up to --k-max, drafting
     with --draft-model if given, else n-gram lookup; plain decoding loads no draft model."""
-    method = "draft" if args.draft_model else "ngram"
-    config = replace(common.base_config(args, args.draft_model),
+    method = args.spec or ("draft" if args.draft_model else "ngram")
+    config = replace(common.base_config(args, args.draft_model), draft_head=args.draft_head,
                      spec=SpecConfig(method=method, num_spec_tokens=args.k_max, adaptive=True))
     return config, replace(config, draft_model=None, spec=SpecConfig(method="none"))
 

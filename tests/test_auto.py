@@ -16,7 +16,7 @@ from verispec.config import SpecConfig
 from verispec.outputs import SpecStats
 from verispec.request import SpecOverride
 from verispec.sampling import SamplingParams
-from verispec.spec.policy import RowOffer, SpeculationPolicy
+from verispec.spec.policy import RoundReport, RowOffer, SpeculationPolicy
 
 PAIR = tiny_pair(vocab=48, noise=0.1, seed=3)
 # Repetitive prompts (lookups match) and one without a repeated token (only the head offers).
@@ -47,6 +47,26 @@ def test_better_keeps_the_offer_the_row_accepts_more_often_then_the_longer(monke
         policy.better(offer("ngram", 2, 9), offer("suffix", 3, 9)).proposer == "suffix",  # equal estimates: longer
     ]
     assert all(checks) != broken, checks
+
+
+@pytest.mark.parametrize("broken", [False, True])
+def test_better_charges_a_timed_proposers_measured_draft_cost(monkeypatch, broken):
+    """A head the row accepts more often than the lookup, but whose drafted token costs 0.3
+    of a row (measured), loses the row to the free lookup; before any pass is timed its cost
+    is taken as none, as an unmeasured cost cell's."""
+    if broken:  # acceptance alone
+        monkeypatch.setattr(SpeculationPolicy, "_net_acceptance",
+                            lambda self, o: self.acceptance.alpha(o.request_id, o.proposer, o.key))
+    policy = SpeculationPolicy(16)
+    learned(policy, "ngram", 2, accepted=2)
+    learned(policy, "eagle", 0, accepted=3)
+    lookup, head = offer("ngram", 3, 2), RowOffer("r", "eagle", 4, 4, timed=True)
+    assert policy.acceptance.alpha("r", "eagle", 0) > policy.acceptance.alpha("r", "ngram", 2)
+    unmeasured = policy.better(lookup, head).proposer == "eagle"
+    for _ in range(3):  # a depth-1 pass for one row: 3 ms against a 10 ms verify pass of one row
+        policy.observe(RoundReport(1, [], 0.010, 1, {"eagle": (1, 1, 0.003)}))
+    measured = policy.better(lookup, head).proposer == "ngram"
+    assert (unmeasured and measured) != broken, (unmeasured, measured)
 
 
 def test_auto_candidates_must_be_proposers_auto_may_pick():

@@ -9,6 +9,7 @@ import pytest
 from bench_scripts import load
 from tiny import run_all, tiny_engine, tiny_pair
 from verispec.sampling import SamplingParams
+from verispec.spec.policy import RowOffer
 
 controller_ab = load("controller_ab", "controller_ab_bench")
 PAIR = tiny_pair(vocab=48, noise=0.1, seed=3)
@@ -53,6 +54,25 @@ def test_both_versions_draft_as_asked_and_plain_runs_no_draft_model(draft_model,
     assert (config.draft_model, config.spec.method, config.spec.num_spec_tokens, config.spec.adaptive) == (
         draft_model, method, 6, True)
     assert (plain.draft_model, plain.spec.method, plain.model) == (None, "none", "qwen2.5-coder-1.5b-instruct")
+
+
+def test_without_draft_cost_picks_by_acceptance_alone():
+    engine, _, _ = planned("without-draft-cost")
+    policy = engine.policy
+    policy.acceptance.alpha = lambda rid, p, key: {"ngram": 0.5, "eagle": 0.6}[p]
+    policy.draft_shares["eagle"] = SimpleNamespace(value=lambda: 0.3)  # measured: 0.3 of a row
+    lookup, head = RowOffer("r", "ngram", 3, 4), RowOffer("r", "eagle", 3, 4, timed=True)
+    assert policy.better(lookup, head).proposer == "eagle"
+    same, _, _ = planned("same")
+    same.policy.acceptance.alpha, same.policy.draft_shares = policy.acceptance.alpha, policy.draft_shares
+    assert same.policy.better(lookup, head).proposer == "ngram"
+
+
+@pytest.mark.parametrize("spec,head", [("auto", "/heads/h"), ("eagle", None)])
+def test_spec_and_draft_head_reach_both_versions(spec, head):
+    argv = ["--baseline", "same", "--spec", spec] + (["--draft-head", head] if head else [])
+    config, plain = controller_ab.engine_configs(controller_ab.parse_args(argv))
+    assert (config.spec.method, config.draft_head, plain.spec.method) == (spec, head, "none")
 
 
 def test_a_bad_baseline_or_repeats_is_refused_by_name(capsys):

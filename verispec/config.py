@@ -352,7 +352,8 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--huge-pages", action=argparse.BooleanOptionalAction, default=None,
                    help="copy the CPU weights into memory backed by 2 MiB pages where Linux offers "
                         "transparent huge pages (default on: fewer TLB misses while a step streams them)")
-    g.add_argument("--spec", choices=spec_methods(), help="speculation method (default auto: n-gram, or the head where one is registered)")
+    g.add_argument("--spec", choices=spec_methods(),
+                   help="speculation method (default auto: n-gram, or the head where one is registered)")
     g.add_argument("--num-spec-tokens", type=int, help="k (k_max when adaptive)")
     g.add_argument("--spec-adaptive", action=argparse.BooleanOptionalAction, default=None,
                    help="choose k per step from measured acceptance and cost (default on)")

@@ -126,3 +126,20 @@ class PerToken:
     def value(self) -> float:
         """0 before any timing: optimistic, the first catch-up then measures it."""
         return statistics.median(self._rates) if self._rates else 0.0
+
+
+class DraftShare:
+    """What one drafted token of a timed proposer costs, in rows of the verify pass: its
+    pass's seconds per (row, depth) over the verify pass's seconds per row, a windowed
+    median over decode-only rounds (a head: ~0.05 of a row where its pass is 5% of a step)."""
+
+    def __init__(self) -> None:
+        self._shares: deque = deque(maxlen=WINDOW)
+
+    def observe(self, rows: int, depth: int, seconds: float, batch: int, verify_s: float) -> None:
+        if rows > 0 and depth > 0 and verify_s > 0:
+            self._shares.append((seconds / (rows * depth)) / (verify_s / batch))
+
+    def value(self) -> float:
+        """0 before any round: optimistic, as an unmeasured cost cell is priced."""
+        return statistics.median(self._shares) if self._shares else 0.0

@@ -30,7 +30,7 @@ from operator import itemgetter
 from typing import NamedTuple
 
 from verispec.spec.acceptance import AcceptanceModel, expected_tokens
-from verispec.spec.costs import BUCKET_STARTS, CostCells, PerToken
+from verispec.spec.costs import BUCKET_STARTS, CostCells, DraftShare, PerToken
 
 
 # The most draft tokens a request may ask for: a verify row is 1 + k tokens, and past 16
@@ -81,23 +81,30 @@ class SpeculationPolicy:
         self.acceptance = AcceptanceModel()
         self.verify_costs = CostCells()
         self.draft_costs: dict[str, CostCells] = {}
+        self.draft_shares: dict[str, DraftShare] = {}
         self.catch_up_cost = PerToken()
         self.rounds = 0
         self.k_counts = [0] * (k_max + 1)
 
     # ------------------------------------------------------------------ plan
     def better(self, current: RowOffer, other: RowOffer) -> RowOffer:
-        """Of two proposers' offers for one row (method "auto"), the one whose drafts the row
-        accepts more often by its estimates; then the longer; then `current`. Per-position
-        acceptance, not expected tokens at full length: the latter favours the longest
-        offer, whose extra drafts cost verify time at a lower rate."""
+        """Of two proposers' offers for one row (method "auto"), the one whose next draft
+        nets more tokens: the row's acceptance estimate less what a drafted token of a timed
+        proposer costs, in rows of the verify pass (`DraftShare`; a lookup's costs nothing);
+        then the longer; then `current`. Per position, not expected tokens at full length:
+        the latter favours the longest offer, whose extra drafts cost verify time at a lower
+        rate."""
         if not other.available:
             return current
         if not current.available:
             return other
-        a = self.acceptance.alpha(current.request_id, current.proposer, current.key)
-        b = self.acceptance.alpha(other.request_id, other.proposer, other.key)
+        a, b = self._net_acceptance(current), self._net_acceptance(other)
         return other if (b, other.available) > (a, current.available) else current
+
+    def _net_acceptance(self, offer: RowOffer) -> float:
+        alpha = self.acceptance.alpha(offer.request_id, offer.proposer, offer.key)
+        share = self.draft_shares.get(offer.proposer) if offer.timed else None
+        return alpha - share.value() if share is not None else alpha
 
     def plan(self, rows: list[RowOffer]) -> list[int]:
         """k per row (0 <= k <= available), in the order given."""
@@ -189,6 +196,9 @@ class SpeculationPolicy:
         self.catch_up_cost.observe(*report.catch_up)
         for name, (n_rows, depth, seconds) in report.draft_passes.items():
             self.draft_costs.setdefault(name, CostCells()).observe(n_rows, depth, seconds)
+            if report.verify_s is not None:
+                self.draft_shares.setdefault(name, DraftShare()).observe(
+                    n_rows, depth, seconds, report.batch_size, report.verify_s)
         if report.verify_s is not None:
             self.verify_costs.observe(report.batch_size, report.drafted, report.verify_s)
         self.rounds += 1
