@@ -67,6 +67,7 @@ def test_better_charges_a_timed_proposers_measured_draft_cost(monkeypatch, broke
         policy.observe(RoundReport(1, [], 0.010, 1, {"eagle": (1, 1, 0.003)}))
     measured = policy.better(lookup, head).proposer == "ngram"
     assert (unmeasured and measured) != broken, (unmeasured, measured)
+    assert policy.snapshot()["draft_shares"] == {"eagle": 0.3}  # reported with the policy's state
 
 
 def test_auto_candidates_must_be_proposers_auto_may_pick():

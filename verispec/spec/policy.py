@@ -209,7 +209,8 @@ class SpeculationPolicy:
     def snapshot(self) -> dict:
         return {"rounds": self.rounds, "k_counts": list(self.k_counts),
                 "alpha_pools": self.acceptance.snapshot(), "verify_cells": self.verify_costs.snapshot(),
-                "draft_cells": {n: c.snapshot() for n, c in self.draft_costs.items()}}
+                "draft_cells": {n: c.snapshot() for n, c in self.draft_costs.items()},
+                "draft_shares": {n: round(share.value(), 4) for n, share in self.draft_shares.items()}}
 
 
 class _DraftPrices:
