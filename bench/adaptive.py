@@ -47,7 +47,6 @@ cell also carries a paired bootstrap interval over its prompts for both ratios
 from __future__ import annotations
 
 import argparse
-import random
 import statistics
 import sys
 import time
@@ -230,36 +229,19 @@ def paired_interval(runs: dict[str, list], seed: int = 0) -> dict | None:
     names = ["plain", "adaptive", *fixed]
     if any(r.concurrency != 1 for n in names for r in runs[n]):
         return None
-    tokens, seconds = ({n: {} for n in names} for _ in range(2))
-    for n in names:
-        for run in runs[n]:
-            for req in run.requests:
-                tokens[n][req.prompt_id] = tokens[n].get(req.prompt_id, 0) + len(req.token_ids)
-                seconds[n][req.prompt_id] = seconds[n].get(req.prompt_id, 0.0) + req.latency_s
-    prompts = sorted(seconds["plain"])
-    if any(sorted(seconds[n]) != prompts for n in names):
-        raise ValueError(f"paired interval: the contenders ran different prompts: "
-                         f"{ {n: sorted(seconds[n]) for n in names} }")
-    rng = random.Random(seed)
     vs_best, vs_plain = [], []
-    for _ in range(RESAMPLES):
-        draw = [rng.choice(prompts) for _ in prompts]
-        rate = {n: sum(tokens[n][p] for p in draw) / sum(seconds[n][p] for p in draw) for n in names}
+    for rate in common.paired_resamples({n: runs[n] for n in names}, RESAMPLES, seed):
         best = max(rate[n] for n in fixed)
         vs_best.append(rate["adaptive"] / best)
         vs_plain.append(rate["adaptive"] / rate["plain"])
-
-    def ends(xs: list[float]) -> list[float]:
-        xs = sorted(xs)
-        tail = (1.0 - INTERVAL) / 2
-        return [xs[int(tail * (len(xs) - 1))], xs[int((1.0 - tail) * (len(xs) - 1))]]
-    best_ends, plain_ends = ends(vs_best), ends(vs_plain)
+    best_ends, plain_ends = common.central_interval(vs_best, INTERVAL), common.central_interval(vs_plain, INTERVAL)
     if min(best_ends[0], plain_ends[0]) >= TARGET:
         verdict = "met"
     elif min(best_ends[1], plain_ends[1]) < TARGET:
         verdict = "missed"
     else:
         verdict = "undecided"
+    prompts = {req.prompt_id for run in runs["plain"] for req in run.requests}
     return {"prompts": len(prompts), "level": INTERVAL, "resamples": RESAMPLES,
             "adaptive_vs_best_fixed": best_ends, "adaptive_vs_plain": plain_ends, "verdict": verdict}
 

@@ -548,6 +548,34 @@ def write_result(benchmark: str, args: argparse.Namespace, header: dict, t0: flo
     write_json(args.out or default_out, {"benchmark": benchmark, **finish_run(header, t0), "settings": settings, **body})
 
 
+def paired_resamples(runs: dict[str, list[RunResult]], resamples: int, seed: int = 0):
+    """Each contender's rate on `resamples` draws of the prompts with replacement (seeded):
+    its tokens over its seconds, summed over the drawn prompts and over its runs. Only at 1
+    in flight is a request's seconds its own, so every prompt is a pair across the
+    contenders; the caller checks the concurrency. Contenders that ran different prompts
+    are a ValueError."""
+    tokens, seconds = ({n: {} for n in runs} for _ in range(2))
+    for n, results in runs.items():
+        for run in results:
+            for req in run.requests:
+                tokens[n][req.prompt_id] = tokens[n].get(req.prompt_id, 0) + len(req.token_ids)
+                seconds[n][req.prompt_id] = seconds[n].get(req.prompt_id, 0.0) + req.latency_s
+    prompts = sorted(next(iter(seconds.values())))
+    if any(sorted(s) != prompts for s in seconds.values()):
+        raise ValueError(f"paired interval: the contenders ran different prompts: "
+                         f"{ {n: sorted(s) for n, s in seconds.items()} }")
+    rng = random.Random(seed)
+    for _ in range(resamples):
+        draw = [rng.choice(prompts) for _ in prompts]
+        yield {n: sum(tokens[n][p] for p in draw) / sum(seconds[n][p] for p in draw) for n in runs}
+
+
+def central_interval(values: list[float], level: float) -> list[float]:
+    """The [low, high] ends holding the central `level` share of `values`."""
+    xs, tail = sorted(values), (1.0 - level) / 2
+    return [xs[int(tail * (len(xs) - 1))], xs[int((1.0 - tail) * (len(xs) - 1))]]
+
+
 def geomean(xs: list[float]) -> float:
     return math.exp(sum(math.log(x) for x in xs) / len(xs))
 

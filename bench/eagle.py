@@ -24,7 +24,6 @@ Outputs must equal plain's (greedy). Results: bench/results/eagle_<model>.json.
 from __future__ import annotations
 
 import argparse
-import random
 import sys
 import time
 from dataclasses import replace
@@ -103,9 +102,8 @@ def run_task(models, configs, task: str, args) -> dict:
 
 def vs_ngram(results: dict, seed: int = 0, resamples: int = 2000, level: float = 0.9) -> dict:
     """Each contender's rate over n-gram's, with a paired bootstrap interval over the prompts
-    at 1 in flight (each request runs alone there, so a prompt's seconds are its own and
-    every prompt is a pair across the contenders). {} without n-gram; no interval above 1
-    in flight."""
+    at 1 in flight (`common.paired_resamples`). {} without n-gram; no interval above 1 in
+    flight."""
     if "ngram" not in results:
         return {}
     ngram, out = results["ngram"], {}
@@ -114,25 +112,10 @@ def vs_ngram(results: dict, seed: int = 0, resamples: int = 2000, level: float =
             continue
         entry = {"ratio": r.tokens_per_s / ngram.tokens_per_s}
         if r.concurrency == 1:
-            entry["interval"] = _paired_ends(r, ngram, random.Random(seed), resamples, level)
+            ratios = [rate["a"] / rate["b"] for rate in common.paired_resamples({"a": [r], "b": [ngram]}, resamples, seed)]
+            entry["interval"] = common.central_interval(ratios, level)
         out[name] = entry
     return out
-
-
-def _paired_ends(a, b, rng: random.Random, resamples: int, level: float) -> list[float]:
-    tokens = {n: {q.prompt_id: len(q.token_ids) for q in r.requests} for n, r in (("a", a), ("b", b))}
-    seconds = {n: {q.prompt_id: q.latency_s for q in r.requests} for n, r in (("a", a), ("b", b))}
-    prompts = sorted(seconds["a"])
-    if prompts != sorted(seconds["b"]):
-        raise ValueError("paired interval: the two contenders ran different prompts")
-    ratios = []
-    for _ in range(resamples):
-        draw = [rng.choice(prompts) for _ in prompts]
-        rate = {n: sum(tokens[n][p] for p in draw) / sum(seconds[n][p] for p in draw) for n in ("a", "b")}
-        ratios.append(rate["a"] / rate["b"])
-    ratios.sort()
-    tail = (1.0 - level) / 2
-    return [ratios[int(tail * (resamples - 1))], ratios[int((1.0 - tail) * (resamples - 1))]]
 
 
 def main(argv=None) -> int:
