@@ -917,3 +917,17 @@ def test_a_spawned_engine_runs_on_the_main_thread_of_another_process():
         async with async_engine(FakeEngine()) as threaded:
             assert (await threaded.call(_where))[0] == os.getpid()
     run(scenario())
+
+
+def test_the_spec_of_sibling_choices_sums_their_counts_and_recomputes_the_rates():
+    from verispec.outputs import SpecStats
+    from verispec.server.protocol import merge_spec, spec_summary
+    a, b = SpecStats(), SpecStats()
+    a.record_round(2, 2, "ngram")
+    a.record_round(1, 0, "eagle")
+    b.record_round(3, 1, "ngram")
+    merged = merge_spec([spec_summary(a, "auto"), spec_summary(b, "auto")])
+    assert merged == {"method": "auto", "num_drafts": 3, "drafted": 6, "accepted": 3,
+                      "acceptance_per_position": [2 / 3, 1 / 2, 0.0], "mean_accepted_len": 1.0,
+                      "accepted_per_position": [2, 1, 0], "drafted_per_position": [3, 2, 1],
+                      "proposers": {"ngram": {"drafted": 5, "accepted": 3}, "eagle": {"drafted": 1, "accepted": 0}}}

@@ -654,28 +654,11 @@ def merge_spec(summaries: list[dict]) -> dict:
     """One `spec` for n sibling choices (spec_summary dicts): counts summed, rates recomputed."""
     if len(summaries) == 1:
         return summaries[0]
-
-    def add(lists: list[list[int]]) -> list[int]:
-        out = [0] * max(map(len, lists), default=0)
-        for values in lists:
-            for i, v in enumerate(values):
-                out[i] += v
-        return out
-    drafts = sum(s["num_drafts"] for s in summaries)
-    accepted = sum(s["accepted"] for s in summaries)
-    acc = add([s["accepted_per_position"] for s in summaries])
-    dra = add([s["drafted_per_position"] for s in summaries])
-    proposers: dict[str, dict] = {}
-    for s in summaries:
-        for name, counts in s["proposers"].items():
-            mine = proposers.setdefault(name, {"drafted": 0, "accepted": 0})
-            mine["drafted"] += counts["drafted"]
-            mine["accepted"] += counts["accepted"]
-    return {"method": summaries[0]["method"], "num_drafts": drafts,
-            "drafted": sum(s["drafted"] for s in summaries), "accepted": accepted,
-            "acceptance_per_position": [a / d if d else 0.0 for a, d in zip(acc, dra)],
-            "mean_accepted_len": accepted / drafts if drafts else None,
-            "accepted_per_position": acc, "drafted_per_position": dra, "proposers": proposers}
+    stats = SpecStats.summed([SpecStats(s["num_drafts"], s["drafted"], s["accepted"], list(s["accepted_per_position"]),
+                                        list(s["drafted_per_position"]),
+                                        by_proposer={n: [c["drafted"], c["accepted"]] for n, c in s["proposers"].items()})
+                              for s in summaries])
+    return spec_summary(stats, summaries[0]["method"])
 
 
 def merge_usage(usages: list[dict], n: int) -> dict:
