@@ -113,33 +113,23 @@ class RowPrices:
         return median if median is not None else self._bound[i]
 
 
-class PerToken:
-    """Seconds per token of a one-off pass (a draft model's catch-up): a windowed median."""
+class WindowedMedian:
+    """The median of the last WINDOW values; 0 before any: optimistic, as an unmeasured cost
+    cell is priced, so the first use measures it. The policy keeps two: a draft model's
+    catch-up seconds per token, and each timed proposer's `draft_share`."""
 
     def __init__(self) -> None:
-        self._rates: deque = deque(maxlen=WINDOW)
+        self._values: deque = deque(maxlen=WINDOW)
 
-    def observe(self, tokens: int, seconds: float) -> None:
-        if tokens > 0:
-            self._rates.append(seconds / tokens)
-
-    def value(self) -> float:
-        """0 before any timing: optimistic, the first catch-up then measures it."""
-        return statistics.median(self._rates) if self._rates else 0.0
-
-
-class DraftShare:
-    """What one drafted token of a timed proposer costs, in rows of the verify pass: its
-    pass's seconds per (row, depth) over the verify pass's seconds per row, a windowed
-    median over decode-only rounds (a head: ~0.05 of a row where its pass is 5% of a step)."""
-
-    def __init__(self) -> None:
-        self._shares: deque = deque(maxlen=WINDOW)
-
-    def observe(self, rows: int, depth: int, seconds: float, batch: int, verify_s: float) -> None:
-        if rows > 0 and depth > 0 and verify_s > 0:
-            self._shares.append((seconds / (rows * depth)) / (verify_s / batch))
+    def add(self, value: float) -> None:
+        self._values.append(value)
 
     def value(self) -> float:
-        """0 before any round: optimistic, as an unmeasured cost cell is priced."""
-        return statistics.median(self._shares) if self._shares else 0.0
+        return statistics.median(self._values) if self._values else 0.0
+
+
+def draft_share(rows: int, depth: int, seconds: float, batch: int, verify_s: float) -> float:
+    """What one drafted token of a timed proposer cost, in rows of the verify pass: its
+    pass's seconds per (row, depth) over the verify pass's seconds per row (a head whose
+    pass is 5% of a one-row step: ~0.05)."""
+    return (seconds / (rows * depth)) / (verify_s / batch)

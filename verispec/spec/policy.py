@@ -30,7 +30,7 @@ from operator import itemgetter
 from typing import NamedTuple
 
 from verispec.spec.acceptance import AcceptanceModel, expected_tokens
-from verispec.spec.costs import BUCKET_STARTS, CostCells, DraftShare, PerToken
+from verispec.spec.costs import BUCKET_STARTS, CostCells, WindowedMedian, draft_share
 
 
 # The most draft tokens a request may ask for: a verify row is 1 + k tokens, and past 16
@@ -81,8 +81,8 @@ class SpeculationPolicy:
         self.acceptance = AcceptanceModel()
         self.verify_costs = CostCells()
         self.draft_costs: dict[str, CostCells] = {}
-        self.draft_shares: dict[str, DraftShare] = {}
-        self.catch_up_cost = PerToken()
+        self.draft_shares: dict[str, WindowedMedian] = {}   # timed proposer -> its draft_share
+        self.catch_up_cost = WindowedMedian()                # seconds per token of one-off passes
         self.rounds = 0
         self.k_counts = [0] * (k_max + 1)
 
@@ -90,7 +90,7 @@ class SpeculationPolicy:
     def better(self, current: RowOffer, other: RowOffer) -> RowOffer:
         """Of two proposers' offers for one row (method "auto"), the one whose next draft
         nets more tokens: the row's acceptance estimate less what a drafted token of a timed
-        proposer costs, in rows of the verify pass (`DraftShare`; a lookup's costs nothing);
+        proposer costs, in rows of the verify pass (`costs.draft_share`; a lookup's costs nothing);
         then the longer; then `current`. Per position, not expected tokens at full length:
         the latter favours the longest offer, whose extra drafts cost verify time at a lower
         rate."""
@@ -193,12 +193,14 @@ class SpeculationPolicy:
                 self.k_counts[row.drafted] += 1
             if row.finished:
                 self.acceptance.forget(row.request_id)
-        self.catch_up_cost.observe(*report.catch_up)
+        tokens, seconds = report.catch_up
+        if tokens > 0:
+            self.catch_up_cost.add(seconds / tokens)
         for name, (n_rows, depth, seconds) in report.draft_passes.items():
             self.draft_costs.setdefault(name, CostCells()).observe(n_rows, depth, seconds)
-            if report.verify_s is not None:
-                self.draft_shares.setdefault(name, DraftShare()).observe(
-                    n_rows, depth, seconds, report.batch_size, report.verify_s)
+            if report.verify_s and n_rows and depth:  # a decode-only round: its verify pass is known
+                self.draft_shares.setdefault(name, WindowedMedian()).add(
+                    draft_share(n_rows, depth, seconds, report.batch_size, report.verify_s))
         if report.verify_s is not None:
             self.verify_costs.observe(report.batch_size, report.drafted, report.verify_s)
         self.rounds += 1
