@@ -9,8 +9,8 @@ from tiny import run_all, tiny_engine, tiny_pair
 from verispec.model.eagle import load_head, save_head
 from verispec.sampling import SamplingParams
 from verispec.train import eagle as eagle_mod
-from verispec.train.distill import read_losses
-from verispec.train.eagle import EagleConfig, head_forward, init_head, run_features, run_train, teacher_rows
+from verispec.train.distill import lr_at, read_losses
+from verispec.train.eagle import LR_FLOOR, EagleConfig, head_forward, init_head, run_features, run_train, teacher_rows
 from verispec.train.store import load_torch, read_json, save_torch, write_json
 from verispec.train.traces import score_topk
 
@@ -59,9 +59,36 @@ def test_training_raises_agreement_and_a_rerun_does_no_work(features, tmp_path):
     assert _train(features, tmp_path / "train") is not None
     assert {p.name: p.read_bytes() for p in (tmp_path / "train").iterdir()} == files
     target, feats, vocab, teacher = features
+    other_lr = EagleConfig(**{**CFG.to_dict(), "lr": 1e-3})
+    with pytest.raises(ValueError, match=r"different settings \(config.lr"):
+        run_train(other_lr, feats, tmp_path / "train", init_head(target, vocab), "tiny", teacher, False)
     half = EagleConfig(**{**CFG.to_dict(), "steps": 30})
-    with pytest.raises(ValueError, match="different settings"):
+    with pytest.raises(ValueError, match="ran to 60 steps; --steps must be more"):
         run_train(half, feats, tmp_path / "train", init_head(target, vocab), "tiny", teacher, False)
+
+
+def test_a_finished_run_extends_with_a_fresh_schedule_from_its_last_weights(features, tmp_path):
+    """A 30-step run asked for 60 resumes at step 31 with the warm-up's first rate, logs each
+    step once and records both segments; an unfinished run is not extended."""
+    target, feats, vocab, teacher = features
+    short = EagleConfig(**{**CFG.to_dict(), "steps": 30})
+    torch.manual_seed(CFG.seed)
+    run_train(short, feats, tmp_path / "train", init_head(target, vocab), "tiny", teacher, False)
+    first = read_json(tmp_path / "train" / "done.json")
+    extended = _train(features, tmp_path / "train")
+    done = read_json(tmp_path / "train" / "done.json")
+    assert done["steps"] == 60 and done["schedule"] == [[0, 30], [30, 60]]
+    log = [e for e in read_losses(tmp_path / "train" / "losses.jsonl") if "loss" in e]
+    assert [e["step"] for e in log] == list(range(1, 61))
+    assert log[29]["lr"] == pytest.approx(lr_at(29, short, LR_FLOOR))       # the first cosine's end
+    assert log[30]["lr"] == pytest.approx(CFG.lr / CFG.warmup_steps)         # a fresh warm-up
+    assert done["eval_last"]["greedy_agree"] >= first["eval_last"]["greedy_agree"]
+    straight = _train(features, tmp_path / "straight")
+    assert any(not torch.equal(a, b) for a, b in zip(straight.state_dict().values(), extended.state_dict().values()))
+    (tmp_path / "train" / "done.json").unlink()
+    longer = EagleConfig(**{**CFG.to_dict(), "steps": 90})
+    with pytest.raises(ValueError, match="has not finished its 60 steps"):
+        run_train(longer, feats, tmp_path / "train", init_head(target, vocab), "tiny", teacher, False)
 
 
 def test_an_interrupted_run_resumes_to_the_same_weights_and_logs_each_step_once(features, tmp_path, monkeypatch):

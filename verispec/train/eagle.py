@@ -35,7 +35,7 @@ from verispec.model.eagle import EagleHead
 from verispec.model.llama import LlamaModel
 from verispec.train.distill import log_entry, lr_at, micro_batches, plan_steps, read_losses, resume
 from verispec.train.draft import _dense_attention, causal_forward, rope_tables
-from verispec.train.store import ensure_same_settings, load_torch, read_json, save_torch, write_json
+from verispec.train.store import as_stored, ensure_same_settings, load_torch, read_json, save_torch, write_json
 
 
 @dataclass(frozen=True)
@@ -249,15 +249,27 @@ MICRO_BATCH_TOKENS = 4096   # a micro-batch's padded tokens (the head's activati
 LR_FLOOR = 0.05             # the cosine decays to this fraction of the peak rate
 
 
+def segment_lr(step: int, cfg: EagleConfig, segments: list[list[int]]) -> float:
+    """The learning rate at `step`: each segment [a, b) of the schedule warms up and decays
+    on its own (a run extended past its steps restarts warm-up and cosine where it ended)."""
+    for a, b in segments:
+        if a <= step < b:
+            return lr_at(step - a, replace(cfg, steps=b - a), LR_FLOOR)
+    raise ValueError(f"step {step} is outside the schedule {segments}")
+
+
 def train_steps(head: EagleHead, records: list[dict], cfg: EagleConfig, optimizer, teacher: torch.Tensor,
-                start: int = 0, on_step=None) -> None:
-    """Steps start..cfg.steps of the seeded plan; `on_step(step, stats)` after each."""
+                start: int = 0, on_step=None, segments: list[list[int]] | None = None) -> None:
+    """Steps start..cfg.steps of the seeded plan (a prefix of a longer run's plan: the same
+    examples at each step whatever cfg.steps is); `on_step(step, stats)` after each."""
     remap = _remap(head)
     plan = plan_steps([r["ids"].numel() - r["first"] for r in records], cfg)
     params = [p for p in head.parameters() if p.requires_grad]
+    segments = segments or [[0, cfg.steps]]
     for step in range(start, cfg.steps):
+        lr = segment_lr(step, cfg, segments)
         for group in optimizer.param_groups:
-            group["lr"] = lr_at(step, cfg, LR_FLOOR)
+            group["lr"] = lr
         optimizer.zero_grad(set_to_none=True)
         chosen = [records[i] for i in plan[step]]
         total = sum(r["ids"].numel() for r in chosen)
@@ -271,7 +283,7 @@ def train_steps(head: EagleHead, records: list[dict], cfg: EagleConfig, optimize
         torch.nn.utils.clip_grad_norm_(params, 1.0)
         optimizer.step()
         if on_step is not None:
-            on_step(step, {**sums, "lr": lr_at(step, cfg, LR_FLOOR)})
+            on_step(step, {**sums, "lr": lr})
 
 
 def _remap(head: EagleHead) -> torch.Tensor:
@@ -298,10 +310,12 @@ def evaluate(head: EagleHead, records: list[dict], cfg: EagleConfig, teacher: to
 
 def run_train(cfg: EagleConfig, features_dir: Path, train_dir: Path, head: EagleHead, target_name: str,
               teacher: torch.Tensor, progress: bool = True) -> dict:
-    """Train (or resume) to cfg.steps; returns done.json's record (skips a finished run)."""
+    """Train (or resume) to cfg.steps; returns done.json's record (skips a finished run).
+    A finished run asked for more steps continues from its last weights (`extend_schedule`)."""
     train_dir.mkdir(parents=True, exist_ok=True)
-    ensure_same_settings(train_dir / "settings.json", {"config": cfg.to_dict(), "target": target_name,
-                         "features": read_json(features_dir / "settings.json")}, "head training")
+    settings = {"config": cfg.to_dict(), "target": target_name, "features": read_json(features_dir / "settings.json")}
+    segments = extend_schedule(train_dir, settings)
+    ensure_same_settings(train_dir / "settings.json", settings, "head training")
     if (train_dir / "done.json").exists():
         return read_json(train_dir / "done.json")
     records = load_torch(features_dir / "train.pt")["records"]
@@ -323,13 +337,43 @@ def run_train(cfg: EagleConfig, features_dir: Path, train_dir: Path, head: Eagle
         if (step + 1) % cfg.checkpoint_every == 0 or last:
             save_torch(train_dir / "checkpoint.pt", {"step": step + 1, "head": head.state_dict(),
                                                      "optimizer": optimizer.state_dict()})
-    train_steps(head, records, cfg, optimizer, teacher, start, on_step)
+    train_steps(head, records, cfg, optimizer, teacher, start, on_step, segments)
     bar.close()
     evals = [e["eval"] for e in read_losses(log_path) if "eval" in e]
-    done = {"steps": cfg.steps, "seconds_this_run": round(time.perf_counter() - t0, 1),
+    done = {"steps": cfg.steps, "schedule": segments, "seconds_this_run": round(time.perf_counter() - t0, 1),
             "eval_first": evals[0] if evals else None, "eval_last": evals[-1] if evals else None}
     write_json(train_dir / "done.json", done)
     return done
+
+
+def extend_schedule(train_dir: Path, settings: dict) -> list[list[int]]:
+    """The run's schedule segments ([[0, steps]] for a run planned in one go). When a
+    finished run is asked for more steps and nothing else changed, its settings take the new
+    step count, a segment [trained, steps] is added (schedule.json) and done.json goes, so
+    training resumes from the last checkpoint with a fresh warm-up and cosine: not the weights
+    a run planned at the new length from the start would reach, which provenance records."""
+    path, schedule = train_dir / "settings.json", train_dir / "schedule.json"
+    steps = settings["config"]["steps"]
+    segments = read_json(schedule)["segments"] if schedule.exists() else [[0, steps]]
+    if not path.exists():
+        return segments
+    old = read_json(path)
+    trained = old["config"]["steps"]
+    same_but_steps = {**old, "config": {**old["config"], "steps": steps}} == as_stored(settings)
+    if steps == trained or not same_but_steps:
+        return segments                      # unchanged, or ensure_same_settings names the difference
+    if steps < trained:
+        raise ValueError(f"head training in {train_dir} ran to {trained} steps; --steps must be more to extend "
+                         f"it (a head cannot be untrained), or use a new --work-dir")
+    if not (train_dir / "done.json").exists():
+        raise ValueError(f"head training in {train_dir} has not finished its {trained} steps; finish it with "
+                         f"--steps {trained} before extending it")
+    done_segments = [seg for seg in segments if seg[1] <= trained] if schedule.exists() else [[0, trained]]
+    segments = done_segments + [[trained, steps]]
+    write_json(schedule, {"segments": segments})
+    write_json(path, settings)
+    (train_dir / "done.json").unlink()
+    return segments
 
 
 # ---------------------------------------------------------------------- the CLI stage

@@ -30,6 +30,11 @@ def load_torch(path: Path):
     return torch.load(path, map_location="cpu", weights_only=True)
 
 
+def as_stored(settings: dict) -> dict:
+    """`settings` as read back from its JSON file (tuples become lists)."""
+    return json.loads(json.dumps(settings))
+
+
 def ensure_same_settings(path: Path, settings: dict, what: str) -> None:
     """Record `settings` at `path`, or check they equal the recorded ones.
 
@@ -40,7 +45,7 @@ def ensure_same_settings(path: Path, settings: dict, what: str) -> None:
         write_json(path, settings)
         return
     old = read_json(path)
-    fresh = json.loads(json.dumps(settings))  # tuples -> lists, as stored
+    fresh = as_stored(settings)
     if old != fresh:
         diff = _first_difference(old, fresh)
         raise ValueError(f"{what} in {path.parent} was made with different settings ({diff}); "
