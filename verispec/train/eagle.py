@@ -354,22 +354,18 @@ def extend_schedule(train_dir: Path, settings: dict) -> list[list[int]]:
     a run planned at the new length from the start would reach, which provenance records."""
     path, schedule = train_dir / "settings.json", train_dir / "schedule.json"
     steps = settings["config"]["steps"]
-    segments = read_json(schedule)["segments"] if schedule.exists() else [[0, steps]]
-    if not path.exists():
-        return segments
-    old = read_json(path)
-    trained = old["config"]["steps"]
-    same_but_steps = {**old, "config": {**old["config"], "steps": steps}} == as_stored(settings)
-    if steps == trained or not same_but_steps:
-        return segments                      # unchanged, or ensure_same_settings names the difference
+    old = read_json(path) if path.exists() else None
+    trained = old["config"]["steps"] if old else steps
+    segments = read_json(schedule)["segments"] if schedule.exists() else [[0, trained]]
+    if old is None or steps == trained or {**old, "config": {**old["config"], "steps": steps}} != as_stored(settings):
+        return segments                      # new, unchanged, or ensure_same_settings names the difference
     if steps < trained:
         raise ValueError(f"head training in {train_dir} ran to {trained} steps; --steps must be more to extend "
                          f"it (a head cannot be untrained), or use a new --work-dir")
     if not (train_dir / "done.json").exists():
         raise ValueError(f"head training in {train_dir} has not finished its {trained} steps; finish it with "
                          f"--steps {trained} before extending it")
-    done_segments = [seg for seg in segments if seg[1] <= trained] if schedule.exists() else [[0, trained]]
-    segments = done_segments + [[trained, steps]]
+    segments = [seg for seg in segments if seg[1] <= trained] + [[trained, steps]]
     write_json(schedule, {"segments": segments})
     write_json(path, settings)
     (train_dir / "done.json").unlink()
