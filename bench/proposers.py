@@ -8,6 +8,9 @@ machine lands on all alike:
               a method's gain must exceed)
     suffix    suffix decoding, adaptive k
     eagle     the EAGLE-style head (needs a trained head)
+Each method runs at its own default k_max (`--num-spec-tokens` unset: 16 for suffix, 8 for
+the rest) unless `--k-max` sets one for all; a contender `NAME-kN` runs NAME at k_max N
+(`suffix-k8` beside `suffix` compares the two in one run).
 Outputs must equal plain's (greedy). Evaluation half of each task's prompts by default;
 `--concurrency C` keeps C requests in flight on each engine (closed loop; default 1).
 Results: bench/results/proposers_<model>.json.
@@ -17,6 +20,7 @@ Results: bench/results/proposers_<model>.json.
 from __future__ import annotations
 
 import argparse
+import re
 import statistics
 import sys
 import time
@@ -44,17 +48,23 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--num-prompts", type=int, default=6, help="measured prompts per task")
     p.add_argument("--num-warmup", type=int, default=2)
     p.add_argument("--max-tokens", type=int, default=128)
-    p.add_argument("--k-max", type=int, default=8)
+    p.add_argument("--k-max", type=int, default=None, help="k_max of every contender (default: each method's)")
     common.add_common_args(p, "1")
     args = p.parse_args(argv)
     args.tasks, args.contenders = args.tasks.split(","), ["plain", *args.contenders.split(",")]
-    unknown = [c for c in args.contenders if c not in METHODS] + [t for t in args.tasks if t not in TASKS]
+    unknown = [c for c in args.contenders if _method_and_k(c) is None] + [t for t in args.tasks if t not in TASKS]
     if unknown:
         p.error(f"unknown contenders or tasks: {unknown}")
     if len(args.concurrency) != 1:
         p.error(f"--concurrency takes one value here (one run per concurrency), got {args.concurrency}")
     args.concurrency = args.concurrency[0]
     return args
+
+
+def _method_and_k(contender: str) -> tuple[str, int | None] | None:
+    """(method, k_max or None) of a contender name (`NAME` or `NAME-kN`); None if unknown."""
+    name, _, k = contender.rpartition("-k") if re.fullmatch(r".+-k\d+", contender) else (contender, "", "")
+    return (METHODS[name], int(k) if k else None) if name in METHODS else None
 
 
 class Watch:
@@ -143,8 +153,10 @@ def main(argv=None) -> int:
     header = common.start_run(args)
     base = common.base_config(args)
     models = common.load_models(base)
-    configs = {name: replace(base, spec=SpecConfig(method=METHODS[name], num_spec_tokens=args.k_max, adaptive=True))
-               for name in args.contenders}
+    configs = {}
+    for name in args.contenders:
+        method, k = _method_and_k(name)
+        configs[name] = replace(base, spec=SpecConfig(method=method, num_spec_tokens=k or args.k_max, adaptive=True))
     tasks = [run_task(models, configs, task, args)[0] for task in args.tasks]
     names = args.contenders[1:]
     rows = [[t["task"], f"{t['contenders']['plain']['tokens_per_s']:.1f}",

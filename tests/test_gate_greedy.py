@@ -47,7 +47,7 @@ def test_greedy_speculative_output_equals_plain_for_every_k(pair, plain_outputs,
     # the EAGLE-style head: distilled for a few seconds on 32 of the 48 tokens
     head = trained_head_dir(target, 32) if method in ("eagle", "auto") else None
     drafted = accepted = 0
-    for k in range(1, 9):
+    for k in (*range(1, 9), 16):   # 1-8, and suffix decoding's default k_max
         for batch_size in (1, 3, 8):
             engine = tiny_engine(target, draft if method == "draft" else None, method=method, k=k, draft_head=head)
             outs = run_all(engine, prompts_for(batch_size, batch_size), GREEDY)

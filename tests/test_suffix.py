@@ -14,7 +14,9 @@ import pytest
 
 import verispec.spec.suffix as suffix_mod
 from tiny import tiny_engine, tiny_pair
+from verispec.request import SpecOverride
 from verispec.sampling import SamplingParams
+from verispec.spec.proposer import DEFAULT_SPEC_TOKENS
 from verispec.spec.suffix import MAX_DEPTH, OwnHistory, PythonIndex, SuffixProposer, SuffixTrie
 
 VOCAB = 12
@@ -261,7 +263,20 @@ def test_a_repeated_request_is_drafted_from_the_global_trie():
     assert second.spec.num_accepted_tokens > first.spec.num_accepted_tokens
 
 
-@pytest.mark.parametrize("k", [1, 3, 8])
+def test_a_suffix_request_runs_at_its_method_s_k_max_unless_one_is_set():
+    prompt = _prompts(1, 3)[0]
+    engine = tiny_engine(PAIR[0], method="ngram", k=None, adaptive=True)
+    engine.add_request("suffix", prompt, GREEDY, SpecOverride(method="suffix"))
+    engine.add_request("ngram", prompt, GREEDY)
+    engine.add_request("suffix-4", prompt, GREEDY, SpecOverride(method="suffix", num_tokens=4))
+    assert {rid: engine.requests[rid].num_spec_tokens for rid in ("suffix", "ngram", "suffix-4")} == \
+        {"suffix": 16, "ngram": DEFAULT_SPEC_TOKENS, "suffix-4": 4}
+    engine = tiny_engine(PAIR[0], method="ngram", k=5, adaptive=True)   # the run's k_max: every method's
+    engine.add_request("suffix", prompt, GREEDY, SpecOverride(method="suffix"))
+    assert engine.requests["suffix"].num_spec_tokens == 5
+
+
+@pytest.mark.parametrize("k", [1, 3, 8, 16])
 def test_suffix_greedy_output_equals_plain(k):
     prompts = _prompts(5, 7)
     plain = [o.token_ids for o in run_checked(tiny_engine(PAIR[0], method="none"), prompts, GREEDY)[1]]

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import yaml
 
-from verispec.spec.proposer import AUTO, NOT_AUTO_CANDIDATES, proposer_names
+from verispec.spec.proposer import AUTO, NOT_AUTO_CANDIDATES, default_spec_tokens, proposer_names
 
 DTYPES = ("bfloat16", "float32")
 # verispec.model.quant.WEIGHT_FORMATS (repeated here: config must not import torch)
@@ -38,9 +38,9 @@ class SpecConfig:
     # model's head where one is registered, per row and round) beat n-gram alone on the pair
     # with a head beyond the A/A's spread; without a head it is n-gram (docs/benchmarks.md)
     method: str = "auto"
-    # k_max when adaptive (the k_max the adaptive grid validates: docs/benchmarks.md), k when
-    # fixed (there 1-2 is usually best: set it with adaptive off)
-    num_spec_tokens: int = 8
+    # k_max when adaptive, k when fixed (there 1-2 is usually best: set it with adaptive off);
+    # None: each method's own (`spec_tokens`)
+    num_spec_tokens: int | None = None
     adaptive: bool = True
     ngram_max: int = 4
     ngram_min: int = 1
@@ -58,10 +58,14 @@ class SpecConfig:
         if bad or not self.auto_candidates:
             raise ValueError(f"auto_candidates must be a non-empty list from {allowed}, got "
                              f"{list(self.auto_candidates)}")
-        if not 1 <= self.num_spec_tokens <= 16:
+        if self.num_spec_tokens is not None and not 1 <= self.num_spec_tokens <= 16:
             raise ValueError(f"num_spec_tokens must be in [1, 16], got {self.num_spec_tokens}")
         if not 1 <= self.ngram_min <= self.ngram_max:
             raise ValueError(f"need 1 <= ngram_min <= ngram_max, got {self.ngram_min}, {self.ngram_max}")
+
+    def spec_tokens(self, method: str) -> int:
+        """k_max (k when not adaptive) of a request speculating with `method` that sets none."""
+        return self.num_spec_tokens if self.num_spec_tokens is not None else default_spec_tokens(method)
 
 
 @dataclass(frozen=True)
@@ -354,7 +358,8 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                         "transparent huge pages (default on: fewer TLB misses while a step streams them)")
     g.add_argument("--spec", choices=spec_methods(),
                    help="speculation method (default auto: n-gram, or the head where one is registered)")
-    g.add_argument("--num-spec-tokens", type=int, help="k (k_max when adaptive)")
+    g.add_argument("--num-spec-tokens", type=int,
+                   help="k (k_max when adaptive; default: the method's, 16 for suffix, else 8)")
     g.add_argument("--spec-adaptive", action=argparse.BooleanOptionalAction, default=None,
                    help="choose k per step from measured acceptance and cost (default on)")
     g.add_argument("--speculative-config", metavar="JSON",

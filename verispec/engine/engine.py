@@ -250,7 +250,7 @@ class LLMEngine:
         if method not in ("none", AUTO) and method not in self.proposers:
             allowed = ", ".join(repr(m) for m in ("none", AUTO, *self.proposers))
             raise ValueError(f"speculative.method must be one of {allowed}, got {method!r}")
-        k = spec.num_tokens if spec and spec.num_tokens is not None else cfg.num_spec_tokens
+        k = spec.num_tokens if spec and spec.num_tokens is not None else cfg.spec_tokens(method)
         if not isinstance(k, int) or not 0 <= k <= MAX_SPEC_TOKENS:
             raise ValueError(f"speculative.num_tokens must be an integer in [0, {MAX_SPEC_TOKENS}], got {k!r}")
         if k == 0:

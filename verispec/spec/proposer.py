@@ -114,18 +114,31 @@ class ProposerUnavailable(Exception):
     """Raised by a factory that cannot build its proposer here; the text says what is needed."""
 
 
+# A method's k_max (its k when not adaptive) where the run sets none: the k_max the adaptive
+# grid validates (docs/benchmarks.md). A proposer registers another where its drafts run longer.
+DEFAULT_SPEC_TOKENS = 8
+
 _FACTORIES: dict[str, Callable[[ProposerContext], Proposer]] = {}
+_SPEC_TOKENS: dict[str, int] = {}
 
 
-def register_proposer(name: str, factory: Callable[[ProposerContext], Proposer]) -> None:
-    """Make `name` a speculation method; `factory(context)` builds its proposer."""
+def register_proposer(name: str, factory: Callable[[ProposerContext], Proposer],
+                      spec_tokens: int = DEFAULT_SPEC_TOKENS) -> None:
+    """Make `name` a speculation method; `factory(context)` builds its proposer, and
+    `spec_tokens` is its k_max where the run sets none."""
     if name in ("none", AUTO) or not name.isidentifier():
         raise ValueError(f"a proposer name must be an identifier other than 'none' and {AUTO!r}, got {name!r}")
     _FACTORIES[name] = factory
+    _SPEC_TOKENS[name] = spec_tokens
 
 
 def proposer_names() -> tuple[str, ...]:
     return tuple(_FACTORIES)
+
+
+def default_spec_tokens(method: str) -> int:
+    """k_max for `method` where the run sets none ("auto" and "none": DEFAULT_SPEC_TOKENS)."""
+    return _SPEC_TOKENS.get(method, DEFAULT_SPEC_TOKENS)
 
 
 def build_proposers(context: ProposerContext) -> tuple[dict[str, Proposer], dict[str, str]]:
@@ -168,5 +181,7 @@ def _eagle(context: ProposerContext) -> Proposer:
 
 register_proposer("ngram", _ngram)
 register_proposer("draft", _draft_model)
-register_proposer("suffix", _suffix)
+# Suffix matches in agent loops (an edit re-emitting the code before it) run on for dozens of
+# tokens: a k_max of 16 measured 2.09x -> 2.30x plain on iterative edits (docs/benchmarks.md).
+register_proposer("suffix", _suffix, spec_tokens=16)
 register_proposer("eagle", _eagle)
