@@ -198,6 +198,8 @@ def test_speculative_config_json_and_vllm_scheduler_flags_reach_the_config(parse
     assert (cfg.spec.method, cfg.draft_model, cfg.spec.num_spec_tokens) == ("draft", "d", 5)
     cfg = parsed("serve", "--speculative-config", '{"method": "eagle", "model": "/heads/h"}')
     assert (cfg.spec.method, cfg.draft_head, cfg.draft_model) == ("eagle", "/heads/h", None)
+    cfg = parsed("serve", "--spec", "suffix", "--suffix-max-cached-requests", "0")
+    assert (cfg.spec.method, cfg.spec.suffix_max_cached_requests) == ("suffix", 0)
     cfg = parsed("serve", "--speculative-config", '{"method": "eagle"}', "--draft-head", "/heads/h")
     assert (cfg.spec.method, cfg.draft_head) == ("eagle", "/heads/h")
     template = tmp_path / "t.jinja"
@@ -213,6 +215,7 @@ def test_speculative_config_json_and_vllm_scheduler_flags_reach_the_config(parse
     (["serve", "--speculative-config", "{nope"], ["not valid JSON"]),
     (["serve", "--speculative-config", '{"method": "eagle", "model": "/h"}', "--draft-head", "/g"], ["--draft-head"]),
     (["serve", "--speculative-config", "{}", "--num-spec-tokens", "3"], ["--num-spec-tokens"]),
+    (["serve", "--spec", "suffix", "--suffix-max-cached-requests", "-2"], ["suffix_max_cached_requests", ">= 0"]),
     (["generate", "--prompt", "x", "--speculative-config", "{}", "--spec", "none"], ["--spec"]),
     (["generate", "--prompt", "x", "--chat-template", "missing.jinja"], ["missing.jinja", "no such file"]),
 ])

@@ -60,6 +60,12 @@ def test_lookup_bounds_apply_to_ngram_and_auto_only():
         spec_from_speculative_config({"method": "suffix", "prompt_lookup_max": 5})
 
 
+def test_suffix_takes_vllms_cached_requests_cap():
+    spec = spec_from_speculative_config({"method": "suffix", "suffix_decoding_max_cached_requests": 0})[0]
+    assert (spec.method, spec.suffix_max_cached_requests) == ("suffix", 0)
+    assert spec_from_speculative_config({"method": "suffix"})[0].suffix_max_cached_requests is None
+
+
 def test_a_lone_lookup_bound_keeps_the_other_default_clamped():
     assert spec_from_speculative_config({"method": "ngram", "prompt_lookup_max": 6})[0].ngram_min == 1
     spec = spec_from_speculative_config({"method": "ngram", "prompt_lookup_min": 6})[0]
@@ -74,6 +80,10 @@ def test_a_lone_lookup_bound_keeps_the_other_default_clamped():
     ({"method": "ngram", "num_speculative_tokens": "4"}, ["num_speculative_tokens", "integer"]),
     ({"method": "ngram", "num_speculative_tokens": 40}, ["num_spec_tokens"]),
     ({"model": "x", "draft_tensor_parallel_size": 2}, ["draft_tensor_parallel_size"]),
+    ({"method": "ngram", "suffix_decoding_max_cached_requests": 2}, ["needs method 'suffix'"]),
+    ({"method": "suffix", "suffix_decoding_max_cached_requests": -1}, ["suffix_max_cached_requests", ">= 0"]),
+    ({"method": "suffix", "suffix_decoding_max_cached_requests": 1.5}, ["suffix_decoding_max_cached_requests",
+                                                                         "integer"]),
     ("{not json", ["not valid JSON"]),
 ])
 def test_unsupported_speculative_configs_name_the_key_and_the_allowed_values(cfg, words):

@@ -263,6 +263,31 @@ def test_a_repeated_request_is_drafted_from_the_global_trie():
     assert second.spec.num_accepted_tokens > first.spec.num_accepted_tokens
 
 
+@pytest.mark.parametrize("broken", [False, True])
+def test_with_no_cached_requests_no_request_drafts_from_another(monkeypatch, broken):
+    """suffix_max_cached_requests 0: a repeated request finds nothing of the first in the
+    global trie (it stays at its root), and its output is plain decoding's."""
+    if broken:  # the cap left unread: outputs join the trie as without one
+        real = SuffixProposer.__init__
+        monkeypatch.setattr(SuffixProposer, "__init__",
+                            lambda self, *a, **kw: real(self, *a, **{**kw, "max_outputs": None}))
+    engine = tiny_engine(PAIR[0], method="suffix", k=8, suffix_max_cached_requests=0)
+    prompt = _prompts(1, 3)[0]
+    first = run_checked(engine, [prompt], GREEDY)[1][0]
+    second = run_checked(engine, [prompt], GREEDY)[1][0]
+    assert second.token_ids == first.token_ids
+    stats = engine.proposers["suffix"].stats()
+    assert (stats["global_hits_total"] == 0 and stats["global_nodes"] == 1) != broken
+
+
+def test_the_global_trie_keeps_the_newest_cached_requests():
+    engine = tiny_engine(PAIR[0], method="suffix", k=8, suffix_max_cached_requests=2)
+    run_checked(engine, _prompts(3, 11), GREEDY)
+    proposer = engine.proposers["suffix"]
+    assert (proposer.stats()["global_outputs"], proposer.stats()["evicted_outputs_total"]) == (2, 1)
+    assert list(proposer._outputs) == [1, 2]   # the oldest left
+
+
 def test_a_suffix_request_runs_at_its_method_s_k_max_unless_one_is_set():
     prompt = _prompts(1, 3)[0]
     engine = tiny_engine(PAIR[0], method="ngram", k=None, adaptive=True)

@@ -96,11 +96,13 @@ def tiny_engine(target: LlamaModel, draft: LlamaModel | None = None, method: str
                 max_num_seqs: int = 256, max_batched_tokens: int = 4096, prefix_cache: bool = True,
                 eos: int | None = None, seed: int = 0, huge_pages: bool = True,
                 draft_head: str | None = None,
-                auto_candidates: tuple[str, ...] = ("ngram", "eagle")) -> LLMEngine:
+                auto_candidates: tuple[str, ...] = ("ngram", "eagle"),
+                suffix_max_cached_requests: int | None = None) -> LLMEngine:
     config = EngineConfig(
         model="tiny", draft_model="tiny-draft" if draft is not None else None, dtype="float32", seed=seed, huge_pages=huge_pages,
         draft_head=draft_head,
-        spec=SpecConfig(method=method, num_spec_tokens=k, adaptive=adaptive, auto_candidates=auto_candidates),
+        spec=SpecConfig(method=method, num_spec_tokens=k, adaptive=adaptive, auto_candidates=auto_candidates,
+                        suffix_max_cached_requests=suffix_max_cached_requests),
         cache=CacheConfig(block_size=block_size, num_kv_tokens=num_kv_tokens, prefix_cache=prefix_cache),
         scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_batched_tokens))
     return LLMEngine(config, on_test_device(target), TinyTokenizer(target.cfg.vocab_size, eos),

@@ -48,6 +48,10 @@ class SpecConfig:
     # head. Suffix decoding is left out by default: its global trie shares earlier requests'
     # outputs, which suits one trust domain only (README).
     auto_candidates: tuple[str, ...] = ("ngram", "eagle")
+    # Finished outputs suffix decoding's global trie keeps (the oldest leave first; its node
+    # budget still applies). None: as many as that budget holds; 0: none, so no request
+    # drafts from another's output (vLLM's suffix_decoding_max_cached_requests)
+    suffix_max_cached_requests: int | None = None
 
     def __post_init__(self):
         if self.method not in spec_methods():
@@ -62,6 +66,10 @@ class SpecConfig:
             raise ValueError(f"num_spec_tokens must be in [1, 16], got {self.num_spec_tokens}")
         if not 1 <= self.ngram_min <= self.ngram_max:
             raise ValueError(f"need 1 <= ngram_min <= ngram_max, got {self.ngram_min}, {self.ngram_max}")
+        cached = self.suffix_max_cached_requests
+        if cached is not None and (not isinstance(cached, int) or isinstance(cached, bool) or cached < 0):
+            raise ValueError(f"suffix_max_cached_requests must be an integer >= 0 (0: nothing shared "
+                             f"between requests) or null (the trie's node budget alone), got {cached!r}")
 
     def spec_tokens(self, method: str) -> int:
         """k_max (k when not adaptive) of a request speculating with `method` that sets none."""
@@ -188,7 +196,8 @@ def load_chat_template(value: str) -> str:
 # vLLM's `speculative_config` keys -> verispec's; "adaptive" and "ngram_max"/"ngram_min"
 # spell verispec's own settings. Values are checked by SpecConfig as usual.
 SPECULATIVE_CONFIG_KEYS = ("method", "model", "num_speculative_tokens", "prompt_lookup_max",
-                           "prompt_lookup_min", "adaptive", "draft_tensor_parallel_size")
+                           "prompt_lookup_min", "adaptive", "draft_tensor_parallel_size",
+                           "suffix_decoding_max_cached_requests")
 # vLLM's method names -> verispec's; "none" and verispec's own names are accepted too.
 SPECULATIVE_METHODS = {"ngram": "ngram", "draft_model": "draft", "draft": "draft", "suffix": "suffix",
                        "eagle": "eagle", "auto": AUTO, "none": "none"}
@@ -201,7 +210,8 @@ def spec_from_speculative_config(speculative_config: dict | str | None,
 
     {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": n, "prompt_lookup_min": m}
     and {"model": DRAFT, "num_speculative_tokens": k} (method "draft_model", implied by "model")
-    map onto verispec's n-gram and draft-model speculation; {"method": "eagle", "model": DIR}
+    map onto verispec's n-gram and draft-model speculation; {"method": "suffix",
+    "suffix_decoding_max_cached_requests": n} onto suffix decoding keeping n outputs; {"method": "eagle", "model": DIR}
     onto its EAGLE-style head in DIR (verispec's own head format, `verispec train-draft
     eagle`; without "model" the model's registered head); {"adaptive": false} fixes k.
     Keys not given keep `base`'s values (verispec's defaults: adaptive auto, k_max 8, n-gram
@@ -259,6 +269,11 @@ def spec_from_speculative_config(speculative_config: dict | str | None,
         hi = _int_key(cfg, "prompt_lookup_max") if hi is not None else max(spec["ngram_max"], lo)
         lo = _int_key(cfg, "prompt_lookup_min") if lo is not None else min(spec["ngram_min"], hi)
         spec["ngram_min"], spec["ngram_max"] = lo, hi
+    if "suffix_decoding_max_cached_requests" in cfg:
+        if method != "suffix":
+            raise ValueError(f"speculative_config suffix_decoding_max_cached_requests needs method "
+                             f"'suffix', got {method!r}")
+        spec["suffix_max_cached_requests"] = _int_key(cfg, "suffix_decoding_max_cached_requests")
     return SpecConfig(**spec), named
 
 
@@ -362,6 +377,9 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                    help="k (k_max when adaptive; default: the method's, 16 for suffix, else 8)")
     g.add_argument("--spec-adaptive", action=argparse.BooleanOptionalAction, default=None,
                    help="choose k per step from measured acceptance and cost (default on)")
+    g.add_argument("--suffix-max-cached-requests", type=int, metavar="N",
+                   help="finished outputs suffix decoding keeps to draft from (default: as many as its "
+                        "trie's node budget holds; 0: none, nothing shared between requests)")
     g.add_argument("--speculative-config", metavar="JSON",
                    help='vLLM\'s speculative config as JSON, e.g. \'{"method": "ngram", '
                         '"num_speculative_tokens": 4, "prompt_lookup_max": 4}\' or \'{"model": DRAFT, '
@@ -408,9 +426,12 @@ def config_from_args(args: argparse.Namespace) -> EngineConfig:
         spec["method"] = "draft"   # naming a draft model means you want to use it
     _set(spec, "num_spec_tokens", args.num_spec_tokens)
     _set(spec, "adaptive", args.spec_adaptive)
+    _set(spec, "suffix_max_cached_requests", getattr(args, "suffix_max_cached_requests", None))
     if getattr(args, "speculative_config", None) is not None:
         clash = [flag for flag, value in (("--spec", args.spec), ("--num-spec-tokens", args.num_spec_tokens),
                                           ("--spec-adaptive", args.spec_adaptive),
+                                          ("--suffix-max-cached-requests",
+                                           getattr(args, "suffix_max_cached_requests", None)),
                                           ("--draft-model", args.draft_model)) if value is not None]
         if clash:
             raise ValueError(f"--speculative-config cannot be combined with {', '.join(clash)}: "

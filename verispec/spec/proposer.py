@@ -171,7 +171,7 @@ def _suffix(context: ProposerContext) -> Proposer:
     from verispec.spec.suffix import SuffixProposer
     # its C++ index follows the engine's kernels setting: "auto" if it builds, "on" required
     native = {"auto": None, "on": True, "off": False}[context.config.kernels]
-    return SuffixProposer(native=native)
+    return SuffixProposer(max_outputs=context.config.spec.suffix_max_cached_requests, native=native)
 
 
 def _eagle(context: ProposerContext) -> Proposer:

@@ -355,17 +355,21 @@ class _Request:
 
 class SuffixProposer:
     """Suffix decoding (a `Proposer`): the own history and the global trie, the longer match
-    wins. `native`: as `make_index`, called on the first use (every engine builds every
-    proposer; one that never runs suffix decoding compiles and loads nothing)."""
+    wins. The global trie holds finished outputs while it is within `global_nodes` nodes and
+    `max_outputs` outputs (None: no count limit; 0: it stays empty, so a request drafts from
+    its own tokens only). `native`: as `make_index`, called on the first use (every engine
+    builds every proposer; one that never runs suffix decoding compiles and loads nothing)."""
 
     name = "suffix"
     timed = False       # trie walks: tens of microseconds per row, not a model pass
     has_probs = False   # deterministic drafts: one-hot q
 
-    def __init__(self, global_nodes: int = GLOBAL_NODES, native: bool | None = None):
+    def __init__(self, global_nodes: int = GLOBAL_NODES, max_outputs: int | None = None,
+                 native: bool | None = None):
         self._native = native
         self._index = None
         self.global_nodes = global_nodes
+        self.max_outputs = max_outputs
         self._outputs: OrderedDict[int, list[int]] = OrderedDict()  # in the global trie, oldest first
         self._added = 0
         self._requests: dict[str, _Request] = {}
@@ -404,19 +408,20 @@ class SuffixProposer:
 
     def forget(self, request_id: str) -> None:
         """The request's output joins the global trie (then the oldest outputs leave it
-        while it is over budget); its own history is dropped."""
+        while it is over either budget); its own history is dropped."""
         tracked = self._requests.pop(request_id, None)
         self._offered.pop(request_id, None)
         if tracked is None:
             return
         self.index.drop_row(tracked.row)
         output = list(tracked.req.output_ids)
-        if not output:
+        if not output or self.max_outputs == 0:
             return
         self.index.add_output(output)
         self._outputs[self._added] = output
         self._added += 1
-        while self.index.num_nodes() > self.global_nodes and self._outputs:
+        while self._outputs and (self.index.num_nodes() > self.global_nodes
+                                 or self.max_outputs is not None and len(self._outputs) > self.max_outputs):
             _, old = self._outputs.popitem(last=False)
             self.index.remove_output(old)
             self._counts["evicted_outputs"] += 1
