@@ -7,6 +7,7 @@ machine lands on all alike:
     ngram-aa  a second n-gram engine: the A/A control (its ratio to ngram is the spread
               a method's gain must exceed)
     suffix    suffix decoding, adaptive k
+    suffix-own  the same from each request's own tokens only (`--suffix-max-cached-requests 0`)
     eagle     the EAGLE-style head (needs a trained head)
 Each method runs at its own default k_max (`--num-spec-tokens` unset: 16 for suffix, 8 for
 the rest) unless `--k-max` sets one for all; a contender `NAME-kN` runs NAME at k_max N
@@ -36,7 +37,11 @@ from verispec.sampling import SamplingParams  # noqa: E402
 
 TASKS = {"chat": ["mtbench"], "code": ["humaneval"], "rewrite": ["rewrite-code", "rewrite-essay"],
          "summarisation": ["cnn"], "math": ["gsm8k"]}
-METHODS = {"plain": "none", "ngram": "ngram", "ngram-aa": "ngram", "suffix": "suffix", "eagle": "eagle"}
+METHODS = {"plain": "none", "ngram": "ngram", "ngram-aa": "ngram", "suffix": "suffix", "suffix-own": "suffix",
+           "eagle": "eagle"}
+# Contenders that are a method with other settings: suffix decoding from each request's own
+# tokens only (no outputs shared between requests).
+SETTINGS = {"suffix-own": {"suffix_max_cached_requests": 0}}
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -52,7 +57,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     common.add_common_args(p, "1")
     args = p.parse_args(argv)
     args.tasks, args.contenders = args.tasks.split(","), ["plain", *args.contenders.split(",")]
-    unknown = [c for c in args.contenders if _method_and_k(c) is None] + [t for t in args.tasks if t not in TASKS]
+    unknown = [c for c in args.contenders if _name_and_k(c) is None] + [t for t in args.tasks if t not in TASKS]
     if unknown:
         p.error(f"unknown contenders or tasks: {unknown}")
     if len(args.concurrency) != 1:
@@ -61,10 +66,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
-def _method_and_k(contender: str) -> tuple[str, int | None] | None:
-    """(method, k_max or None) of a contender name (`NAME` or `NAME-kN`); None if unknown."""
+def _name_and_k(contender: str) -> tuple[str, int | None] | None:
+    """(its METHODS name, k_max or None) of a contender (`NAME` or `NAME-kN`); None if unknown."""
     name, _, k = contender.rpartition("-k") if re.fullmatch(r".+-k\d+", contender) else (contender, "", "")
-    return (METHODS[name], int(k) if k else None) if name in METHODS else None
+    return (name, int(k) if k else None) if name in METHODS else None
 
 
 class Watch:
@@ -155,8 +160,9 @@ def main(argv=None) -> int:
     models = common.load_models(base)
     configs = {}
     for name in args.contenders:
-        method, k = _method_and_k(name)
-        configs[name] = replace(base, spec=SpecConfig(method=method, num_spec_tokens=k or args.k_max, adaptive=True))
+        kind, k = _name_and_k(name)
+        configs[name] = replace(base, spec=SpecConfig(method=METHODS[kind], num_spec_tokens=k or args.k_max,
+                                                      adaptive=True, **SETTINGS.get(kind, {})))
     tasks = [run_task(models, configs, task, args)[0] for task in args.tasks]
     names = args.contenders[1:]
     rows = [[t["task"], f"{t['contenders']['plain']['tokens_per_s']:.1f}",
