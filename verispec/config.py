@@ -211,13 +211,14 @@ def spec_from_speculative_config(speculative_config: dict | str | None,
     {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": n, "prompt_lookup_min": m}
     and {"model": DRAFT, "num_speculative_tokens": k} (method "draft_model", implied by "model")
     map onto verispec's n-gram and draft-model speculation; {"method": "suffix",
-    "suffix_decoding_max_cached_requests": n} onto suffix decoding keeping n outputs; {"method": "eagle", "model": DIR}
-    onto its EAGLE-style head in DIR (verispec's own head format, `verispec train-draft
-    eagle`; without "model" the model's registered head); {"adaptive": false} fixes k.
-    Keys not given keep `base`'s values (verispec's defaults: adaptive auto, k_max 8, n-gram
-    lengths 1..4). A lone prompt_lookup_max or _min keeps the other bound's default (clamped);
-    vLLM copies it instead. Unknown keys and methods verispec lacks (eagle3, medusa, mtp...)
-    are a ValueError naming the allowed ones.
+    "suffix_decoding_max_cached_requests": n} onto suffix decoding keeping n outputs;
+    {"method": "eagle", "model": DIR} onto its EAGLE-style head in DIR (verispec's own head
+    format, `verispec train-draft eagle`; without "model" the model's registered head);
+    {"adaptive": false} fixes k. Keys not given keep `base`'s values (verispec's defaults:
+    adaptive auto, each method's k_max (8, suffix 16), n-gram lengths 1..4). A lone
+    prompt_lookup_max or _min keeps the other bound's default (clamped); vLLM copies it
+    instead. Unknown keys and methods verispec lacks (eagle3, medusa, mtp...) are a
+    ValueError naming the allowed ones.
     """
     import json
 
