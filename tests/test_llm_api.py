@@ -60,10 +60,13 @@ def test_lookup_bounds_apply_to_ngram_and_auto_only():
         spec_from_speculative_config({"method": "suffix", "prompt_lookup_max": 5})
 
 
-def test_suffix_takes_vllms_cached_requests_cap():
-    spec = spec_from_speculative_config({"method": "suffix", "suffix_decoding_max_cached_requests": 0})[0]
-    assert (spec.method, spec.suffix_max_cached_requests) == ("suffix", 0)
-    assert spec_from_speculative_config({"method": "suffix"})[0].suffix_max_cached_requests is None
+def test_suffix_takes_vllms_suffix_decoding_keys():
+    spec = spec_from_speculative_config({"method": "suffix", "suffix_decoding_max_cached_requests": 0,
+                                         "suffix_decoding_max_spec_factor": 1.0,
+                                         "suffix_decoding_min_token_prob": 0.3})[0]
+    assert (spec.method, spec.suffix_max_cached_requests, spec.suffix_max_spec_factor,
+            spec.suffix_min_token_prob) == ("suffix", 0, 1.0, 0.3)
+    assert spec_from_speculative_config({"method": "suffix"})[0] == SpecConfig(method="suffix")
 
 
 def test_a_lone_lookup_bound_keeps_the_other_default_clamped():
@@ -84,6 +87,9 @@ def test_a_lone_lookup_bound_keeps_the_other_default_clamped():
     ({"method": "suffix", "suffix_decoding_max_cached_requests": -1}, ["suffix_max_cached_requests", ">= 0"]),
     ({"method": "suffix", "suffix_decoding_max_cached_requests": 1.5}, ["suffix_decoding_max_cached_requests",
                                                                          "integer"]),
+    ({"method": "suffix", "suffix_decoding_max_spec_factor": 0}, ["suffix_max_spec_factor", "> 0"]),
+    ({"method": "suffix", "suffix_decoding_min_token_prob": 2}, ["suffix_min_token_prob", "[0, 1]"]),
+    ({"method": "auto", "suffix_decoding_min_token_prob": 0.2}, ["needs method 'suffix'"]),
     ("{not json", ["not valid JSON"]),
 ])
 def test_unsupported_speculative_configs_name_the_key_and_the_allowed_values(cfg, words):

@@ -135,8 +135,8 @@ def test_own_history_proposes_what_a_trie_of_the_sequence_proposes(monkeypatch, 
     if broken:
         real = OwnHistory._walk
 
-        def last_wins(self, ends, limit):  # followers then count in last-seen order
-            return real(self, ends[::-1], limit)
+        def last_wins(self, ends, limit, min_path_prob):  # followers then count in last-seen order
+            return real(self, ends[::-1], limit, min_path_prob)
         monkeypatch.setattr(OwnHistory, "_walk", last_wins)
     rng = random.Random(5)
     mismatches = 0
@@ -170,7 +170,7 @@ def _prompts(n: int, seed: int) -> list[list[int]]:
 @pytest.fixture
 def python_index(monkeypatch):
     """Engines built meanwhile run the Python index, whose state the checks read."""
-    monkeypatch.setattr(suffix_mod, "make_index", lambda native=None: PythonIndex())
+    monkeypatch.setattr(suffix_mod, "make_index", lambda native=None, **limits: PythonIndex(**limits))
 
 
 def own_history_problems(engine) -> list[str]:
@@ -278,6 +278,15 @@ def test_with_no_cached_requests_no_request_drafts_from_another(monkeypatch, bro
     assert second.token_ids == first.token_ids
     stats = engine.proposers["suffix"].stats()
     assert (stats["global_hits_total"] == 0 and stats["global_nodes"] == 1) != broken
+
+
+def test_the_runs_draft_limits_reach_the_index():
+    from verispec.config import EngineConfig, SpecConfig
+    from verispec.spec.proposer import ProposerContext, build_proposers
+    spec = SpecConfig(method="suffix", suffix_max_spec_factor=1.0, suffix_min_token_prob=0.3)
+    proposers, _ = build_proposers(ProposerContext(EngineConfig(model="tiny", kernels="off", spec=spec)))
+    index = proposers["suffix"].index
+    assert (index.match_factor, index.min_path_prob) == (1.0, 0.3)
 
 
 def test_the_global_trie_keeps_the_newest_cached_requests():

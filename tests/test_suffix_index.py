@@ -63,7 +63,7 @@ def native_index():
     index = make_index(native=None)
     if isinstance(index, PythonIndex):
         pytest.fail("the C++ suffix index did not build (the log's warning says why)")
-    return lambda: make_index(native=True)
+    return lambda **limits: make_index(native=True, **limits)
 
 
 @pytest.mark.parametrize("seed", range(6))
@@ -73,8 +73,21 @@ def test_the_cpp_index_looks_up_what_the_python_index_does(native_index, seed):
 
 def test_the_comparison_catches_an_index_breaking_ties_the_other_way(native_index, monkeypatch):
     real = suffix_mod.OwnHistory._walk
-    monkeypatch.setattr(suffix_mod.OwnHistory, "_walk", lambda self, ends, limit: real(self, ends[::-1], limit))
+    monkeypatch.setattr(suffix_mod.OwnHistory, "_walk",
+                        lambda self, ends, limit, prob: real(self, ends[::-1], limit, prob))
     assert sum(mismatches(native_index(), PythonIndex(), seed) for seed in range(3)) > 0
+
+
+LIMITS = {"match_factor": 1.0, "min_path_prob": 0.3}   # vLLM's suffix_decoding_* defaults' kind
+
+
+@pytest.mark.parametrize("broken", [False, True])
+def test_both_indexes_draft_within_the_runs_limits(native_index, broken):
+    """A run's own factor and probability floor reach both indexes alike (a Python index left
+    at the defaults drafts longer and is caught)."""
+    def reference():
+        return PythonIndex() if broken else PythonIndex(**LIMITS)
+    assert (sum(mismatches(native_index(**LIMITS), reference(), seed) for seed in range(3)) > 0) == broken
 
 
 @pytest.mark.parametrize("kernels,python", [("off", True), ("auto", False), ("on", False)])

@@ -52,6 +52,11 @@ class SpecConfig:
     # budget still applies). None: as many as that budget holds; 0: none, so no request
     # drafts from another's output (vLLM's suffix_decoding_max_cached_requests)
     suffix_max_cached_requests: int | None = None
+    # Suffix decoding's draft: at most ceil(factor x the matched length) tokens (a short match
+    # predicts little), while the path's probability under the trie's counts stays at least
+    # min_token_prob (vLLM's suffix_decoding_max_spec_factor and _min_token_prob)
+    suffix_max_spec_factor: float = 2.0
+    suffix_min_token_prob: float = 0.1
 
     def __post_init__(self):
         if self.method not in spec_methods():
@@ -70,6 +75,12 @@ class SpecConfig:
         if cached is not None and (not isinstance(cached, int) or isinstance(cached, bool) or cached < 0):
             raise ValueError(f"suffix_max_cached_requests must be an integer >= 0 (0: nothing shared "
                              f"between requests) or null (the trie's node budget alone), got {cached!r}")
+        factor, prob = self.suffix_max_spec_factor, self.suffix_min_token_prob
+        if not _is_number(factor) or factor <= 0:
+            raise ValueError(f"suffix_max_spec_factor must be a number > 0 (tokens drafted per matched "
+                             f"token), got {factor!r}")
+        if not _is_number(prob) or not 0 <= prob <= 1:
+            raise ValueError(f"suffix_min_token_prob must be a number in [0, 1], got {prob!r}")
 
     def spec_tokens(self, method: str) -> int:
         """k_max (k when not adaptive) of a request speculating with `method` that sets none."""
@@ -197,7 +208,12 @@ def load_chat_template(value: str) -> str:
 # spell verispec's own settings. Values are checked by SpecConfig as usual.
 SPECULATIVE_CONFIG_KEYS = ("method", "model", "num_speculative_tokens", "prompt_lookup_max",
                            "prompt_lookup_min", "adaptive", "draft_tensor_parallel_size",
-                           "suffix_decoding_max_cached_requests")
+                           "suffix_decoding_max_cached_requests", "suffix_decoding_max_spec_factor",
+                           "suffix_decoding_min_token_prob")
+# vLLM's suffix decoding keys -> SpecConfig's fields (method "suffix" only).
+SUFFIX_CONFIG_KEYS = {"suffix_decoding_max_cached_requests": "suffix_max_cached_requests",
+                      "suffix_decoding_max_spec_factor": "suffix_max_spec_factor",
+                      "suffix_decoding_min_token_prob": "suffix_min_token_prob"}
 # vLLM's method names -> verispec's; "none" and verispec's own names are accepted too.
 SPECULATIVE_METHODS = {"ngram": "ngram", "draft_model": "draft", "draft": "draft", "suffix": "suffix",
                        "eagle": "eagle", "auto": AUTO, "none": "none"}
@@ -210,8 +226,9 @@ def spec_from_speculative_config(speculative_config: dict | str | None,
 
     {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": n, "prompt_lookup_min": m}
     and {"model": DRAFT, "num_speculative_tokens": k} (method "draft_model", implied by "model")
-    map onto verispec's n-gram and draft-model speculation; {"method": "suffix",
-    "suffix_decoding_max_cached_requests": n} onto suffix decoding keeping n outputs;
+    map onto verispec's n-gram and draft-model speculation; {"method": "suffix"} onto suffix
+    decoding, with vLLM's suffix_decoding_max_cached_requests, _max_spec_factor and
+    _min_token_prob;
     {"method": "eagle", "model": DIR} onto its EAGLE-style head in DIR (verispec's own head
     format, `verispec train-draft eagle`; without "model" the model's registered head);
     {"adaptive": false} fixes k. Keys not given keep `base`'s values (verispec's defaults:
@@ -270,12 +287,17 @@ def spec_from_speculative_config(speculative_config: dict | str | None,
         hi = _int_key(cfg, "prompt_lookup_max") if hi is not None else max(spec["ngram_max"], lo)
         lo = _int_key(cfg, "prompt_lookup_min") if lo is not None else min(spec["ngram_min"], hi)
         spec["ngram_min"], spec["ngram_max"] = lo, hi
-    if "suffix_decoding_max_cached_requests" in cfg:
+    for key in sorted(set(cfg) & set(SUFFIX_CONFIG_KEYS)):
         if method != "suffix":
-            raise ValueError(f"speculative_config suffix_decoding_max_cached_requests needs method "
-                             f"'suffix', got {method!r}")
-        spec["suffix_max_cached_requests"] = _int_key(cfg, "suffix_decoding_max_cached_requests")
+            raise ValueError(f"speculative_config {key} needs method 'suffix', got {method!r}")
+        if key == "suffix_decoding_max_cached_requests":
+            _int_key(cfg, key)
+        spec[SUFFIX_CONFIG_KEYS[key]] = cfg[key]
     return SpecConfig(**spec), named
+
+
+def _is_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 def _int_key(cfg: dict, key: str) -> int:

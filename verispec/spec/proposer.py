@@ -171,7 +171,9 @@ def _suffix(context: ProposerContext) -> Proposer:
     from verispec.spec.suffix import SuffixProposer
     # its C++ index follows the engine's kernels setting: "auto" if it builds, "on" required
     native = {"auto": None, "on": True, "off": False}[context.config.kernels]
-    return SuffixProposer(max_outputs=context.config.spec.suffix_max_cached_requests, native=native)
+    spec = context.config.spec
+    return SuffixProposer(max_outputs=spec.suffix_max_cached_requests, native=native,
+                          min_path_prob=spec.suffix_min_token_prob, match_factor=spec.suffix_max_spec_factor)
 
 
 def _eagle(context: ProposerContext) -> Proposer:

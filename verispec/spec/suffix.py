@@ -17,8 +17,9 @@ A lookup takes the longest suffix of the row of at most MAX_MATCH tokens that ha
 followed by something (in the global trie: through a frontier, the trie node of each
 suffix length, extended by one step per appended token, so nothing is rebuilt per step),
 and follows the most frequent continuation while the path's probability (the product of
-count / total of the alternatives) stays at least MIN_PATH_PROB, for at most
-ceil(MATCH_FACTOR * match length) tokens. The longer match of the two sources is offered
+count / total of the alternatives) stays at least the run's min_path_prob, for at most
+ceil(match_factor * match length) tokens (SpecConfig's suffix_min_token_prob and
+suffix_max_spec_factor). The longer match of the two sources is offered
 (the own history's on a tie; choosing by the path probabilities instead measured no
 different). Drafts are deterministic in the row's history and the global trie's state at
 the round's start, so one-hot q is exact for the rejection sampler. A row's global frontier
@@ -38,6 +39,7 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from pathlib import Path
 
+from verispec.config import SpecConfig
 from verispec.native import CppExtension
 from verispec.spec.ngram import suffix_keys
 from verispec.spec.proposer import Offer
@@ -46,8 +48,9 @@ MAX_MATCH = 8           # longest suffix matched; longer matches rarely change t
 MAX_DRAFT = 16          # longest draft: the policy's k never reaches it at these acceptance rates
 MAX_DEPTH = MAX_MATCH + MAX_DRAFT
 GLOBAL_NODES = 300_000  # global trie budget (~150 bytes a node: ~45 MB); outputs evicted oldest first
-MIN_PATH_PROB = 0.1     # stop drafting once the continuation is this unlikely under the counts
-MATCH_FACTOR = 2.0      # tokens proposed per matched token: a short match predicts little
+# The run's limits (SpecConfig.suffix_min_token_prob and suffix_max_spec_factor: why there)
+MIN_PATH_PROB = SpecConfig.suffix_min_token_prob
+MATCH_FACTOR = SpecConfig.suffix_max_spec_factor
 GLOBAL_KEY = 100        # acceptance keys: match length, + this for a global-trie match
 _TOKEN_BITS = 32        # a trie child's key: node << _TOKEN_BITS | token (token ids below 2^32)
 _ID_BITS = 40           # a frontier handle: stamp << _ID_BITS | node
@@ -136,7 +139,8 @@ class SuffixTrie:
             nxt.append(stamp[child] << _ID_BITS | child)
         return nxt
 
-    def continuation(self, frontier: list[int], budget: int) -> tuple[list[int], int]:
+    def continuation(self, frontier: list[int], budget: int, match_factor: float = MATCH_FACTOR,
+                     min_path_prob: float = MIN_PATH_PROB) -> tuple[list[int], int]:
         """(the most frequent continuation of the longest suffix in a frontier of handles,
         of at most MAX_MATCH tokens, that has one; its match length)."""
         live = []
@@ -147,14 +151,15 @@ class SuffixTrie:
             live.append(node)
         for depth in range(len(live) - 1, 0, -1):
             if self._first[live[depth]] >= 0:
-                return self._walk(live[depth], min(budget, MAX_DRAFT, math.ceil(MATCH_FACTOR * depth))), depth
+                limit = min(budget, MAX_DRAFT, math.ceil(match_factor * depth))
+                return self._walk(live[depth], limit, min_path_prob), depth
         return [], 0
 
     def _live(self, handle: int) -> int | None:
         node = handle & _ID_MASK
         return node if self._stamp[node] == handle >> _ID_BITS else None
 
-    def _walk(self, node: int, limit: int) -> list[int]:
+    def _walk(self, node: int, limit: int, min_path_prob: float) -> list[int]:
         tokens: list[int] = []
         prob = 1.0
         count, nxt = self._count, self._next
@@ -166,7 +171,7 @@ class SuffixTrie:
                     best = c
                 c = nxt[c]
             prob *= count[best] / total
-            if prob < MIN_PATH_PROB:
+            if prob < min_path_prob:
                 break
             tokens.append(self._token[best])
             node = best
@@ -245,7 +250,8 @@ class OwnHistory:
             else:
                 positions += packed
 
-    def continuation(self, budget: int) -> tuple[list[int], int]:
+    def continuation(self, budget: int, match_factor: float = MATCH_FACTOR,
+                     min_path_prob: float = MIN_PATH_PROB) -> tuple[list[int], int]:
         """(the most frequent continuation of the longest suffix of at most MAX_MATCH tokens
         that has one, its match length)."""
         keys = suffix_keys(self.tokens, len(self.tokens) - 1, min(MAX_MATCH, len(self.tokens)))
@@ -255,10 +261,10 @@ class OwnHistory:
             positions = self.ends[keys[m - 1]]
             if len(positions) > 4:
                 followed = memoryview(positions).cast("i").tolist()[:-1]
-                return self._walk(followed, min(budget, MAX_DRAFT, math.ceil(MATCH_FACTOR * m))), m
+                return self._walk(followed, min(budget, MAX_DRAFT, math.ceil(match_factor * m)), min_path_prob), m
         return [], 0
 
-    def _walk(self, ends: list[int], limit: int) -> list[int]:
+    def _walk(self, ends: list[int], limit: int, min_path_prob: float) -> list[int]:
         tokens, n = self.tokens, len(self.tokens)
         out: list[int] = []
         prob = 1.0
@@ -274,7 +280,7 @@ class OwnHistory:
             token = max(followers, key=followers.__getitem__)  # the first of the most frequent
             count = followers[token]
             prob *= count / sum(followers.values())
-            if prob < MIN_PATH_PROB:
+            if prob < min_path_prob:
                 break
             out.append(token)
             ends = [p for p in ends if p + step < n and tokens[p + step] == token]
@@ -296,9 +302,10 @@ class PythonIndex:
     computes exactly (tests/test_suffix_index.py), and the index where no C++ compiler is.
     Rows are keyed by ints (the proposer numbers its requests)."""
 
-    def __init__(self):
+    def __init__(self, min_path_prob: float = MIN_PATH_PROB, match_factor: float = MATCH_FACTOR):
         self.trie = SuffixTrie()
         self.rows: dict[int, _RowState] = {}
+        self.min_path_prob, self.match_factor = min_path_prob, match_factor
 
     def num_nodes(self) -> int:
         return self.trie.num_nodes
@@ -323,9 +330,9 @@ class PythonIndex:
 
     def lookup(self, row: int, budget: int) -> tuple[list[int], int, list[int], int]:
         """(own continuation, its match length, the global trie's, its match length)."""
-        state = self.rows[row]
-        own, own_len = state.own.continuation(budget)
-        shared, shared_len = self.trie.continuation(state.shared, budget)
+        state, limits = self.rows[row], (self.match_factor, self.min_path_prob)
+        own, own_len = state.own.continuation(budget, *limits)
+        shared, shared_len = self.trie.continuation(state.shared, budget, *limits)
         return own, own_len, shared, shared_len
 
 
@@ -333,14 +340,15 @@ _NATIVE = CppExtension("suffix decoding's C++ index", Path(__file__).with_name("
                        "verispec_suffix", ["-O2"], fallback="the Python index (the same drafts)")
 
 
-def make_index(native: bool | None = None):
+def make_index(native: bool | None = None, min_path_prob: float = MIN_PATH_PROB,
+               match_factor: float = MATCH_FACTOR):
     """The C++ index (suffix_index.cpp, built on first use), or the Python one: native None
     takes the C++ one if it builds, True requires it, False never builds it."""
     if native is not False:
         module = _NATIVE.load(required=bool(native))
         if module is not None:
-            return module.SuffixIndex(MAX_DEPTH, MAX_MATCH, MAX_DRAFT, MIN_PATH_PROB, MATCH_FACTOR)
-    return PythonIndex()
+            return module.SuffixIndex(MAX_DEPTH, MAX_MATCH, MAX_DRAFT, min_path_prob, match_factor)
+    return PythonIndex(min_path_prob, match_factor)
 
 
 class _Request:
@@ -365,8 +373,10 @@ class SuffixProposer:
     has_probs = False   # deterministic drafts: one-hot q
 
     def __init__(self, global_nodes: int = GLOBAL_NODES, max_outputs: int | None = None,
-                 native: bool | None = None):
+                 native: bool | None = None, min_path_prob: float = MIN_PATH_PROB,
+                 match_factor: float = MATCH_FACTOR):
         self._native = native
+        self._limits = {"min_path_prob": min_path_prob, "match_factor": match_factor}
         self._index = None
         self.global_nodes = global_nodes
         self.max_outputs = max_outputs
@@ -380,7 +390,7 @@ class SuffixProposer:
     @property
     def index(self):
         if self._index is None:
-            self._index = make_index(self._native)
+            self._index = make_index(self._native, **self._limits)
         return self._index
 
     def stats(self) -> dict[str, int]:
