@@ -78,7 +78,7 @@ def test_the_comparison_catches_an_index_breaking_ties_the_other_way(native_inde
     assert sum(mismatches(native_index(), PythonIndex(), seed) for seed in range(3)) > 0
 
 
-LIMITS = {"match_factor": 1.0, "min_path_prob": 0.3}   # vLLM's suffix_decoding_* defaults' kind
+LIMITS = {"match_factor": 1.0, "min_path_prob": 0.3}   # a run's limits other than the defaults (2.0, 0.1)
 
 
 @pytest.mark.parametrize("broken", [False, True])
