@@ -4,7 +4,21 @@ import random
 from dataclasses import dataclass, field
 
 import pytest
-from verispec.spec.ngram import NgramProposer, suffix_keys
+from verispec.spec.ngram import NativeIndex, NgramProposer, PythonIndex, make_index, suffix_keys
+
+
+@pytest.fixture(scope="module")
+def native_built():
+    if not isinstance(make_index(1, 4, native=None), NativeIndex):
+        pytest.fail("the C++ n-gram index did not build (the log's warning says why)")
+
+
+@pytest.fixture(params=[False, True], ids=["python", "native"])
+def native(request) -> bool:
+    """Every behaviour test runs on both indexes (True: the C++ one, required)."""
+    if request.param:
+        request.getfixturevalue("native_built")
+    return request.param
 
 
 @dataclass
@@ -45,17 +59,17 @@ class Row:
     all_ids: list[int]
 
 
-def test_longest_suffix_match_wins_over_a_more_recent_shorter_one():
+def test_longest_suffix_match_wins_over_a_more_recent_shorter_one(native):
     #          0  1  2  3  4  5  6  7  8  9
     history = [1, 2, 3, 7, 8, 9, 3, 5, 1, 2, 3]
     # suffix (1, 2, 3) occurred at 0 -> followed by 7 8 9; the 1-gram (3,) recurs later at 6.
-    assert propose_one(NgramProposer(max_n=3), Seq(0, history), 3) == [7, 8, 9]
+    assert propose_one(NgramProposer(max_n=3, native=native), Seq(0, history), 3) == [7, 8, 9]
     # Limited to 1-grams, the most recent earlier 3 (position 6) wins: followed by 5 1 2.
-    assert propose_one(NgramProposer(max_n=1), Seq(1, history), 3) == [5, 1, 2]
+    assert propose_one(NgramProposer(max_n=1, native=native), Seq(1, history), 3) == [5, 1, 2]
     # With the length of the suffix each matched (what the adaptive controller keys on).
-    assert NgramProposer(max_n=3).lookup_matches([Seq(2, history)], [3]) == [([7, 8, 9], 3)]
-    assert NgramProposer(max_n=1).lookup_matches([Seq(3, history)], [3]) == [([5, 1, 2], 1)]
-    assert NgramProposer(max_n=3).lookup_matches([Seq(4, [1, 2, 3])], [3]) == [([], 0)]
+    assert NgramProposer(max_n=3, native=native).lookup_matches([Seq(2, history)], [3]) == [([7, 8, 9], 3)]
+    assert NgramProposer(max_n=1, native=native).lookup_matches([Seq(3, history)], [3]) == [([5, 1, 2], 1)]
+    assert NgramProposer(max_n=3, native=native).lookup_matches([Seq(4, [1, 2, 3])], [3]) == [([], 0)]
 
 
 def test_most_recent_occurrence_and_up_to_k_tokens():
@@ -90,10 +104,10 @@ def test_offer_then_draft_hands_out_the_lookup_up_to_each_rows_k():
         NgramProposer(max_n=1, min_n=2)
 
 
-@pytest.mark.parametrize("min_n,max_n", [(1, 4), (2, 3), (1, 1)])
-def test_incremental_index_equals_brute_force_scan_on_random_histories(min_n, max_n):
+@pytest.mark.parametrize("min_n,max_n", [(1, 4), (2, 3), (1, 1), (2, 7)])
+def test_incremental_index_equals_brute_force_scan_on_random_histories(min_n, max_n, native):
     rng = random.Random(min_n * 10 + max_n)
-    proposer = NgramProposer(max_n=max_n, min_n=min_n)
+    proposer = NgramProposer(max_n=max_n, min_n=min_n, native=native)
     seqs = [Seq(i, [rng.randrange(4) for _ in range(rng.randrange(0, 6))]) for i in range(6)]
     for _ in range(60):
         for seq in seqs:  # histories grow by ragged chunks, as accepted tokens do
@@ -109,10 +123,10 @@ def test_incremental_index_equals_brute_force_scan_on_random_histories(min_n, ma
 
 
 def test_index_is_incremental_not_a_rescan():
-    proposer = NgramProposer(max_n=4)
+    proposer = NgramProposer(max_n=4, native=False)
     seq = Seq(0, list(range(1000)) * 2)
     lookup(proposer, [seq], [3])
-    index = proposer._indexes[0]
+    index = proposer.index._seqs[0]
     size = len(index.latest_start)
     seq.token_ids.append(5)
     lookup(proposer, [seq], [3])
@@ -120,13 +134,13 @@ def test_index_is_incremental_not_a_rescan():
     assert len(index.latest_start) - size <= 4  # at most one new n-gram per n
 
 
-def test_forget_and_a_shrunk_history_rebuild_the_index():
-    proposer = NgramProposer(max_n=2)
+def test_forget_and_a_shrunk_history_rebuild_the_index(native):
+    proposer = NgramProposer(max_n=2, native=native)
     seq = Seq(7, [1, 2, 3, 1, 2])
     assert propose_one(proposer, seq, 1) == [3]
     proposer.forget(7)
     proposer.forget(12345)  # unknown ids are ignored
-    assert 7 not in proposer._indexes
+    assert 7 not in proposer.index
     # Same id, different (shorter) history: a stale index would still propose 3.
     seq.token_ids = [1, 2, 9, 1]
     assert propose_one(proposer, seq, 2) == [2, 9]
@@ -155,7 +169,7 @@ def test_brute_force_comparison_catches_a_broken_index(buggy_extend, monkeypatch
     import verispec.spec.ngram as ngram
     monkeypatch.setattr(ngram._SeqIndex, "extend", buggy_extend)
     with pytest.raises(AssertionError):
-        test_incremental_index_equals_brute_force_scan_on_random_histories(1, 4)
+        test_incremental_index_equals_brute_force_scan_on_random_histories(1, 4, native=False)
 
 
 def _distinct_keys(key) -> bool:
@@ -167,3 +181,55 @@ def test_ngram_keys_are_distinct_across_lengths_and_catch_a_zero_digit():
     """[0, x] and [x] must differ: every token is stored + 1, so no digit is 0."""
     assert _distinct_keys(lambda g: suffix_keys(g, len(g) - 1, len(g))[-1])
     assert not _distinct_keys(lambda g: sum(t << (32 * i) for i, t in enumerate(reversed(g))))
+
+
+def _agreeing_spans(reference, other, seed: int, steps: int = 300) -> int:
+    """Rows agreeing over a random workload: histories grow by ragged chunks, some come back
+    shorter (the id reused for another sequence: both start over), some are forgotten."""
+    rng, histories, agree = random.Random(seed), {i: [] for i in range(5)}, 0
+    for _ in range(steps):
+        ids = rng.sample(sorted(histories), rng.randrange(1, 6))
+        for i in ids:
+            if histories[i] and rng.random() < 0.03:
+                histories[i] = [rng.randrange(5) for _ in range(rng.randrange(0, len(histories[i])))]
+            else:
+                histories[i].extend(rng.randrange(5) for _ in range(rng.randrange(0, 4)))
+        budgets = [rng.randrange(0, 4) for _ in ids]
+        spans = [index.spans(ids, [histories[i] for i in ids], budgets) for index in (reference, other)]
+        agree += sum(a == b for a, b in zip(*spans))
+        if rng.random() < 0.05:
+            gone = rng.choice(ids)
+            reference.forget(gone)
+            other.forget(gone)
+    return agree
+
+
+@pytest.mark.parametrize("min_n,max_n", [(1, 4), (2, 6)])
+def test_the_cpp_index_returns_what_the_python_index_does(native_built, min_n, max_n):
+    for seed in range(3):
+        reference, native = PythonIndex(min_n, max_n), make_index(min_n, max_n, native=True)
+        total = _agreeing_spans(PythonIndex(min_n, max_n), PythonIndex(min_n, max_n), seed)
+        assert _agreeing_spans(reference, native, seed) == total
+
+
+def test_the_comparison_catches_an_index_keeping_the_first_occurrence(native_built, monkeypatch):
+    import verispec.spec.ngram as ngram
+    monkeypatch.setattr(ngram._SeqIndex, "extend", _first_occurrence_extend)
+    reference, native = PythonIndex(1, 4), make_index(1, 4, native=True)
+    truth = _agreeing_spans(PythonIndex(1, 4), PythonIndex(1, 4), 0)
+    assert _agreeing_spans(reference, native, 0) < truth
+
+
+@pytest.mark.parametrize("kernels,python", [("off", True), ("auto", False), ("on", False)])
+def test_the_index_follows_the_engines_kernels_setting(native_built, kernels, python):
+    from verispec.config import EngineConfig
+    from verispec.spec.proposer import ProposerContext, build_proposers
+    proposers, _ = build_proposers(ProposerContext(EngineConfig(model="tiny", kernels=kernels)))
+    ngram = proposers["ngram"]
+    assert ngram._index is None  # nothing is built before the first lookup
+    assert isinstance(ngram.index, PythonIndex) == python
+
+
+def test_a_history_of_non_integers_is_refused(native):
+    with pytest.raises(TypeError):
+        NgramProposer(native=native).lookup_matches([Seq(0, [1, "x", 2, 1])], [2])

@@ -8,13 +8,18 @@ the history.
 
 Each sequence keeps an index {n-gram: start of its latest occurrence that has a
 following token}, extended with the tokens appended since the last call, so a step
-costs O(new tokens * number of n), not a scan of the history.
+costs O(new tokens * number of n), not a scan of the history. The index is C++
+(ngram_index.cpp) where it builds, else `PythonIndex`, the reference it matches exactly:
+a round's lookups run just after the forward pass has flushed the caches, where each
+Python dict probe costs several cache misses and a flat table's one.
 """
 from __future__ import annotations
 
 from collections.abc import Hashable, Sequence
+from pathlib import Path
 from typing import Protocol
 
+from verispec.native import CppExtension
 from verispec.spec.proposer import Offer
 
 
@@ -64,50 +69,130 @@ class _SeqIndex:
                     latest[key] = end - n + 1
         self.num_tokens = len(tokens)
 
-    def lookup(self, tokens: list[int], min_n: int, max_n: int, k: int) -> tuple[list[int], int]:
-        """Up to k tokens that followed the most recent earlier match of the longest suffix,
-        and that suffix's length n (0: no match)."""
+    def lookup(self, tokens: list[int], min_n: int, max_n: int) -> tuple[int, int]:
+        """(start, n) of the most recent earlier occurrence of the longest suffix (its
+        continuation begins at start + n); (0, 0) for none."""
         longest = min(max_n, len(tokens) - 1)
         keys = suffix_keys(tokens, len(tokens) - 1, longest)
         latest = self.latest_start
         for n in range(longest, min_n - 1, -1):
             start = latest.get(keys[n - 1])
             if start is not None:
-                return tokens[start + n:start + n + k], n
-        return [], 0
+                return start, n
+        return 0, 0
+
+
+class PythonIndex:
+    """Every sequence's `_SeqIndex`, by id: the reference ngram_index.cpp matches, and the
+    index where no C++ compiler is."""
+
+    def __init__(self, min_n: int, max_n: int):
+        self.min_n, self.max_n = min_n, max_n
+        self._seqs: dict[Hashable, _SeqIndex] = {}
+
+    def spans(self, ids: Sequence[Hashable], histories: Sequence[list[int]],
+              budgets: Sequence[int]) -> list[tuple[int, int]]:
+        """Per row: extend sequence ids[i]'s index to histories[i] (a shorter history than
+        the index has seen starts it over), then, where budgets[i] > 0, its `lookup`."""
+        spans = []
+        for seq_id, tokens, budget in zip(ids, histories, budgets):
+            index = self._seqs.get(seq_id)
+            if index is None or len(tokens) < index.num_tokens:
+                index = self._seqs[seq_id] = _SeqIndex()
+            index.extend(tokens, self.min_n, self.max_n)
+            spans.append(index.lookup(tokens, self.min_n, self.max_n) if budget > 0 else (0, 0))
+        return spans
+
+    def forget(self, seq_id: Hashable) -> None:
+        self._seqs.pop(seq_id, None)
+
+    def __contains__(self, seq_id: Hashable) -> bool:
+        return seq_id in self._seqs
+
+
+class NativeIndex:
+    """ngram_index.cpp's index behind `PythonIndex`'s interface: the C++ side numbers
+    sequences, this side maps ids to those numbers."""
+
+    def __init__(self, module, min_n: int, max_n: int):
+        self._index = module.NgramIndex(min_n, max_n)
+        self._handles: dict[Hashable, int] = {}
+
+    def spans(self, ids: Sequence[Hashable], histories: Sequence[list[int]],
+              budgets: Sequence[int]) -> list[tuple[int, int]]:
+        handles = []
+        for seq_id in ids:
+            handle = self._handles.get(seq_id)
+            if handle is None:
+                handle = self._handles[seq_id] = self._index.add()
+            handles.append(handle)
+        return self._index.spans(handles, histories, budgets)
+
+    def forget(self, seq_id: Hashable) -> None:
+        handle = self._handles.pop(seq_id, None)
+        if handle is not None:
+            self._index.drop(handle)
+
+    def __contains__(self, seq_id: Hashable) -> bool:
+        return seq_id in self._handles
+
+
+_NATIVE = CppExtension("prompt lookup's C++ index", Path(__file__).with_name("ngram_index.cpp"),
+                       "verispec_ngram", ["-O2"], fallback="the Python index (the same drafts)")
+
+
+def make_index(min_n: int, max_n: int, native: bool | None = None):
+    """The C++ index (built on first use) or the Python one: native None takes the C++ one
+    if it builds, True requires it, False never builds it."""
+    if native is not False:
+        module = _NATIVE.load(required=bool(native))
+        if module is not None:
+            return NativeIndex(module, min_n, max_n)
+    return PythonIndex(min_n, max_n)
 
 
 class NgramProposer:
     """Prompt lookup (n-gram matching against the row's own history), a `Proposer`.
 
     `offer` looks every row up once, up to its budget; `draft` hands out the first k tokens
-    of that lookup, so a round costs one lookup per row.
+    of that lookup, so a round costs one lookup per row. `native`: as `make_index`, called
+    on the first lookup (every engine builds every proposer; one that never runs prompt
+    lookup compiles nothing).
     """
 
     name = "ngram"
-    timed = False       # a dictionary lookup: microseconds, not a model pass
+    timed = False       # a hash lookup: microseconds, not a model pass
     has_probs = False   # deterministic drafts: one-hot q
 
-    def __init__(self, max_n: int = 4, min_n: int = 1):
+    def __init__(self, max_n: int = 4, min_n: int = 1, native: bool | None = None):
         if not isinstance(min_n, int) or min_n < 1:
             raise ValueError(f"min_n must be an integer >= 1, got {min_n!r}")
         if not isinstance(max_n, int) or max_n < min_n:
             raise ValueError(f"max_n must be an integer >= min_n ({min_n}), got {max_n!r}")
         self.max_n = max_n
         self.min_n = min_n
-        self._indexes: dict[Hashable, _SeqIndex] = {}
+        self._native = native
+        self._index: PythonIndex | NativeIndex | None = None
         self._offered: dict[Hashable, list[int]] = {}  # this round's lookups, by request
+
+    @property
+    def index(self) -> PythonIndex | NativeIndex:
+        if self._index is None:
+            self._index = make_index(self.min_n, self.max_n, self._native)
+        return self._index
 
     def offer(self, rows: Sequence, budgets: Sequence[int]) -> list[Offer]:
         """Each row's lookup up to its budget; the key is the matched suffix's length n, the
         best predictor of acceptance (longer matches are accepted far more often)."""
         if len(budgets) != len(rows):
             raise ValueError(f"ks must be one budget per row ({len(rows)}), got {len(budgets)}")
+        histories = [r.all_ids for r in rows]
+        spans = self.index.spans([r.request_id for r in rows], histories, budgets)
         offered, offers = {}, []
-        for r, budget in zip(rows, budgets):
-            tokens, n = self._propose_one(r.request_id, r.all_ids, budget)
-            offered[r.request_id] = tokens
-            offers.append(Offer(len(tokens), 0, n))
+        for r, tokens, budget, (start, n) in zip(rows, histories, budgets, spans):
+            drafts = tokens[start + n:start + n + budget] if n else []
+            offered[r.request_id] = drafts
+            offers.append(Offer(len(drafts), 0, n))
         self._offered = offered
         return offers
 
@@ -125,17 +210,12 @@ class NgramProposer:
         matched (0: none)."""
         if len(ks) != len(histories) or any(not isinstance(n, int) or n < 0 for n in ks):
             raise ValueError(f"ks must be one integer >= 0 per history ({len(histories)}), got {ks!r}")
-        return [self._propose_one(seq.seq_id, seq.token_ids, k) for seq, k in zip(histories, ks)]
+        spans = self.index.spans([seq.seq_id for seq in histories], [seq.token_ids for seq in histories], ks)
+        return [(seq.token_ids[start + n:start + n + k], n) if n else ([], 0)
+                for seq, k, (start, n) in zip(histories, ks, spans)]
 
     def forget(self, seq_id: Hashable) -> None:
         """Drop a finished (or preempted) sequence's index; unknown ids are ignored."""
-        self._indexes.pop(seq_id, None)
+        if self._index is not None:
+            self._index.forget(seq_id)
         self._offered.pop(seq_id, None)
-
-    def _propose_one(self, seq_id: Hashable, tokens: list[int], k: int) -> tuple[list[int], int]:
-        index = self._indexes.get(seq_id)
-        if index is None or len(tokens) < index.num_tokens:
-            # New sequence, or its history shrank (recomputed after preemption): rebuild.
-            index = self._indexes[seq_id] = _SeqIndex()
-        index.extend(tokens, self.min_n, self.max_n)
-        return index.lookup(tokens, self.min_n, self.max_n, k) if k > 0 else ([], 0)

@@ -155,7 +155,7 @@ def build_proposers(context: ProposerContext) -> tuple[dict[str, Proposer], dict
 def _ngram(context: ProposerContext) -> Proposer:
     from verispec.spec.ngram import NgramProposer
     spec = context.config.spec
-    return NgramProposer(max_n=spec.ngram_max, min_n=spec.ngram_min)
+    return NgramProposer(max_n=spec.ngram_max, min_n=spec.ngram_min, native=_native(context))
 
 
 def _draft_model(context: ProposerContext) -> Proposer:
@@ -167,12 +167,16 @@ def _draft_model(context: ProposerContext) -> Proposer:
                               context.config.scheduler.max_num_batched_tokens)
 
 
+def _native(context: ProposerContext) -> bool | None:
+    """A lookup proposer's C++ index follows the engine's kernels setting: "auto" if it
+    builds (None), "on" required (True), "off" never (False)."""
+    return {"auto": None, "on": True, "off": False}[context.config.kernels]
+
+
 def _suffix(context: ProposerContext) -> Proposer:
     from verispec.spec.suffix import SuffixProposer
-    # its C++ index follows the engine's kernels setting: "auto" if it builds, "on" required
-    native = {"auto": None, "on": True, "off": False}[context.config.kernels]
     spec = context.config.spec
-    return SuffixProposer(max_outputs=spec.suffix_max_cached_requests, native=native,
+    return SuffixProposer(max_outputs=spec.suffix_max_cached_requests, native=_native(context),
                           min_path_prob=spec.suffix_min_token_prob, match_factor=spec.suffix_max_spec_factor)
 
 
