@@ -49,12 +49,12 @@ def _without_allocation(engine) -> None:
     """One k for every adaptive row (drafts handed out level by level), not by marginal gain."""
     gains = engine.policy._gains
 
-    def level_by_level(rows):
+    def level_by_level(rows, limit=None):
         level, ordered = {}, []
         for gain, i in gains(rows):
             level[i] = level.get(i, 0) + 1
             ordered.append((level[i], -gain, i))
-        return [(-g, i) for _, g, i in sorted(ordered)]
+        return [(-g, i) for _, g, i in sorted(ordered)][:limit]
     engine.policy._gains = level_by_level
 
 

@@ -132,6 +132,39 @@ def test_exploration_widens_one_bucket_past_what_is_measured():
     assert cells.at(1).price(4) == 3.0             # ... until a larger cell bounds it
 
 
+def test_the_largest_priced_size_bounds_every_price():
+    cells = CostCells()
+    assert cells.at(1).largest_priced() == -1      # nothing measured: nothing priced
+    for size in (0, 2):
+        for _ in range(TRUSTED_AT):
+            cells.observe(1, size, 1.0 + size)
+    prices = cells.at(1)
+    assert prices.largest_priced() == 3            # the explored bucket (3) is the last priced
+    assert prices.price(3) is not None and prices.price(4) is None
+    for _ in range(TRUSTED_AT):
+        cells.observe(2, 300, 9.0)                 # the last bucket: every size has a bound
+    assert cells.at(1).largest_priced() is None
+
+
+@pytest.mark.parametrize("broken", [False, True])
+def test_gains_cut_to_the_priced_sizes_are_the_best_of_all(monkeypatch, broken):
+    """The plan asks only for as many gains as a priced pass can carry: they must be the
+    first of the whole best-first list (ties in row order)."""
+    if broken:  # a row's gains capped one short of the limit
+        real = SpeculationPolicy._gains
+        monkeypatch.setattr(SpeculationPolicy, "_gains", lambda self, rows, limit=None: real(
+            self, [r._replace(available=min(r.available, limit - 1)) for r in rows] if limit else rows, limit))
+    rng, differ = random.Random(7), 0
+    for _ in range(50):
+        policy = SpeculationPolicy(8)
+        rows = [RowOffer(f"r{i}", "ngram", rng.randrange(0, 9), 8, key=rng.randrange(3)) for i in range(6)]
+        policy.acceptance.alpha = lambda rid, p, key: (0.3, 0.6, 0.6)[key]  # rows tie by key
+        full = SpeculationPolicy._gains(policy, rows)
+        for limit in range(1, 12):
+            differ += policy._gains(rows, limit) != full[:limit]
+    assert (differ > 0) == broken
+
+
 def test_a_cell_is_trusted_at_its_third_timing_and_prices_by_its_median():
     cells = CostCells()
     for s in (1.0, 9.0):
@@ -147,7 +180,7 @@ def test_at_batch_one_the_plan_is_argmax_of_expected_tokens_over_cost(monkeypatc
     if broken:  # each draft's gain overstated (sqrt of the chance it is reached)
         real = SpeculationPolicy._gains
         monkeypatch.setattr(SpeculationPolicy, "_gains",
-                            lambda self, rows: [(g ** 0.5, i) for g, i in real(self, rows)])
+                            lambda self, rows, limit=None: [(g ** 0.5, i) for g, i in real(self, rows, limit)])
     rng, misses = random.Random(4), 0
     for case in range(40):
         alpha, per_draft = rng.uniform(0.1, 0.95), rng.uniform(0.02, 0.6)

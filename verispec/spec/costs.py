@@ -112,6 +112,13 @@ class RowPrices:
         median = self._own[i]
         return median if median is not None else self._bound[i]
 
+    def largest_priced(self) -> int | None:
+        """The largest size with a price (-1: none; None: every size has one)."""
+        for i in range(len(_BUCKETS) - 1, -1, -1):
+            if self._own[i] is not None or self._bound[i] is not None:
+                return None if i == len(_BUCKETS) - 1 else _BUCKETS[i + 1] - 1
+        return -1
+
 
 class WindowedMedian:
     """The median of the last WINDOW values; 0 before any: optimistic, as an unmeasured cost

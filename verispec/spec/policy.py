@@ -30,7 +30,7 @@ from operator import itemgetter
 from typing import NamedTuple
 
 from verispec.spec.acceptance import AcceptanceModel, expected_tokens
-from verispec.spec.costs import BUCKET_STARTS, CostCells, WindowedMedian, draft_share
+from verispec.spec.costs import BUCKET_STARTS, CostCells, RowPrices, WindowedMedian, draft_share
 
 
 # The most draft tokens a request may ask for: a verify row is 1 + k tokens, and past 16
@@ -109,28 +109,31 @@ class SpeculationPolicy:
     def plan(self, rows: list[RowOffer]) -> list[int]:
         """k per row (0 <= k <= available), in the order given."""
         ks = [min(r.k_max, r.available) if not r.adaptive and r.proposer else 0 for r in rows]
-        gains = self._gains(rows)
-        return self._best(rows, ks, gains) if gains else ks
+        verify = self.verify_costs.at(len(rows))
+        largest = verify.largest_priced()  # no plan drafting more than this has a price
+        gains = self._gains(rows, None if largest is None else largest - sum(ks))
+        return self._best(rows, ks, gains, verify) if gains else ks
 
-    def _gains(self, rows: list[RowOffer]) -> list[tuple[float, int]]:
-        """(alpha^j, row) for every draft an adaptive row may take, best first (ties in row
-        order: the sort is stable)."""
+    def _gains(self, rows: list[RowOffer], limit: int | None = None) -> list[tuple[float, int]]:
+        """(alpha^j, row) for the drafts adaptive rows may take, best first (ties in row
+        order: the sort is stable), the best `limit` of them (None: all)."""
+        if limit is not None and limit <= 0:
+            return []
         gains = []
         for i, r in enumerate(rows):
             if r.adaptive and r.proposer and r.available:
                 alpha = self.acceptance.alpha(r.request_id, r.proposer, r.key)
                 gain = 1.0
-                for _ in range(min(r.available, r.k_max)):
+                for _ in range(min(r.available, r.k_max, limit or r.k_max)):  # a row's best come first
                     gain *= alpha
                     gains.append((gain, i))
         gains.sort(key=itemgetter(0), reverse=True)
-        return gains
+        return gains if limit is None else gains[:limit]
 
-    def _best(self, rows: list[RowOffer], fixed: list[int], gains: list) -> list[int]:
+    def _best(self, rows: list[RowOffer], fixed: list[int], gains: list, verify: "RowPrices") -> list[int]:
         """The ks with the best expected tokens per priced second (fixed ones if none is
         priced): the first n gains handed out, for the best n."""
         batch = len(rows)
-        verify = self.verify_costs.at(batch)
         timed = any(r.timed for r in rows)
         draft_tables = {name: _DraftPrices(cells) for name, cells in self.draft_costs.items()} if timed else {}
         ks = list(fixed)
