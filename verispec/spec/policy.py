@@ -109,6 +109,8 @@ class SpeculationPolicy:
     def plan(self, rows: list[RowOffer]) -> list[int]:
         """k per row (0 <= k <= available), in the order given."""
         ks = [min(r.k_max, r.available) if not r.adaptive and r.proposer else 0 for r in rows]
+        if not any(r.adaptive and r.proposer and r.available for r in rows):
+            return ks  # nothing to choose: no prices needed
         verify = self.verify_costs.at(len(rows))
         largest = verify.largest_priced()  # no plan drafting more than this has a price
         gains = self._gains(rows, None if largest is None else largest - sum(ks))
