@@ -156,8 +156,8 @@ class NgramProposer:
 
     `offer` looks every row up once, up to its budget; `draft` hands out the first k tokens
     of that lookup, so a round costs one lookup per row. `native`: as `make_index`, called
-    on the first lookup (every engine builds every proposer; one that never runs prompt
-    lookup compiles nothing).
+    here: prompt lookup is the default method's, so its C++ index is compiled (once per
+    machine) while the engine starts, not in a first request's step.
     """
 
     name = "ngram"
@@ -171,15 +171,8 @@ class NgramProposer:
             raise ValueError(f"max_n must be an integer >= min_n ({min_n}), got {max_n!r}")
         self.max_n = max_n
         self.min_n = min_n
-        self._native = native
-        self._index: PythonIndex | NativeIndex | None = None
+        self.index: PythonIndex | NativeIndex = make_index(min_n, max_n, native)
         self._offered: dict[Hashable, list[int]] = {}  # this round's lookups, by request
-
-    @property
-    def index(self) -> PythonIndex | NativeIndex:
-        if self._index is None:
-            self._index = make_index(self.min_n, self.max_n, self._native)
-        return self._index
 
     def offer(self, rows: Sequence, budgets: Sequence[int]) -> list[Offer]:
         """Each row's lookup up to its budget; the key is the matched suffix's length n, the
@@ -216,6 +209,5 @@ class NgramProposer:
 
     def forget(self, seq_id: Hashable) -> None:
         """Drop a finished (or preempted) sequence's index; unknown ids are ignored."""
-        if self._index is not None:
-            self._index.forget(seq_id)
+        self.index.forget(seq_id)
         self._offered.pop(seq_id, None)
