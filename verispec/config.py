@@ -126,7 +126,8 @@ class EngineConfig:
     weight_format: str = "auto"      # "auto" (int4 for a Q4 GGUF, else dense) | "dense" | "int8" | "int4" | "int4a8"
     draft_weight_format: str = "auto"  # the draft model's; "auto" = int4 for a Q4 GGUF, else int8 (bf16)
     threads: int | None = None       # torch intra-op threads; None = auto_threads() for the mode
-    kernels: str = "auto"            # C++ code (model/kernels.py, suffix decoding's index): "auto" (if it builds) | "on" | "off"
+    # C++ code (model/kernels.py, the n-gram and suffix indexes): "auto" (if it builds) | "on" | "off"
+    kernels: str = "auto"
     huge_pages: bool = True          # CPU weights in huge pages where the OS offers them (model/memory.py)
     seed: int = 0
     device: str = "auto"             # "auto" (cuda when available, else cpu) | "cpu" | "cuda" | "cuda:N"
@@ -387,8 +388,9 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                         "else int8; a draft's precision moves acceptance, never the output), dense, "
                         "int8 or int4")
     g.add_argument("--kernels", choices=KERNELS,
-                   help="fused C++ CPU kernels for the decode step: auto (default: used when they "
-                        "compile), on (an error if they do not), off (PyTorch ops only)")
+                   help="C++ code: the fused CPU kernels of the decode step and the n-gram and suffix "
+                        "indexes: auto (default: used when they compile), on (an error if they do not), "
+                        "off (PyTorch ops and Python indexes only)")
     g.add_argument("--huge-pages", action=argparse.BooleanOptionalAction, default=None,
                    help="copy the CPU weights into memory backed by 2 MiB pages where Linux offers "
                         "transparent huge pages (default on: fewer TLB misses while a step streams them)")

@@ -1,4 +1,4 @@
-"""C++ extensions compiled on first use (the kernels, suffix decoding's index).
+"""C++ extensions compiled on first use (the kernels, the n-gram and suffix indexes).
 
 torch.utils.cpp_extension builds each one once per machine and version, cached under
 ~/.cache/torch_extensions by a name that carries a hash of its source and flags (and of

@@ -132,7 +132,7 @@ class SpeculationPolicy:
         gains.sort(key=itemgetter(0), reverse=True)
         return gains if limit is None else gains[:limit]
 
-    def _best(self, rows: list[RowOffer], fixed: list[int], gains: list, verify: "RowPrices") -> list[int]:
+    def _best(self, rows: list[RowOffer], fixed: list[int], gains: list, verify: RowPrices) -> list[int]:
         """The ks with the best expected tokens per priced second (fixed ones if none is
         priced): the first n gains handed out, for the best n."""
         batch = len(rows)
