@@ -205,12 +205,12 @@ def load_chat_template(value: str) -> str:
                      "(no '{{' or '{%' in it)")
 
 
-# vLLM's `speculative_config` keys -> verispec's; "adaptive" and "ngram_max"/"ngram_min"
-# spell verispec's own settings. Values are checked by SpecConfig as usual.
 # vLLM's suffix decoding keys -> SpecConfig's fields (method "suffix" only).
 SUFFIX_CONFIG_KEYS = {"suffix_decoding_max_cached_requests": "suffix_max_cached_requests",
                       "suffix_decoding_max_spec_factor": "suffix_max_spec_factor",
                       "suffix_decoding_min_token_prob": "suffix_min_token_prob"}
+# vLLM's `speculative_config` keys -> verispec's; "adaptive" and "ngram_max"/"ngram_min"
+# spell verispec's own settings. Values are checked by SpecConfig as usual.
 SPECULATIVE_CONFIG_KEYS = ("method", "model", "num_speculative_tokens", "prompt_lookup_max",
                            "prompt_lookup_min", "adaptive", "draft_tensor_parallel_size", *SUFFIX_CONFIG_KEYS)
 # vLLM's method names -> verispec's; "none" and verispec's own names are accepted too.

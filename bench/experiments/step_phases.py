@@ -1,8 +1,9 @@
 """Where an engine step's time goes, per phase, for plain and adaptive n-gram side by side.
 
-One task at C in flight (closed loop, evaluation half by default), three fresh engines
-stepped in lockstep (`common.run_lockstep`): plain, adaptive n-gram (k_max 8) and a second
-plain engine (the A/A). Each engine's phases (`LLMEngine` methods and the policy's `plan`)
+One task at C in flight (closed loop, evaluation half by default), fresh engines stepped
+in lockstep (`common.run_lockstep`): plain, adaptive n-gram (k_max 8), a second plain
+engine (the A/A), and adaptive n-gram with its plan forced to k = 0 (plain's shapes, so its
+steps cost plain's plus the lookups and the plan) with the C++ and with the Python index. Each engine's phases (`LLMEngine` methods and the policy's `plan`)
 are timed by wrappers; a phase's milliseconds per step and share of the run say what
 speculation adds to a round beyond the verify pass, and the forward's time per step
 against the step count says what drafting bought. Wrapped methods nest (`_compute` holds
@@ -28,12 +29,23 @@ import common  # noqa: E402
 from verispec.config import SpecConfig  # noqa: E402
 from verispec.engine.engine import LLMEngine  # noqa: E402
 from verispec.sampling import SamplingParams  # noqa: E402
+from verispec.spec.ngram import NgramProposer  # noqa: E402
 
 ENGINE_PHASES = ("_offers", "_schedule_prefill", "_compute", "_draft", "_target_forward", "_sample_first",
                  "_verify", "_commit", "_report", "_learn")
-CONTENDERS = {"plain": SpecConfig(method="none"),
-              "adaptive": SpecConfig(method="ngram", num_spec_tokens=8, adaptive=True),
-              "plain-control": SpecConfig(method="none")}
+ADAPTIVE = SpecConfig(method="ngram", num_spec_tokens=8, adaptive=True)
+CONTENDERS = {"plain": SpecConfig(method="none"), "adaptive": ADAPTIVE, "plain-control": SpecConfig(method="none"),
+              "adaptive-k0": ADAPTIVE, "adaptive-k0-python-index": ADAPTIVE}
+
+
+def force_k0(engine: LLMEngine, python_index: bool) -> None:
+    """The plan still runs (and is timed) but every row drafts nothing; optionally the n-gram
+    lookups use the Python index."""
+    plan = engine.policy.plan
+    engine.policy.plan = lambda rows: [0 for _ in plan(rows)]
+    if python_index:
+        spec = engine.config.spec
+        engine.proposers["ngram"] = NgramProposer(spec.ngram_max, spec.ngram_min, native=False)
 
 
 def timed_engine(engine: LLMEngine, seconds: dict[str, float]) -> None:
@@ -73,6 +85,8 @@ def main(argv=None) -> int:
     loops = {}
     for name, spec in CONTENDERS.items():
         engine = common.make_engine(models, replace(base, spec=spec))
+        if name.startswith("adaptive-k0"):
+            force_k0(engine, python_index=name.endswith("python-index"))
         common.warm_up(engine, warm_items, min(c, len(warm_items)), 16, f"{name}-warm")
         seconds[name] = defaultdict(float)
         timed_engine(engine, seconds[name])

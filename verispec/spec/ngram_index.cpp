@@ -122,7 +122,6 @@ class NgramIndex {
       return h;
     }
     seqs_.emplace_back();
-    seqs_.back().reset();
     return static_cast<int64_t>(seqs_.size()) - 1;
   }
 
