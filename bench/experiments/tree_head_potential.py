@@ -7,8 +7,7 @@ its whole vocabulary, so its second and third guesses are there for free. This m
 sides for a trained head:
 
 Cost: the target's batch-1 forward of w query tokens after ~300 tokens of context, relative
-to w = 1 (the median of `--reps` timings; widths interleaved, so a slow spell of the machine
-lands on all of them).
+to w = 1 (`tree_potential.width_costs`).
 Benefit, on the head's held-out traces (`train-draft eagle`'s `heldout.pt`; greedy): at every
 output position, whether each depth's draft would be accepted. A shape (k1, k2, ...) drafts
 k1 candidates at depth 1 and k_{d+1} children under the first candidate of depth d (all 1s:
@@ -27,7 +26,6 @@ compare shapes, not absolute speed-ups.
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
 import time
 from dataclasses import replace
@@ -36,13 +34,13 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/, for common
+sys.path.insert(0, str(Path(__file__).resolve().parent))      # for tree_potential
 import common  # noqa: E402
+from tree_potential import width_costs  # noqa: E402
 
 from verispec.config import SpecConfig  # noqa: E402
-from verispec.engine.runner import RowInput  # noqa: E402
 from verispec.model.eagle import load_head  # noqa: E402
 from verispec.model.fetch import cache_root  # noqa: E402
-from verispec.sampling import SamplingParams  # noqa: E402
 from verispec.spec.eagle import registered_head  # noqa: E402
 from verispec.train import eagle as train_eagle  # noqa: E402
 from verispec.train.distill import micro_batches  # noqa: E402
@@ -54,26 +52,6 @@ SHAPES = tuple((1,) * d for d in range(1, 8)) + ((2,), (3,), (4,), (2, 1), (3, 1
                                                (2, 2, 1, 1), (3, 2, 1, 1), (4, 1, 1, 1), (2, 1, 1, 1, 1, 1))
 DEPTHS = max(len(shape) for shape in SHAPES)
 TOP = 8  # the head's guesses kept per position
-
-
-def width_costs(engine, max_width: int, reps: int) -> dict[int, float]:
-    """Seconds of one batch-1 forward of w = 1..max_width query tokens after ~300 tokens of
-    context: per width the median of `reps` timings, the widths taken in turn each rep."""
-    context = list(range(1000, 1300))
-    engine.add_request("ctx", context, SamplingParams(temperature=0.0, max_tokens=1))
-    while engine.has_unfinished_requests():
-        engine.step()
-    cached = engine.kv.open_sequence("probe", context + [5])   # the context's KV from the prefix cache
-    engine.kv.allocate_slots("probe", cached, len(context) + 1 + max_width)
-    table = engine.kv.block_table("probe")
-    times: dict[int, list[float]] = {w: [] for w in range(1, max_width + 1)}
-    for _ in range(reps):
-        for w in times:
-            row = RowInput(list(range(2000, 2000 + w)), len(context), table, 0)
-            t0 = time.perf_counter()
-            engine.target.forward([row])
-            times[w].append(time.perf_counter() - t0)
-    return {w: statistics.median(t) for w, t in times.items()}
 
 
 @torch.no_grad()
@@ -145,21 +123,22 @@ def main(argv=None) -> int:
     for shape in SHAPES:
         drafts, rounds = accepted(guesses, shape)
         width = 1 + sum(shape)
-        shapes[",".join(map(str, shape))] = {
-            "depth": len(shape), "width": width, "accepted_per_round": drafts / rounds,
-            "cost_vs_plain": costs[width] / costs[1], "bound_vs_plain": (1 + drafts / rounds) / (costs[width] / costs[1])}
+        shapes[shape] = {"depth": len(shape), "width": width, "accepted_per_round": drafts / rounds,
+                         "cost_vs_plain": costs[width] / costs[1],
+                         "bound_vs_plain": (1 + drafts / rounds) / (costs[width] / costs[1])}
     rows = []
-    for name, row in shapes.items():  # against the best chain with no more head passes
-        chains = [c["bound_vs_plain"] for n, c in shapes.items() if set(n.split(",")) == {"1"} and c["depth"] <= row["depth"]]
+    for shape, row in shapes.items():  # against the best chain with no more head passes
+        chains = [c["bound_vs_plain"] for s, c in shapes.items() if set(s) == {1} and len(s) <= len(shape)]
         row["bound_vs_best_chain"] = row["bound_vs_plain"] / max(chains)
-        rows.append([name, row["depth"], row["width"], f"{row['cost_vs_plain']:.3f}", f"{row['accepted_per_round']:.3f}",
-                     f"{row['bound_vs_plain']:.2f}", f"{row['bound_vs_best_chain']:.3f}"])
+        rows.append([",".join(map(str, shape)), row["depth"], row["width"], f"{row['cost_vs_plain']:.3f}",
+                     f"{row['accepted_per_round']:.3f}", f"{row['bound_vs_plain']:.2f}", f"{row['bound_vs_best_chain']:.3f}"])
     text = common.markdown_table(["drafts per depth", "depth (head passes)", "verify width", "cost / plain step",
                                   "drafts accepted a round", "bound / plain", "bound / best chain no deeper"], rows)
     print(text)
     common.write_result("tree-head-potential", args, header, t0, {
         "head": str(head_dir), "features": str(features), "positions": sum(t.numel() for _, t in guesses),
-        "width_costs_s": costs, "shapes": shapes, "table_markdown": text},
+        "width_costs_s": costs, "shapes": {",".join(map(str, k)): v for k, v in shapes.items()},
+        "table_markdown": text},
         common.RESULTS_DIR / f"tree-head-potential-{args.model}.json")
     return 0
 

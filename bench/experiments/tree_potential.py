@@ -67,7 +67,9 @@ def simulate(prompt: list[int], answer: list[int], k: int, tree: bool) -> tuple[
 
 
 def width_costs(engine, max_width: int, reps: int) -> dict[int, float]:
-    """Seconds of one batch-1 forward of w query tokens after ~300 tokens of context."""
+    """Seconds of one batch-1 forward of w = 1..max_width query tokens after ~300 tokens of
+    context: per width the median of `reps` timings, the widths taken in turn each rep (a
+    slow spell of the machine lands on all of them)."""
     context = list(range(1000, 1300))
     engine.add_request("ctx", context, SamplingParams(temperature=0.0, max_tokens=1))
     while engine.has_unfinished_requests():
@@ -75,16 +77,14 @@ def width_costs(engine, max_width: int, reps: int) -> dict[int, float]:
     cached = engine.kv.open_sequence("probe", context + [5])   # the context's KV from the prefix cache
     engine.kv.allocate_slots("probe", cached, len(context) + 1 + max_width)
     table = engine.kv.block_table("probe")
-    costs = {}
-    for w in range(1, max_width + 1):
-        row = RowInput(list(range(2000, 2000 + w)), len(context), table, 0)
-        times = []
-        for _ in range(reps):
+    times: dict[int, list[float]] = {w: [] for w in range(1, max_width + 1)}
+    for _ in range(reps):
+        for w in times:
+            row = RowInput(list(range(2000, 2000 + w)), len(context), table, 0)
             t0 = time.perf_counter()
             engine.target.forward([row])
-            times.append(time.perf_counter() - t0)
-        costs[w] = statistics.median(times)
-    return costs
+            times[w].append(time.perf_counter() - t0)
+    return {w: statistics.median(t) for w, t in times.items()}
 
 
 def main(argv=None) -> int:
