@@ -27,6 +27,7 @@ import argparse
 import statistics
 import sys
 import time
+from collections import deque
 from dataclasses import replace
 from pathlib import Path
 
@@ -34,6 +35,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import adaptive  # noqa: E402
 import common  # noqa: E402
 from verispec.config import SpecConfig  # noqa: E402
+from verispec.spec.costs import TRUSTED_AT, WINDOW, CostCells  # noqa: E402
+from verispec.spec.costs import _bucket_index as size_bucket_index  # noqa: E402
 from verispec.sampling import SamplingParams  # noqa: E402
 
 VERSIONS = ("new", "old")  # this checkout's policy, the variant
@@ -65,8 +68,26 @@ def _without_draft_cost(engine) -> None:
     engine.policy._net_acceptance = lambda o: acceptance.alpha(o.request_id, o.proposer, o.key)
 
 
+class _OwnTimings(CostCells):
+    """Cost cells without a level: each cell priced by the median of its own last timings
+    (its relative cost is its seconds, every level 1)."""
+
+    def observe(self, rows: int, size: int, seconds: float) -> None:
+        cell = (rows, size_bucket_index(size))
+        timings = self._relative.setdefault(cell, deque(maxlen=WINDOW))
+        timings.append(seconds)
+        self._level[rows] = 1.0
+        if len(timings) >= TRUSTED_AT:
+            self._trusted[cell] = statistics.median(timings)
+
+
+def _without_level(engine) -> None:
+    """Verify cells priced by their own timings, not relative to their row count's level."""
+    engine.policy.verify_costs = _OwnTimings()
+
+
 ABLATIONS = {"same": lambda engine: None, "without-keys": _without_keys, "without-allocation": _without_allocation,
-             "without-draft-cost": _without_draft_cost}
+             "without-draft-cost": _without_draft_cost, "without-level": _without_level}
 
 
 def parse_args(argv=None) -> argparse.Namespace:

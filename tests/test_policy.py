@@ -174,6 +174,27 @@ def test_a_cell_is_trusted_at_its_third_timing_and_prices_by_its_median():
     assert cells.trusted(2, 3) == 2.0  # the stall (9.0) does not move the median
 
 
+@pytest.mark.parametrize("broken", [False, True])
+def test_a_cell_left_unplayed_is_priced_at_todays_level(monkeypatch, broken):
+    """Passes slow down 0.15% a round (contexts grow, as at 16 rows). Plain rounds are
+    played, then only 3-draft rounds: the plain cell, unplayed for 180 rounds, must still
+    be priced at its cost today (by its own timings it was 21% cheap) and so must the
+    drafts. The level's lag (a median of 8 rounds over a trend) leaves ~1.5%."""
+    if broken:  # the one played cell's relative cost learned from a level only it sets
+        monkeypatch.setattr(costs_mod, "_anchored_apart", lambda recent, bucket: True)
+    truth = lambda size, t: (1.0 + 0.0015 * t) * (1.08 + 0.03 * size if size else 1.0)  # noqa: E731
+    cells, t = CostCells(), 0
+    for t in range(12):
+        cells.observe(16, 0, truth(0, t))
+    for t in range(12, 20):
+        cells.observe(16, 0 if t % 2 else 3, truth(0 if t % 2 else 3, t))
+    for t in range(20, 200):
+        cells.observe(16, 3, truth(3, t))
+    prices = cells.at(16)
+    assert prices.price(3) == pytest.approx(truth(3, t), rel=0.03)
+    assert (prices.price(0) == pytest.approx(truth(0, t), rel=0.03)) != broken
+
+
 # ---------------------------------------------------------------- the plan
 @pytest.mark.parametrize("broken", [False, True])
 def test_at_batch_one_the_plan_is_argmax_of_expected_tokens_over_cost(monkeypatch, broken):
@@ -258,6 +279,7 @@ def _own_rows_only(real):
     def at(self, rows):
         mine = CostCells()
         mine._trusted = {cell: m for cell, m in self._trusted.items() if cell[0] == rows}
+        mine._level = self._level
         return real(mine, rows)
     return at
 

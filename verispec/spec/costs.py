@@ -1,11 +1,22 @@
-"""What a pass costs, measured: cells keyed by (rows, size), each the median of its recent
-timings, and bounds for the cells not measured yet.
+"""What a pass costs, measured: per row count a level (what its passes cost now) and per
+cell its cost relative to that level, with bounds for the cells not measured yet.
 
 A verify cell is (batch rows, drafted tokens in the batch); a draft cell is (rows that
 draft, draft depth). Sizes above 8 share buckets (10, 12, 16, 20, 24, 32, ...): a cell
 per exact size would take too long to fill where they cost almost alike. A cell is
-trusted once it holds `TRUSTED_AT` timings; its price is their median over the last
-`WINDOW`, which ignores the odd stall of a shared machine and follows a drift in speed.
+trusted once it holds `TRUSTED_AT` timings.
+
+Why a level: a pass's time drifts with the machine and with its rows' context (a 16-row
+round costs 30% more at the end of its answers than at the start), alike for every size.
+Priced by each cell's own recent timings, a cell played now was compared with one played
+long ago: the plain cell went stale while drafting was chosen, and drafts at 16 rows were
+priced at half their cost. So a timing feeds its row count's level (the timing over its
+cell's relative cost: what a reference pass would have cost; the median of the last
+LEVEL_WINDOW, which ignores a stall) and its cell's relative cost (the timing over the
+level; the median of the cell's last WINDOW). A cell's price is level x relative cost.
+The two cannot be told apart from one cell alone: while a row count has played only one
+trusted cell for LEVEL_WINDOW rounds, that cell's relative cost stays as it was and the
+level follows it. A row count's first cell is its reference (relative cost 1).
 
 Cells without trusted timings are priced so that exploring widens one step at a time
 from what is measured. At a given row count: a size between two trusted cells at their
@@ -22,7 +33,8 @@ import bisect
 import statistics
 from collections import deque
 
-WINDOW = 16        # timings kept per cell: enough for a stable median, short enough to follow drift
+WINDOW = 16        # relative costs kept per cell: a stable median; what a cell costs relative moves slowly
+LEVEL_WINDOW = 8   # rounds per level: the median of 8 rejects a stall and follows a drift within ~4
 TRUSTED_AT = 3     # a median of three already rejects one stall
 EXPLORE_SLOPE = 0.5  # the next size is tried if it pays at half the last cost per token
 _BUCKETS = (0, 1, 2, 3, 4, 5, 6, 7, 8, 10, 12, 16, 20, 24, 32, 48, 64, 96, 128, 192, 256)
@@ -41,43 +53,65 @@ def _bucket_index(size: int) -> int:
 
 
 class CostCells:
-    """Timings by (rows, size bucket); prices with bounds for untrusted cells. A cell's key
-    holds its bucket's index in _BUCKETS, so `at` fills its per-bucket arrays without a search."""
+    """Relative costs by (rows, size bucket) and a level per row count; prices with bounds for
+    untrusted cells. A cell's key holds its bucket's index in _BUCKETS, so `at` fills its
+    per-bucket arrays without a search."""
 
     def __init__(self) -> None:
-        self._timings: dict[tuple[int, int], deque] = {}
-        self._trusted: dict[tuple[int, int], float] = {}   # cell -> median, once trusted
+        self._relative: dict[tuple[int, int], deque] = {}
+        self._trusted: dict[tuple[int, int], float] = {}   # cell -> median relative cost, once trusted
+        # rows -> its last rounds as (bucket, what a reference pass would have cost, cell trusted)
+        self._recent: dict[int, deque] = {}
+        self._level: dict[int, float] = {}    # rows -> the median of those
 
     def observe(self, rows: int, size: int, seconds: float) -> None:
         if rows < 1 or seconds < 0:
             raise ValueError(f"need rows >= 1 and seconds >= 0, got {rows}, {seconds}")
-        cell = (rows, _bucket_index(size))
-        timings = self._timings.setdefault(cell, deque(maxlen=WINDOW))
-        timings.append(seconds)
-        if len(timings) >= TRUSTED_AT:
-            self._trusted[cell] = statistics.median(timings)
+        i = _bucket_index(size)
+        cell, level = (rows, i), self._level.get(rows)
+        recent = self._recent.setdefault(rows, deque(maxlen=LEVEL_WINDOW))
+        relative = self._relative.setdefault(cell, deque(maxlen=WINDOW))
+        if not level:   # the row count's first timing (or only zero ones): its reference
+            relative.append(1.0)
+        elif cell not in self._trusted or _anchored_apart(recent, i):
+            relative.append(seconds / level)
+        if len(relative) >= TRUSTED_AT:
+            self._trusted[cell] = statistics.median(relative)
+        rel = self._trusted.get(cell)
+        recent.append((i, seconds / rel if rel else level if level else seconds, rel is not None))
+        self._level[rows] = statistics.median([s for _, s, _ in recent])
 
     def trusted(self, rows: int, size: int) -> float | None:
-        return self._trusted.get((rows, _bucket_index(size)))
+        rel = self._trusted.get((rows, _bucket_index(size)))
+        return None if rel is None else rel * self._level[rows]
 
     def at(self, rows: int) -> "RowPrices":
         """Prices of every size at `rows`, built in one pass over the trusted cells."""
         n = len(_BUCKETS)
         own: list[float | None] = [None] * n
         upper: list[float | None] = [None] * n
-        for (r, i), median in self._trusted.items():
-            if r == rows:
-                own[i] = median
-            if r >= rows and (upper[i] is None or median < upper[i]):
-                upper[i] = median
+        level = self._level
+        for (r, i), rel in self._trusted.items():
+            if r >= rows:
+                price = rel * level[r]
+                if r == rows:
+                    own[i] = price
+                if upper[i] is None or price < upper[i]:
+                    upper[i] = price
         for i in range(n - 2, -1, -1):  # no more than a costlier-or-equal bucket
             if upper[i + 1] is not None and (upper[i] is None or upper[i + 1] < upper[i]):
                 upper[i] = upper[i + 1]
         return RowPrices(own, _exploring(own, upper))
 
     def snapshot(self) -> list[dict]:
-        return [{"rows": r, "size": _BUCKETS[i], "median_s": round(m, 6), "n": len(self._timings[(r, i)])}
-                for (r, i), m in sorted(self._trusted.items())]
+        return [{"rows": r, "size": _BUCKETS[i], "median_s": round(rel * self._level[r], 6),
+                 "n": len(self._relative[(r, i)])} for (r, i), rel in sorted(self._trusted.items())]
+
+
+def _anchored_apart(recent: deque, bucket: int) -> bool:
+    """Whether a trusted cell other than `bucket` set part of the level: only then does a
+    timing of `bucket` say what it costs relative to the others."""
+    return any(b != bucket and trusted for b, _, trusted in recent)
 
 
 def _exploring(own: list, upper: list) -> list:
