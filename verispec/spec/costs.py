@@ -6,17 +6,18 @@ draft, draft depth). Sizes above 8 share buckets (10, 12, 16, 20, 24, 32, ...): 
 per exact size would take too long to fill where they cost almost alike. A cell is
 trusted once it holds `TRUSTED_AT` timings.
 
-Why a level: a pass's time drifts with the machine and with its rows' context (a 16-row
-round costs 30% more at the end of its answers than at the start), alike for every size.
+Why a level: a pass's time drifts with the machine and with its rows' context (a batch's
+round costs more at the end of its answers than at the start), alike for every size.
 Priced by each cell's own recent timings, a cell played now was compared with one played
-long ago: the plain cell went stale while drafting was chosen, and drafts at 16 rows were
-priced at half their cost. So a timing feeds its row count's level (the timing over its
-cell's relative cost: what a reference pass would have cost; the median of the last
-LEVEL_WINDOW, which ignores a stall) and its cell's relative cost (the timing over the
-level; the median of the cell's last WINDOW). A cell's price is level x relative cost.
-The two cannot be told apart from one cell alone: while a row count has played only one
-trusted cell for LEVEL_WINDOW rounds, that cell's relative cost stays as it was and the
-level follows it. A row count's first cell is its reference (relative cost 1).
+long ago: the plain cell went stale while drafting was chosen, and drafts where a pass
+is bound by compute were priced well below their cost. So a timing feeds its row count's
+level (the timing over its cell's relative cost: what a reference pass would have cost;
+the median of the last LEVEL_WINDOW, which ignores a stall) and its cell's relative cost
+(the timing over the level; the median of the cell's last WINDOW). A cell's price is
+level x relative cost. The two cannot be told apart from one cell alone: while a row
+count has played only one trusted cell for LEVEL_WINDOW rounds, that cell's relative
+cost stays as it was and the level follows it. A row count's first cell is its reference
+(relative cost 1).
 
 Cells without trusted timings are priced so that exploring widens one step at a time
 from what is measured. At a given row count: a size between two trusted cells at their
