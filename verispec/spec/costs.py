@@ -79,7 +79,9 @@ class CostCells:
         if len(relative) >= TRUSTED_AT:
             self._trusted[cell] = statistics.median(relative)
         rel = self._trusted.get(cell)
-        recent.append((i, seconds / rel if rel else level if level else seconds, rel is not None))
+        # an untrusted cell cannot say what a reference pass costs: the level stays (the first timing starts it)
+        reference = seconds / rel if rel else level or seconds
+        recent.append((i, reference, rel is not None))
         self._level[rows] = statistics.median([s for _, s, _ in recent])
 
     def trusted(self, rows: int, size: int) -> float | None:
